@@ -1,0 +1,1 @@
+"""Checkpoint protocol for Gym servers (upstream: ``nemo_gym._checkpoint``)."""

@@ -1,0 +1,94 @@
+"""The participant interface every checkpointing Gym server implements.
+
+The control plane (``control.py``) owns phases, the lease, auth and storage;
+a participant only knows how to close, report readiness, export and install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from gym_patches.checkpoint.errors import StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.wire import ParticipantKind, PrepareReport, RestartOnlyPolicy
+
+Record = dict[str, Any]  # JSON object with at least "episode_id": {rollout_id, attempt}
+
+
+class CheckpointParticipant(ABC):
+    """One per server process. Subclasses call ``notify_changed()`` whenever
+    anything that ``readiness()`` reads changes, so prepare wakes at once."""
+
+    kind: ClassVar[ParticipantKind]
+
+    def __init__(self) -> None:
+        self.accepting: bool = True
+        self.policy: RestartOnlyPolicy = "block"
+        # rollout_id -> highest retired attempt; attempts at or below are refused.
+        self.retired: dict[str, int] = {}
+        self._version = 0
+        self._changed: asyncio.Event | None = None
+
+    # -- admission ---------------------------------------------------------
+    @abstractmethod
+    async def close_admission(self, policy: RestartOnlyPolicy) -> None:
+        """Stop new work per the participant's rules; remember ``policy``."""
+
+    @abstractmethod
+    async def open_admission(self) -> None:
+        """Undo ``close_admission``: release anything held, let waiters in."""
+
+    @abstractmethod
+    def readiness(self) -> PrepareReport:
+        """Blockers (capture keys that prevent a safe cut) and unsaved keys."""
+
+    # -- lifecycle ---------------------------------------------------------
+    @abstractmethod
+    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
+        """Records of the given episodes (None = all exportable). Only called
+        while prepared; must not include unsaved episodes."""
+
+    @abstractmethod
+    async def install(self, records: list[Record]) -> list[str]:
+        """Install records under ``next_attempt``; return the new capture keys.
+        All or nothing: on error nothing is installed."""
+
+    async def retire(self, episodes: list[EpisodeId]) -> list[str]:
+        """Stop and forget the given attempts; refuse them from now on."""
+        for episode in episodes:
+            self.mark_retired(episode)
+        return [e.capture_key for e in episodes]
+
+    def status_extra(self) -> dict[str, Any]:
+        return {}
+
+    # -- helpers -----------------------------------------------------------
+    def mark_retired(self, episode: EpisodeId) -> None:
+        prev = self.retired.get(episode.rollout_id, -1)
+        self.retired[episode.rollout_id] = max(prev, episode.attempt)
+        self.notify_changed()
+
+    def check_attempt(self, episode: EpisodeId) -> None:
+        """Raise ``stale_attempt`` for a retired attempt."""
+        highest = self.retired.get(episode.rollout_id)
+        if highest is not None and episode.attempt <= highest:
+            raise StaleAttemptError(
+                f"episode {episode.capture_key} was retired (attempts <= {highest} refused)"
+            )
+
+    def notify_changed(self) -> None:
+        self._version += 1
+        if self._changed is not None:
+            self._changed.set()
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Sleep until ``notify_changed`` or ``timeout`` seconds, whichever first."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, timeout))
+        except asyncio.TimeoutError:
+            pass

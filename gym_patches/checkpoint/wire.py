@@ -1,0 +1,163 @@
+"""Wire models of the checkpoint control routes (one definition, server and client).
+
+Requests forbid extra fields so a typo is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gym_patches.checkpoint.identity import EpisodeId
+
+CHECKPOINT_ROUTE_PREFIX = "/ng-control/v1/checkpoint"
+CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MAX_EPISODES_PER_REQUEST = 100_000
+MAX_REPORTED_BLOCKERS = 100
+
+ParticipantKind = Literal["model", "agent", "resources"]
+Phase = Literal["idle", "preparing", "prepared", "committed", "restored"]
+RestartOnlyPolicy = Literal["block", "best_effort"]
+ResourcesCheckpointMode = Literal["stateless", "exported", "restart_only"]
+
+# Gym prepares callers' callees first: the model holds replies before agents park.
+PREPARE_ORDER: tuple[ParticipantKind, ...] = ("model", "agent", "resources")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CheckpointRequest(_Request):
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    deadline_ts: float
+
+    @field_validator("deadline_ts")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError("deadline_ts must be a finite absolute epoch time in seconds")
+        return value
+
+
+class PrepareRequest(CheckpointRequest):
+    restart_only_policy: RestartOnlyPolicy = "block"
+
+
+class RenewRequest(CheckpointRequest):
+    pass
+
+
+class ResumeRequest(CheckpointRequest):
+    pass
+
+
+class RetireRequest(CheckpointRequest):
+    episode_ids: list[EpisodeId] = Field(min_length=1, max_length=MAX_EPISODES_PER_REQUEST)
+
+
+class CommitRequest(CheckpointRequest):
+    checkpoint_dir: str = Field(min_length=1, max_length=4096)
+    # None = every episode the participant can export.
+    episode_ids: list[EpisodeId] | None = Field(default=None, max_length=MAX_EPISODES_PER_REQUEST)
+
+
+class RestoreRequest(CheckpointRequest):
+    checkpoint_dir: str = Field(min_length=1, max_length=4096)
+    episode_ids: list[EpisodeId] = Field(max_length=MAX_EPISODES_PER_REQUEST)
+    source_checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+
+
+class PrepareReport(BaseModel):
+    """Readiness of one participant: what blocks a safe cut, what cannot be saved."""
+
+    ready: bool
+    blockers: list[str] = Field(default_factory=list)  # capture keys, capped
+    blocker_count: int = 0
+    unsaved: list[str] = Field(default_factory=list)  # capture keys, never capped
+    counts: dict[str, int] = Field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, blockers: list[str], unsaved: list[str] | None = None, counts: dict[str, int] | None = None
+    ) -> "PrepareReport":
+        ordered = sorted(set(blockers))
+        return cls(
+            ready=not ordered,
+            blockers=ordered[:MAX_REPORTED_BLOCKERS],
+            blocker_count=len(ordered),
+            unsaved=sorted(set(unsaved or [])),
+            counts=dict(counts or {}),
+        )
+
+
+class StatusReply(BaseModel):
+    """``GET status``; ``status_extra()`` fields sit at top level."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: ParticipantKind
+    instance: str
+    phase: Phase
+    checkpoint_id: str | None = None
+    lease_expires_at: float | None = None
+    report: PrepareReport
+
+
+class PrepareReply(BaseModel):
+    phase: Phase
+    report: PrepareReport
+
+
+class RenewReply(BaseModel):
+    lease_expires_at: float | None
+
+
+class RetireReply(BaseModel):
+    retired: list[str]
+
+
+class ParticipantManifest(BaseModel):
+    """Write-once description of one participant's records file (DESIGN §3.6)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    kind: ParticipantKind
+    instance: str
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    records_file: str = Field(pattern=r"^records-[0-9a-f]{64}\.jsonl$")
+    records_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    record_count: int = Field(ge=0)
+
+
+class CommitReply(BaseModel):
+    phase: Literal["committed"]
+    manifest: ParticipantManifest
+    episode_ids: list[str]  # capture keys actually exported
+
+
+class RestoreReply(BaseModel):
+    phase: Literal["restored"]
+    source_checkpoint_id: str
+    restored: list[str]  # next-attempt capture keys now installed
+
+
+class ResumeReply(BaseModel):
+    phase: Literal["idle"]
+    idempotent: bool
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    detail: str
+
+
+class ErrorReply(BaseModel):
+    error: ErrorDetail
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

@@ -1,0 +1,1 @@
+"""RL side of the rollout-recovery patch set (upstream package: ``nemo_rl``)."""

@@ -1,0 +1,41 @@
+"""A sealed rollout as training sees it: one entry per model call.
+
+Training uses each model call's own prompt and generated tokens, so tool
+outputs (only ever in prompts) are masked by construction and no text is
+re-tokenized.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    weight_version: int = 0
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "ModelCall":
+        if len(self.generation_token_ids) != len(self.generation_log_probs):
+            raise ValueError(
+                f"generation_token_ids ({len(self.generation_token_ids)}) and "
+                f"generation_log_probs ({len(self.generation_log_probs)}) differ in length"
+            )
+        return self
+
+
+class RolloutSample(BaseModel):
+    """What the data plane stores for a sealed rollout, keyed by ``rollout_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str  # the Gym capture key of the attempt that sealed
+    group_id: str
+    generation_index: int = Field(ge=0)
+    reward: float
+    calls: list[ModelCall] = Field(default_factory=list)
+    prompt_id: str = ""

@@ -1,0 +1,255 @@
+"""On-disk state of one participant for one checkpoint (DESIGN §3.6).
+
+Layout: ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` plus a
+write-once ``manifest.json``. The records file is named by its digest, so a
+torn write can never pass for a finished one; the manifest is published with
+``os.link`` so it is created exactly once and never replaced. Reading checks
+every manifest field and the digest, and every error names the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any, Callable, get_args
+
+from pydantic import ValidationError
+
+from gym_patches.checkpoint.errors import CheckpointStoreError
+from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_KINDS = frozenset(get_args(ParticipantKind))
+_CHECKPOINT_ID = re.compile(CHECKPOINT_ID_PATTERN)
+_SEGMENT = re.compile(r"^[A-Za-z0-9_.@+=:-]{1,200}$")
+
+
+class WriteStopped(CheckpointStoreError):
+    """The caller asked the write to stop before it was published."""
+
+
+def participant_dir(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) -> Path:
+    """``<checkpoint_dir>/gym/<kind>/<instance>``; refuses anything that could escape it."""
+    if kind not in _KINDS:
+        raise CheckpointStoreError(f"unknown participant kind {kind!r} (expected one of {sorted(_KINDS)})")
+    if not isinstance(instance, str) or not instance:
+        raise CheckpointStoreError(f"instance name {instance!r} must be a non-empty string")
+    if instance.startswith("/") or "\\" in instance:
+        raise CheckpointStoreError(f"instance name {instance!r} must be a relative path")
+    for segment in instance.split("/"):
+        if segment in ("", ".", "..") or not _SEGMENT.match(segment):
+            raise CheckpointStoreError(
+                f"instance name {instance!r} has an unsafe path segment {segment!r} "
+                f"(segments must match {_SEGMENT.pattern} and not be '.' or '..')"
+            )
+    if not str(checkpoint_dir):
+        raise CheckpointStoreError("checkpoint_dir must not be empty")
+    return Path(checkpoint_dir) / "gym" / kind / instance
+
+
+def _check_checkpoint_id(checkpoint_id: str) -> None:
+    if not isinstance(checkpoint_id, str) or not _CHECKPOINT_ID.match(checkpoint_id):
+        raise CheckpointStoreError(f"checkpoint_id {checkpoint_id!r} must match {CHECKPOINT_ID_PATTERN}")
+
+
+def _encode(record: Any, index: int) -> bytes:
+    if not isinstance(record, dict):
+        raise CheckpointStoreError(f"record {index} is a {type(record).__name__}, expected a JSON object")
+    try:
+        text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return text.encode("utf-8") + b"\n"
+    except (TypeError, ValueError) as exc:
+        raise CheckpointStoreError(f"record {index} is not JSON-serialisable: {exc}") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _stop_if(should_stop: Callable[[], bool] | None, where: Path) -> None:
+    if should_stop is not None and should_stop():
+        raise WriteStopped(f"write of {where} stopped before it was published")
+
+
+def write_participant_state(
+    checkpoint_dir: str | os.PathLike[str],
+    kind: str,
+    instance: str,
+    checkpoint_id: str,
+    records: list[dict[str, Any]],
+    *,
+    should_stop: Callable[[], bool] | None = None,
+) -> ParticipantManifest:
+    """Write ``records`` and publish the manifest once.
+
+    Identical content committed again returns the existing manifest; other
+    content for an existing manifest is an error. ``should_stop`` (checked
+    between records and before each rename) lets a resume abandon a write
+    that is not yet published; it then raises ``WriteStopped``.
+    """
+    _check_checkpoint_id(checkpoint_id)
+    directory = participant_dir(checkpoint_dir, kind, instance)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointStoreError(f"cannot create {directory}: {exc}") from None
+    manifest_path = directory / MANIFEST_NAME
+    tmp = directory / f".records-{uuid.uuid4().hex}.tmp"
+    digest = hashlib.sha256()
+    count = 0
+    try:
+        with open(tmp, "xb") as out:
+            for index, record in enumerate(records):
+                _stop_if(should_stop, directory)
+                line = _encode(record, index)
+                digest.update(line)
+                out.write(line)
+                count += 1
+            out.flush()
+            os.fsync(out.fileno())
+        sha = digest.hexdigest()
+        manifest = ParticipantManifest(
+            kind=kind,  # type: ignore[arg-type]
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            records_file=f"records-{sha}.jsonl",
+            records_sha256=sha,
+            record_count=count,
+        )
+        if manifest_path.exists():
+            existing = _same_or_raise(manifest_path, manifest)
+            if not (directory / manifest.records_file).exists():  # repair a lost records file
+                os.replace(tmp, directory / manifest.records_file)
+                _fsync_dir(directory)
+            return existing
+        _stop_if(should_stop, directory)
+        os.replace(tmp, directory / manifest.records_file)
+        _fsync_dir(directory)
+        _stop_if(should_stop, directory)
+        return _publish_manifest(manifest_path, manifest)
+    except OSError as exc:
+        raise CheckpointStoreError(f"cannot write checkpoint state in {directory}: {exc}") from None
+    finally:
+        _unlink_quietly(tmp)
+
+
+def _publish_manifest(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:
+    tmp = path.parent / f".manifest-{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "xb") as out:
+            out.write(json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode() + b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(tmp, path)  # fails if a manifest exists: never replaced
+        except FileExistsError:
+            return _same_or_raise(path, manifest)
+        _fsync_dir(path.parent)
+        return manifest
+    finally:
+        _unlink_quietly(tmp)
+
+
+def _same_or_raise(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:
+    existing = _load_manifest(path)
+    if existing != manifest:
+        raise CheckpointStoreError(
+            f"{path} already records different content for checkpoint {manifest.checkpoint_id!r} "
+            f"(existing {existing.records_sha256}, {existing.record_count} records; "
+            f"new {manifest.records_sha256}, {manifest.record_count} records)"
+        )
+    return existing
+
+
+def _load_manifest(path: Path) -> ParticipantManifest:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointStoreError(f"{path} is missing") from None
+    except OSError as exc:
+        raise CheckpointStoreError(f"cannot read {path}: {exc}") from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointStoreError(f"{path} is not valid JSON (truncated or corrupt): {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointStoreError(f"{path} must hold a JSON object")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise CheckpointStoreError(
+            f"{path} has schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}"
+        )
+    try:
+        return ParticipantManifest.model_validate(data)
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise CheckpointStoreError(f"{path} is not a valid manifest: {fields}") from None
+
+
+def read_participant_state(
+    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, checkpoint_id: str
+) -> tuple[ParticipantManifest, list[dict[str, Any]]]:
+    """Load and verify one participant's records; any mismatch raises naming the file."""
+    _check_checkpoint_id(checkpoint_id)
+    directory = participant_dir(checkpoint_dir, kind, instance)
+    manifest_path = directory / MANIFEST_NAME
+    manifest = _load_manifest(manifest_path)
+    for field, expected in (("kind", kind), ("instance", instance), ("checkpoint_id", checkpoint_id)):
+        if getattr(manifest, field) != expected:
+            raise CheckpointStoreError(
+                f"{manifest_path} has {field} {getattr(manifest, field)!r}, expected {expected!r}"
+            )
+    if manifest.records_file != f"records-{manifest.records_sha256}.jsonl":
+        raise CheckpointStoreError(
+            f"{manifest_path} names records file {manifest.records_file!r}, "
+            f"which does not match records_sha256 {manifest.records_sha256}"
+        )
+    records_path = directory / manifest.records_file
+    digest = hashlib.sha256()
+    records: list[dict[str, Any]] = []
+    problem: str | None = None
+    try:
+        with open(records_path, "rb") as src:
+            for number, line in enumerate(src, start=1):
+                digest.update(line)
+                if problem is not None:
+                    continue
+                try:
+                    value = json.loads(line)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    problem = f"line {number} is not valid JSON: {exc}"
+                    continue
+                if not isinstance(value, dict):
+                    problem = f"line {number} is not a JSON object"
+                    continue
+                records.append(value)
+    except FileNotFoundError:
+        raise CheckpointStoreError(f"{records_path} is missing (named by {manifest_path})") from None
+    except OSError as exc:
+        raise CheckpointStoreError(f"cannot read {records_path}: {exc}") from None
+    if digest.hexdigest() != manifest.records_sha256:
+        raise CheckpointStoreError(
+            f"{records_path} has sha256 {digest.hexdigest()}, but {manifest_path} says {manifest.records_sha256}"
+        )
+    if problem is not None:
+        raise CheckpointStoreError(f"{records_path}: {problem}")
+    if len(records) != manifest.record_count:
+        raise CheckpointStoreError(
+            f"{records_path} holds {len(records)} records, but {manifest_path} says {manifest.record_count}"
+        )
+    return manifest, records

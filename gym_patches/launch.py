@@ -1,0 +1,234 @@
+"""Start a Gym deployment from YAML: a head server plus one process per server.
+
+``python -m gym_patches.launch --config <gym yaml>`` prints each server's name,
+kind, URL and checkpoint mode and stops every process on Ctrl-C. Tests and RL
+use ``GymDeployment`` directly; ``stop()`` (or the context manager) always
+reaps every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gym_patches.config import (
+    CONFIG_DICT_ENV,
+    CONFIG_PATH_ENV,
+    SERVER_KIND,
+    GymConfigError,
+    GymGlobalConfig,
+    load_gym_config,
+    parse_gym_config,
+)
+from gym_patches.utils.processes import die_with_parent, free_port
+
+
+class GymStartupError(RuntimeError):
+    """A server did not come up; names it and shows the end of its log."""
+
+
+@dataclass(frozen=True)
+class LaunchedServer:
+    name: str
+    server_type: str
+    implementation: str
+    url: str
+    checkpoint_mode: str
+    log_path: Path
+
+    @property
+    def kind(self) -> str:
+        return SERVER_KIND[self.server_type]
+
+
+class GymDeployment:
+    """A running deployment. Owns its processes; ``stop()`` is idempotent."""
+
+    def __init__(self, config: GymGlobalConfig, log_dir: Path):
+        self.config = config
+        self.log_dir = log_dir
+        self.head_url = f"http://{config.head_server.host}:{config.head_server.port}"
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._logs: list[Any] = []
+        self.servers: list[LaunchedServer] = []
+
+    # -- start -------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        config: GymGlobalConfig | dict[str, Any] | str | Path,
+        *,
+        log_dir: str | Path | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> "GymDeployment":
+        if isinstance(config, (str, Path)):
+            config = load_gym_config(config)
+        elif isinstance(config, dict):
+            config = parse_gym_config(config)
+        config = _assign_ports(config)
+        from gym_patches.server_main import server_class
+
+        modes = {
+            name: server_class(i.server_type, i.implementation).checkpoint_mode_label()
+            for name, i in config.instances.items()
+        }
+        logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="gym-logs-"))
+        logs.mkdir(parents=True, exist_ok=True)
+        dep = cls(config, logs)
+        try:
+            dep._spawn("head_server", head=True)
+            for name, inst in config.instances.items():
+                dep._spawn(name)
+                dep.servers.append(
+                    LaunchedServer(name, inst.server_type, inst.implementation, inst.url, modes[name], logs / f"{name}.log")
+                )
+            dep._wait_healthy(startup_timeout_s)
+        except BaseException:
+            dep.stop()
+            raise
+        return dep
+
+    def _spawn(self, name: str, head: bool = False) -> None:
+        env = dict(os.environ)
+        env[CONFIG_DICT_ENV] = self.config.to_yaml()
+        env[CONFIG_PATH_ENV] = name
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        repo_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self._logs.append(log)
+        cmd = [sys.executable, "-m", "gym_patches.server_main"] + (["--head"] if head else [])
+        self._procs[name] = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
+
+    def _url(self, name: str) -> str:
+        return self.head_url if name == "head_server" else self.config.instances[name].url
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(self._procs)
+        while pending:
+            for name in sorted(pending):
+                proc = self._procs[name]
+                if proc.poll() is not None:
+                    raise GymStartupError(
+                        f"Gym server {name!r} exited with code {proc.returncode} during startup:\n{self.log_tail(name)}"
+                    )
+                try:
+                    with urllib.request.urlopen(self._url(name) + "/health", timeout=1.0) as resp:
+                        if resp.status == 200:
+                            pending.discard(name)
+                except (urllib.error.URLError, OSError):
+                    pass
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(sorted(pending))
+                raise GymStartupError(f"Gym servers not up after {timeout_s:.0f}s: {names}")
+            if pending:
+                time.sleep(0.05)
+
+    # -- use ---------------------------------------------------------------
+    def server(self, name: str) -> LaunchedServer:
+        for s in self.servers:
+            if s.name == name:
+                return s
+        raise GymConfigError(f"unknown Gym server {name!r}")
+
+    def url(self, name: str) -> str:
+        return self._url(name)
+
+    def pid(self, name: str) -> int:
+        return self._procs[name].pid
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        try:
+            text = (self.log_dir / f"{name}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def kill_server(self, name: str) -> None:
+        """SIGKILL one server (fault tests)."""
+        proc = self._procs[name]
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def alive(self) -> dict[str, bool]:
+        return {name: p.poll() is None for name, p in self._procs.items()}
+
+    # -- stop ----------------------------------------------------------------
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> "GymDeployment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        rows = [("name", "kind", "url", "checkpoint mode")]
+        rows += [(s.name, s.kind, s.url, s.checkpoint_mode) for s in self.servers]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _assign_ports(config: GymGlobalConfig) -> GymGlobalConfig:
+    config = config.model_copy(deep=True)
+    if config.head_server.port == 0:
+        config.head_server.port = free_port(config.head_server.host)
+    for inst in config.instances.values():
+        if inst.port == 0:
+            inst.port = free_port(inst.host)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Start a Gym deployment and keep it running until Ctrl-C.")
+    parser.add_argument("--config", required=True, nargs="+", help="Gym YAML file(s)")
+    parser.add_argument("--log-dir", default=None)
+    args = parser.parse_args(argv)
+    try:
+        dep = GymDeployment.start(args.config, log_dir=args.log_dir)
+    except (GymConfigError, GymStartupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"head server: {dep.head_url}   logs: {dep.log_dir}")
+    print(dep.describe(), flush=True)
+    try:
+        while all(dep.alive().values()):
+            time.sleep(0.5)
+        dead = [n for n, ok in dep.alive().items() if not ok]
+        print(f"error: Gym server(s) exited: {', '.join(dead)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping Gym servers...", flush=True)
+        return 0
+    finally:
+        dep.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

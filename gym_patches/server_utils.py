@@ -1,0 +1,258 @@
+"""What every Gym server process shares: the base server class and ``ServerClient``.
+
+A server is an aiohttp app in its own process. ``GymServer.build_app`` adds the
+server's routes, ``/health``, and, when checkpointing is on and the server has a
+participant, the checkpoint control routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import aiohttp
+import yaml
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gym_patches.checkpoint.participant import CheckpointParticipant
+from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
+
+
+class ServerConfigBase(BaseModel):
+    """Base of every implementation's config block (unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class ServerInstance:
+    name: str
+    server_type: str
+    implementation: str
+    url: str
+
+    @property
+    def kind(self) -> str:
+        return SERVER_KIND[self.server_type]
+
+
+@dataclass(frozen=True)
+class ServerResponse:
+    status: int
+    body: Any  # parsed JSON, or None
+    text: str
+    cookies: dict[str, str]
+    headers: dict[str, str]
+
+    def raise_for_status(self, server: str, path: str) -> None:
+        if self.status >= 400:
+            raise ServerCallError(server, path, self.status, self.body if self.body is not None else self.text)
+
+
+class ServerCallError(RuntimeError):
+    """A call to another Gym server failed; names the server and route."""
+
+    def __init__(self, server: str, path: str, status: int, body: Any):
+        super().__init__(f"Gym server {server!r} {path} returned {status}: {body}")
+        self.server, self.path, self.status, self.body = server, path, status, body
+
+
+class ServerClient:
+    """Resolves Gym server names to URLs and calls them over HTTP."""
+
+    def __init__(self, global_config: GymGlobalConfig, session: aiohttp.ClientSession | None = None):
+        self.global_config = global_config
+        self._session = session
+        self._owns_session = session is None
+
+    @classmethod
+    async def load_from_global_config(cls, head_url: str, *, timeout_s: float = 30.0) -> "ServerClient":
+        """Read the resolved config from a deployment's head server."""
+        session = aiohttp.ClientSession()
+        try:
+            async with session.get(
+                f"{head_url.rstrip('/')}/global_config_dict_yaml",
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    raise GymConfigError(f"head server {head_url} returned {resp.status}")
+                data = yaml.safe_load(await resp.text())
+        except BaseException:
+            await session.close()
+            raise
+        client = cls(parse_gym_config(data), session=session)
+        client._owns_session = True
+        return client
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No total timeout by default: model calls may be held across a checkpoint.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            self._owns_session = True
+        return self._session
+
+    def instances(self) -> list[ServerInstance]:
+        return [
+            ServerInstance(i.name, i.server_type, i.implementation, i.url)
+            for i in self.global_config.instances.values()
+        ]
+
+    def url_for(self, server_name: str) -> str:
+        return self.global_config.instance(server_name).url
+
+    async def request(
+        self,
+        method: str,
+        server_name: str,
+        path: str,
+        *,
+        json: Any = None,
+        cookies: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> ServerResponse:
+        url = self.url_for(server_name) + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self.session.request(
+                method, url, json=json, cookies=cookies, headers=headers, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                try:
+                    body = await resp.json(content_type=None) if text else None
+                except ValueError:
+                    body = None
+                return ServerResponse(
+                    status=resp.status,
+                    body=body,
+                    text=text,
+                    cookies={k: v.value for k, v in resp.cookies.items()},
+                    headers=dict(resp.headers),
+                )
+        except aiohttp.ClientError as exc:
+            raise ServerCallError(server_name, path, 0, f"connection failed: {exc!r}") from exc
+
+    async def post(self, server_name: str, path: str, json: Any = None, **kw: Any) -> ServerResponse:
+        return await self.request("POST", server_name, path, json=json, **kw)
+
+    async def get(self, server_name: str, path: str, **kw: Any) -> ServerResponse:
+        return await self.request("GET", server_name, path, **kw)
+
+    async def close(self) -> None:
+        if self._session is not None and self._owns_session and not self._session.closed:
+            await self._session.close()
+
+
+def json_error(status: int, code: str, detail: str) -> web.Response:
+    """The one error body shape every Gym route uses."""
+    return web.json_response({"error": {"code": code, "detail": detail}}, status=status)
+
+
+async def read_json_model(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    """Parse a request body into ``model``; a bad body is a 422 naming the field."""
+    try:
+        data = await request.json()
+    except ValueError:
+        raise web.HTTPUnprocessableEntity(
+            text='{"error": {"code": "invalid_request", "detail": "body is not valid JSON"}}',
+            content_type="application/json",
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise web.HTTPUnprocessableEntity(
+            text=web.json_response({"error": {"code": "invalid_request", "detail": detail}}).text,
+            content_type="application/json",
+        ) from None
+
+
+class GymServer:
+    """Base class of every Gym server. Subclasses set ``config_model`` and add routes."""
+
+    server_type: ClassVar[str]
+    config_model: ClassVar[type[ServerConfigBase]] = ServerConfigBase
+
+    def __init__(self, instance: ServerInstanceConfig, global_config: GymGlobalConfig):
+        self.instance = instance
+        self.name = instance.name
+        self.global_config = global_config
+        try:
+            self.config = self.config_model(**instance.config)
+        except ValidationError as exc:
+            detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise GymConfigError(
+                f"{instance.name}.{instance.server_type}.{instance.implementation}: {detail}"
+            ) from None
+        self.client = ServerClient(global_config)
+        self.participant: CheckpointParticipant | None = None
+
+    # -- for subclasses ----------------------------------------------------
+    def setup_routes(self, app: web.Application) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must add its routes")
+
+    def middlewares(self) -> list[Any]:
+        return []
+
+    def make_participant(self) -> CheckpointParticipant | None:
+        """The checkpoint participant of this server, or None if it takes no part."""
+        return None
+
+    @classmethod
+    def checkpoint_mode_label(cls) -> str:
+        """``saves`` / ``restart-only`` / ``stateless`` for the launcher's table."""
+        return "saves"
+
+    async def on_startup(self) -> None:
+        pass
+
+    async def on_cleanup(self) -> None:
+        pass
+
+    # -- app -------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        if self.global_config.checkpoint.enabled:
+            self.participant = self.make_participant()
+        app = web.Application(middlewares=self.middlewares(), client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self._health)
+        self.setup_routes(app)
+        if self.participant is not None:
+            from gym_patches.checkpoint.control import ParticipantControlPlane
+
+            settings = self.global_config.checkpoint
+            ParticipantControlPlane(
+                self.participant,
+                instance=self.name,
+                auth_token=settings.control_auth_token or "",
+                lease_grace_seconds=settings.lease_grace_seconds,
+            ).install(app)
+
+        async def _startup(_: web.Application) -> None:
+            await self.on_startup()
+
+        async def _cleanup(_: web.Application) -> None:
+            try:
+                await self.on_cleanup()
+            finally:
+                await self.client.close()
+
+        app.on_startup.append(_startup)
+        app.on_cleanup.append(_cleanup)
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"name": self.name, "server_type": self.server_type, "ok": True})
+
+
+async def cancel_and_wait(tasks: "set[asyncio.Task[Any]] | list[asyncio.Task[Any]]") -> None:
+    """Cancel tasks this server owns and wait until they are gone."""
+    tasks = [t for t in tasks if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)

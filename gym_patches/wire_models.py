@@ -1,0 +1,111 @@
+"""Wire models of Gym's rollout routes (model, agent, resources), one definition
+used by every server and client. Items stay plain dicts where the Responses API
+allows many shapes; the models validate the envelope and the fields we read."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ROLLOUT_ID_FIELD = "_ng_rollout_id"
+SESSION_COOKIE = "ng_session"
+ROLLOUT_PREFIX = "/ng-rollout"
+
+Item = dict[str, Any]
+
+
+class ResponsesRequest(BaseModel):
+    """The subset of the Responses API ``/v1/responses`` request we serve."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: str | list[Item]
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    temperature: float | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    instructions: str | None = None
+    model: str | None = None
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ResponsesReply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"] = "response"
+    model: str
+    output: list[Item]
+    incomplete_details: dict[str, Any] | None = None
+    usage: ResponseUsage = Field(default_factory=ResponseUsage)
+
+
+class TaskRow(BaseModel):
+    """A dataset row as agents and resources servers read it; other fields pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    responses_create_params: dict[str, Any]
+
+
+class SeedSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    row: dict[str, Any]
+    ng_rollout_id: str = Field(alias=ROLLOUT_ID_FIELD, min_length=1)
+
+
+class SeedSessionReply(BaseModel):
+    session_id: str
+
+
+class ToolReply(BaseModel):
+    output: str
+
+
+class VerifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    row: dict[str, Any]
+    response: dict[str, Any]
+
+
+class VerifyReply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    reward: float
+
+
+Boundary = Literal["B0", "P1", "P2"]
+TerminationReason = Literal["final_answer", "max_steps", "incomplete"]
+
+
+class RunReply(BaseModel):
+    """What an agent's ``/run`` returns to RL."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rollout_id: str
+    reward: float
+    response: dict[str, Any]
+    num_model_calls: int
+    termination_reason: TerminationReason
+    restored_from: Boundary | None = None
+
+
+def message_item(role: str, text: str) -> Item:
+    return {"type": "message", "role": role, "content": text}
+
+
+def item_text(item: Item) -> str:
+    """Text of a message item whose content is a string or a list of text parts."""
+    content = item.get("content", "")
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))

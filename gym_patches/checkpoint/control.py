@@ -180,7 +180,12 @@ class ParticipantControlPlane:
     async def _status_route(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._unauthorized(request)
-        return web.json_response(self.status())
+        try:
+            return web.json_response(self.status())
+        except Exception as exc:
+            logger.exception("checkpoint control %s: status failed", self.instance)
+            body = {"error": {"code": _INTERNAL_ERROR, "detail": f"status failed: {type(exc).__name__}: {exc}"}}
+            return web.json_response(body, status=500)
 
     def status(self) -> dict[str, Any]:
         """The ``GET status`` body: control state, readiness and ``status_extra()``."""
@@ -419,7 +424,13 @@ class ParticipantControlPlane:
                 self._commit = work
             self._extend_lease(req.deadline_ts)
         assert work.task is not None
-        return await asyncio.shield(work.task)  # a dropped connection does not stop the commit
+        try:
+            return await asyncio.shield(work.task)  # a dropped connection does not stop the commit
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if work.task.cancelled() and not (me is not None and me.cancelling()):
+                raise CheckpointError(f"commit for {cid!r} was aborted by a resume", code="stale_checkpoint") from None
+            raise
 
     async def _run_commit(self, work: _CommitWork, req: CommitRequest) -> dict[str, Any]:
         try:

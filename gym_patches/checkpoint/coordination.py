@@ -1,0 +1,426 @@
+"""Client side of the checkpoint protocol: one Gym deployment, many participants (DESIGN §3.5).
+
+``prepare`` walks ``PREPARE_ORDER`` so callees close before their callers park,
+and stops at the first stage that is not ready (its blockers are the answer).
+``commit``/``restore`` fan out at once; ``resume`` reopens callers last-first and
+keeps going past failures, so one dead server cannot leave the others closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+
+from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.wire import (
+    CHECKPOINT_ROUTE_PREFIX,
+    PREPARE_ORDER,
+    CheckpointRequest,
+    CommitReply,
+    CommitRequest,
+    ParticipantKind,
+    PrepareReply,
+    PrepareRequest,
+    RenewReply,
+    RenewRequest,
+    RestartOnlyPolicy,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    StatusReply,
+    dump,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVER_TYPE_KIND: dict[str, ParticipantKind] = {
+    "responses_api_models": "model",
+    "responses_api_agents": "agent",
+    "resources_servers": "resources",
+}
+# Callers before callees: a retired run stops before the calls it would make.
+RETIRE_ORDER: tuple[tuple[ParticipantKind, ...], ...] = (("agent",), ("model", "resources"))
+CALL_TIMEOUT_SLACK_S = 5.0
+
+_T = TypeVar("_T")
+_R = TypeVar("_R", bound=BaseModel)
+
+
+class CoordinationError(RuntimeError):
+    """A control call to one Gym server failed; names the server."""
+
+    def __init__(self, server: str, status: int | None, code: str | None, detail: str):
+        where = f"HTTP {status}" if status is not None else "no reply"
+        super().__init__(f"Gym server {server!r}: {code or 'error'} ({where}): {detail}")
+        self.server, self.status, self.code, self.detail = server, status, code, detail
+
+
+class CoordinationFailures(CoordinationError):
+    """Several servers failed one fan-out; ``failures`` maps server -> error."""
+
+    def __init__(self, op: str, failures: Mapping[str, BaseException]):
+        self.failures = dict(failures)
+        lines = "; ".join(f"{name}: {exc}" for name, exc in sorted(self.failures.items()))
+        super().__init__(", ".join(sorted(self.failures)), None, f"{op}_failed", f"{op} failed on {lines}")
+
+
+class ControlClient:
+    """Authenticated calls to the control routes; the timeout follows the deadline."""
+
+    def __init__(self, session: aiohttp.ClientSession, auth_token: str, *, clock: Callable[[], float] = time.time):
+        if not auth_token:
+            raise ValueError("ControlClient needs a non-empty auth_token")
+        self.session = session
+        self._headers = {"Authorization": f"Bearer {auth_token}"}
+        self._clock = clock
+
+    def timeout_for(self, deadline_ts: float) -> float:
+        return max(0.0, deadline_ts - self._clock()) + CALL_TIMEOUT_SLACK_S
+
+    async def get(self, server: str, url: str, route: str, *, timeout_s: float) -> dict[str, Any]:
+        return await self._call("GET", server, url, route, None, timeout_s)
+
+    async def post(self, server: str, url: str, route: str, request: CheckpointRequest) -> dict[str, Any]:
+        return await self._call("POST", server, url, route, dump(request), self.timeout_for(request.deadline_ts))
+
+    async def _call(
+        self, method: str, server: str, url: str, route: str, body: Any, timeout_s: float
+    ) -> dict[str, Any]:
+        target = f"{url.rstrip('/')}{CHECKPOINT_ROUTE_PREFIX}/{route}"
+        try:
+            async with self.session.request(
+                method, target, json=body, headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                text = await resp.text()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise CoordinationError(server, None, "timeout", f"{method} {route} took over {timeout_s:.1f}s") from None
+        except aiohttp.ClientError as exc:
+            raise CoordinationError(server, None, "unreachable", f"{method} {route} at {url}: {exc!r}") from None
+        try:
+            payload: Any = json.loads(text) if text else None
+        except ValueError:
+            payload = None
+        if not 200 <= status < 300:
+            error = payload.get("error") if isinstance(payload, dict) else None
+            if isinstance(error, dict):
+                raise CoordinationError(server, status, str(error.get("code")), str(error.get("detail")))
+            raise CoordinationError(server, status, None, f"{method} {route}: {text[:500]}")
+        if not isinstance(payload, dict):
+            raise CoordinationError(server, status, "bad_reply", f"{method} {route} did not return a JSON object")
+        return payload
+
+
+@dataclass(frozen=True)
+class Participant:
+    name: str
+    kind: ParticipantKind
+    url: str
+    status: StatusReply
+
+
+class Participants:
+    """The checkpointing servers of one deployment, in prepare order, plus their client."""
+
+    def __init__(self, members: Sequence[Participant], control: ControlClient):
+        names = [m.name for m in members]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate participant names: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        self.members: tuple[Participant, ...] = tuple(members)
+        self.control = control
+
+    def by_kind(self, kind: str) -> list[Participant]:
+        return [m for m in self.members if m.kind == kind]
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+    def __iter__(self) -> Iterator[Participant]:
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+
+def _order(p: Participant) -> tuple[int, str]:
+    return PREPARE_ORDER.index(p.kind), p.name
+
+
+async def discover(client: Any, auth_token: str, *, timeout_s: float = 30.0) -> Participants:
+    """Ask every model/agent/resources server for its status; 404 = not a participant."""
+    control = ControlClient(client.session, auth_token)
+    instances = client.instances()
+    if inspect.isawaitable(instances):
+        instances = await instances
+    candidates = [i for i in instances if i.server_type in SERVER_TYPE_KIND]
+
+    async def probe(inst: Any) -> Participant | None:
+        try:
+            body = await control.get(inst.name, inst.url, "status", timeout_s=timeout_s)
+        except CoordinationError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        try:
+            status = StatusReply.model_validate(body)
+        except ValidationError as exc:
+            raise CoordinationError(inst.name, 200, "bad_reply", f"malformed status: {_fields(exc)}") from None
+        expected = SERVER_TYPE_KIND[inst.server_type]
+        if status.kind != expected:
+            raise CoordinationError(
+                inst.name, 200, "kind_mismatch",
+                f"status says kind {status.kind!r}, but it is configured as {inst.server_type} ({expected!r})",
+            )
+        return Participant(name=inst.name, kind=expected, url=inst.url, status=status)
+
+    found = await _gather_all("discover", {i.name: probe(i) for i in candidates})
+    members = sorted((p for p in found.values() if p is not None), key=_order)
+    if not any(p.kind == "model" for p in members):
+        raise CoordinationError(
+            "<deployment>", None, "no_model",
+            f"no model server takes part in checkpoints (servers checked: {sorted(found)})",
+        )
+    return Participants(members, control)
+
+
+@dataclass
+class PrepareResult:
+    prepared: bool
+    blockers: dict[str, list[str]] = field(default_factory=dict)
+    unsaved: dict[str, list[str]] = field(default_factory=dict)
+    replies: dict[str, PrepareReply] = field(default_factory=dict)
+
+    def unsaved_keys(self) -> set[str]:
+        """Capture keys some participant cannot save: they restart after a crash."""
+        return {key for keys in self.unsaved.values() for key in keys}
+
+    def continued(self, episode_ids: Iterable[EpisodeId]) -> list[EpisodeId]:
+        """The scope minus unsaved rollouts: what a commit can keep at turn level."""
+        unsaved = self.unsaved_keys()
+        return [e for e in episode_ids if e.capture_key not in unsaved]
+
+
+async def prepare(
+    participants: Participants,
+    checkpoint_id: str,
+    deadline_ts: float,
+    restart_only_policy: RestartOnlyPolicy = "block",
+) -> PrepareResult:
+    """Prepare stage by stage; stop at the first stage with an unprepared reply."""
+    req = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, restart_only_policy=restart_only_policy)
+    result = PrepareResult(prepared=True)
+    for kind in PREPARE_ORDER:
+        stage = participants.by_kind(kind)
+        if not stage:
+            continue
+        replies = await _fan_out(participants, stage, "prepare", req, PrepareReply)
+        for name, reply in replies.items():
+            result.replies[name] = reply
+            if reply.report.unsaved:
+                result.unsaved[name] = list(reply.report.unsaved)
+            if reply.phase != "prepared":
+                result.blockers[name] = list(reply.report.blockers)
+        if any(r.phase != "prepared" for r in replies.values()):
+            result.prepared = False
+            break
+    return result
+
+
+async def commit(
+    participants: Participants,
+    checkpoint_id: str,
+    deadline_ts: float,
+    checkpoint_dir: str,
+    episode_ids: list[EpisodeId] | None,
+) -> dict[str, CommitReply]:
+    """Every participant writes its records for ``episode_ids`` (None = all it can)."""
+    req = CommitRequest(
+        checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir, episode_ids=episode_ids
+    )
+    return await _fan_out(participants, participants.members, "commit", req, CommitReply)
+
+
+async def restore(
+    participants: Participants,
+    checkpoint_id: str,
+    deadline_ts: float,
+    checkpoint_dir: str,
+    episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]],
+    source_checkpoint_id: str,
+) -> dict[str, RestoreReply]:
+    """Install saved episodes everywhere at once; on failure undo and re-raise.
+
+    ``episode_ids`` is one list for every server, or a mapping server -> list
+    (servers left out restore nothing) for deployments where each episode lives
+    on some servers only. Undo = retire the next attempt of every episode on
+    every server (best effort), then resume all.
+    """
+    if isinstance(episode_ids, Mapping):
+        unknown = sorted(set(episode_ids) - set(participants.names))
+        if unknown:
+            raise ValueError(f"restore scope names servers that are not participants: {unknown}")
+        scopes = {p.name: list(episode_ids.get(p.name, [])) for p in participants}
+    else:
+        scopes = {p.name: list(episode_ids) for p in participants}
+    requests = {
+        name: RestoreRequest(
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+            episode_ids=scope,
+            source_checkpoint_id=source_checkpoint_id,
+        )
+        for name, scope in scopes.items()
+    }
+    control = participants.control
+    calls = {p.name: _typed(control.post(p.name, p.url, "restore", requests[p.name]), p.name, RestoreReply)
+             for p in participants}
+    try:
+        return await _gather_all("restore", calls)
+    except Exception as exc:
+        logger.warning("restore of %s failed (%s); retiring its next attempts and resuming", checkpoint_id, exc)
+        everything = {e.capture_key: e for scope in scopes.values() for e in scope}
+        if everything:
+            with _suppress_logged("retire after failed restore"):
+                await retire(participants, checkpoint_id, deadline_ts,
+                             [next_attempt(e) for e in everything.values()], best_effort=True)
+        with _suppress_logged("resume after failed restore"):
+            await resume(participants, checkpoint_id, deadline_ts)
+        raise
+
+
+async def resume(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, ResumeReply]:
+    """Reopen every server, callers last; every server is tried, failures raised together."""
+    req = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+    replies: dict[str, ResumeReply] = {}
+    failures: dict[str, BaseException] = {}
+    for kind in reversed(PREPARE_ORDER):
+        stage = participants.by_kind(kind)
+        outcomes = await asyncio.gather(
+            *(_typed(participants.control.post(p.name, p.url, "resume", req), p.name, ResumeReply) for p in stage),
+            return_exceptions=True,
+        )
+        for p, outcome in zip(stage, outcomes):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                failures[p.name] = outcome
+            else:
+                replies[p.name] = outcome
+    if failures:
+        raise CoordinationFailures("resume", failures)
+    return replies
+
+
+async def retire(
+    participants: Participants,
+    checkpoint_id: str,
+    deadline_ts: float,
+    episode_ids: list[EpisodeId],
+    *,
+    best_effort: bool = False,
+) -> dict[str, RetireReply]:
+    """Retire attempts on agents first, then models and resources.
+
+    ``best_effort`` tries every stage and raises all failures at the end;
+    otherwise the first failing stage raises and later stages are not called.
+    """
+    req = RetireRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, episode_ids=episode_ids)
+    replies: dict[str, RetireReply] = {}
+    failures: dict[str, BaseException] = {}
+    for kinds in RETIRE_ORDER:
+        stage = [p for p in participants if p.kind in kinds]
+        if not stage:
+            continue
+        try:
+            replies.update(await _fan_out(participants, stage, "retire", req, RetireReply))
+        except CoordinationFailures as exc:
+            if not best_effort:
+                raise
+            failures.update(exc.failures)
+        except CoordinationError as exc:
+            if not best_effort:
+                raise
+            failures[exc.server] = exc
+    if failures:
+        raise CoordinationFailures("retire", failures)
+    return replies
+
+
+async def renew(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, RenewReply]:
+    """Push every server's lease past the new deadline."""
+    req = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+    return await _fan_out(participants, participants.members, "renew", req, RenewReply)
+
+
+# -- helpers -----------------------------------------------------------------
+async def _fan_out(
+    participants: Participants,
+    stage: Sequence[Participant],
+    route: str,
+    req: CheckpointRequest,
+    reply_model: type[_R],
+) -> dict[str, _R]:
+    control = participants.control
+    return await _gather_all(route, {p.name: _typed(control.post(p.name, p.url, route, req), p.name, reply_model)
+                                     for p in stage})
+
+
+async def _typed(call: Awaitable[dict[str, Any]], server: str, model: type[_R]) -> _R:
+    body = await call
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise CoordinationError(server, 200, "bad_reply", f"malformed {model.__name__}: {_fields(exc)}") from None
+
+
+async def _gather_all(op: str, calls: Mapping[str, Awaitable[_T]]) -> dict[str, _T]:
+    """Run all calls to completion; one failure is raised as is, several together."""
+    names = list(calls)
+    outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
+    failures: dict[str, BaseException] = {}
+    results: dict[str, _T] = {}
+    for name, outcome in zip(names, outcomes):
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+        if isinstance(outcome, BaseException):
+            failures[name] = outcome
+        else:
+            results[name] = outcome
+    if len(failures) == 1:
+        raise next(iter(failures.values()))
+    if failures:
+        raise CoordinationFailures(op, failures)
+    return results
+
+
+def _fields(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+
+
+class _suppress_logged:
+    """Swallow and log an exception from a best-effort cleanup step."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> "_suppress_logged":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and isinstance(exc, Exception):
+            logger.warning("%s failed: %s", self.what, exc)
+            return True
+        return False

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.store import read_participant_state, write_participant_state
+from gym_patches.checkpoint.store import WriteStopped, read_participant_state, write_participant_state
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ROUTE_PREFIX,
     CheckpointRequest,
@@ -235,7 +235,8 @@ class ParticipantControlPlane:
         if not isinstance(data, dict):
             raise CheckpointError(f"{op}: request body must be a JSON object", code="invalid_request")
         try:
-            return model.model_validate(data)
+            # strict: a deadline of "12" or true is a caller bug, not a number.
+            return model.model_validate(data, strict=True)
         except ValidationError as exc:
             # loc + msg only: never echo input values back.
             fields = "; ".join(
@@ -440,15 +441,18 @@ class ParticipantControlPlane:
             if work.stop:
                 raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
             work.writing = True
-            manifest = await asyncio.to_thread(
-                write_participant_state,
-                req.checkpoint_dir,
-                self.participant.kind,
-                self.instance,
-                work.checkpoint_id,
-                records,
-                should_stop=lambda: work.stop,
-            )
+            try:
+                manifest = await asyncio.to_thread(
+                    write_participant_state,
+                    req.checkpoint_dir,
+                    self.participant.kind,
+                    self.instance,
+                    work.checkpoint_id,
+                    records,
+                    should_stop=lambda: work.stop,
+                )
+            except WriteStopped:
+                raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint") from None
             if work.stop or self._checkpoint_id != work.checkpoint_id or self._phase != "prepared":
                 raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
             reply = dump(CommitReply(phase="committed", manifest=manifest, episode_ids=keys))

@@ -60,9 +60,9 @@ _R = TypeVar("_R", bound=BaseModel)
 class CoordinationError(RuntimeError):
     """A control call to one Gym server failed; names the server."""
 
-    def __init__(self, server: str, status: int | None, code: str | None, detail: str):
+    def __init__(self, server: str, status: int | None, code: str | None, detail: str, *, message: str | None = None):
         where = f"HTTP {status}" if status is not None else "no reply"
-        super().__init__(f"Gym server {server!r}: {code or 'error'} ({where}): {detail}")
+        super().__init__(message or f"Gym server {server!r}: {code or 'error'} ({where}): {detail}")
         self.server, self.status, self.code, self.detail = server, status, code, detail
 
 
@@ -71,8 +71,10 @@ class CoordinationFailures(CoordinationError):
 
     def __init__(self, op: str, failures: Mapping[str, BaseException]):
         self.failures = dict(failures)
-        lines = "; ".join(f"{name}: {exc}" for name, exc in sorted(self.failures.items()))
-        super().__init__(", ".join(sorted(self.failures)), None, f"{op}_failed", f"{op} failed on {lines}")
+        names = sorted(self.failures)
+        detail = "; ".join(str(self.failures[name]) for name in names)
+        super().__init__(", ".join(names), None, f"{op}_failed", detail,
+                         message=f"{op} failed on {len(names)} Gym servers ({', '.join(names)}): {detail}")
 
 
 class ControlClient:
@@ -218,7 +220,11 @@ async def prepare(
     deadline_ts: float,
     restart_only_policy: RestartOnlyPolicy = "block",
 ) -> PrepareResult:
-    """Prepare stage by stage; stop at the first stage with an unprepared reply."""
+    """Prepare stage by stage; stop at the first stage with an unprepared reply.
+
+    A server error raises (``CoordinationError``); either way the caller must
+    ``resume`` this id, since the stages already asked stay closed until then.
+    """
     req = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, restart_only_policy=restart_only_policy)
     result = PrepareResult(prepared=True)
     for kind in PREPARE_ORDER:

@@ -168,6 +168,11 @@ def _publish_manifest(path: Path, manifest: ParticipantManifest) -> ParticipantM
 
 def _same_or_raise(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:
     existing = _load_manifest(path)
+    if existing.checkpoint_id != manifest.checkpoint_id:
+        raise CheckpointStoreError(
+            f"{path} already belongs to checkpoint {existing.checkpoint_id!r}; "
+            f"checkpoint {manifest.checkpoint_id!r} needs its own checkpoint_dir"
+        )
     if existing != manifest:
         raise CheckpointStoreError(
             f"{path} already records different content for checkpoint {manifest.checkpoint_id!r} "

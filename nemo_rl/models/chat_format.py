@@ -6,6 +6,10 @@ A conversation renders to token ids as::
     <|assistant|> content <call>NAME ARGS_JSON</call> ... <|end|>
     <|tool|> output <|end|> ... <|assistant|>
 
+A tool message whose content is a JSON object ``{"output": "<text>"}`` (the
+reply body of a Gym resources server) renders as ``<text>``, so an agent that
+forwards the raw body and one that forwards the output give the same prompt.
+
 The final ``<|assistant|>`` is the generation prompt; the model's reply ends
 with ``<|end|>`` (the stop token), which is part of the generated tokens so the
 policy learns when to stop. Tool schemas are not rendered: the policy learns
@@ -120,20 +124,45 @@ def assistant_ids(tokenizer: Tokenizer, content: str | None, tool_calls: list[To
     return ids
 
 
-def render_messages(tokenizer: Tokenizer, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
-    """Render a chat history to prompt ids (see module docstring)."""
+def tool_output_text(content: str) -> str:
+    """Unwrap a ``{"output": "<text>"}`` tool reply body; anything else is returned as is."""
+    stripped = content.strip()
+    if stripped.startswith("{") and stripped.endswith("}"):
+        try:
+            parsed = json.loads(stripped)
+        except (json.JSONDecodeError, RecursionError):
+            return content
+        if isinstance(parsed, dict) and list(parsed) == ["output"] and isinstance(parsed["output"], str):
+            return parsed["output"]
+    return content
+
+
+def render_with_mask(tokenizer: Tokenizer, messages: list[Any], add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+    """Render a chat history; ``mask[i]`` is 1 where token i was written by the assistant (body + ``<|end|>``)."""
     msgs = validate_messages(messages)
     ids = [tokenizer.bos_id]
+    mask = [0]
     for m in msgs:
         ids.append(tokenizer.special_id(ROLE_TOKENS[m.role]))
+        mask.append(0)
         if m.role == "assistant":
-            ids += assistant_ids(tokenizer, m.text(), m.tool_calls)
+            body = assistant_ids(tokenizer, m.text(), m.tool_calls)
+            flag = 1
         else:
-            ids += tokenizer.encode(m.text())
-            ids.append(tokenizer.end_id)
+            text = tool_output_text(m.text()) if m.role == "tool" else m.text()
+            body = tokenizer.encode(text) + [tokenizer.end_id]
+            flag = 0
+        ids += body
+        mask += [flag] * len(body)
     if add_generation_prompt:
         ids.append(tokenizer.special_id("<|assistant|>"))
-    return ids
+        mask.append(0)
+    return ids, mask
+
+
+def render_messages(tokenizer: Tokenizer, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+    """Render a chat history to prompt ids (see module docstring)."""
+    return render_with_mask(tokenizer, messages, add_generation_prompt)[0]
 
 
 def new_call_id() -> str:

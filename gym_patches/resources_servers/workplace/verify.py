@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .world import MutableTables, OfficeWorld, WorldStateError, _validated
+from .world import MutableTables, OfficeWorld, WorldStateError, validate_model
 
 _ID_KEYS = {"events": "event_id", "emails": "email_id", "tasks": "task_id"}
 
@@ -35,7 +35,7 @@ def expected_tables(row: Any) -> dict:
     """The row's ``expected_state``, validated like a real table set."""
     if not isinstance(row, dict) or "expected_state" not in row:
         raise WorldStateError("row has no 'expected_state'")
-    return _validated(MutableTables, row["expected_state"], "expected_state").model_dump(mode="json")
+    return validate_model(MutableTables, row["expected_state"], "expected_state").model_dump(mode="json")
 
 
 def verify(world: OfficeWorld, row: Any) -> float:

@@ -133,7 +133,7 @@ class OfficeState(OfficeSeed):
     schema_version: Literal[1] = SCHEMA_VERSION
 
 
-def _validated(model: type[BaseModel], data: Any, what: str) -> Any:
+def validate_model(model: type[BaseModel], data: Any, what: str) -> Any:
     if not isinstance(data, dict):
         raise WorldStateError(f"{what} must be a JSON object, got {type(data).__name__}")
     try:
@@ -151,13 +151,13 @@ class OfficeWorld:
     # construction -------------------------------------------------------
     @classmethod
     def from_seed(cls, seed: Any) -> "OfficeWorld":
-        parsed = _validated(OfficeSeed, seed, "seed")
+        parsed = validate_model(OfficeSeed, seed, "seed")
         return cls(OfficeState.model_validate(parsed.model_dump()))
 
     @classmethod
     def restore_state(cls, data: Any) -> "OfficeWorld":
         """Rebuild a world from :meth:`export_state` output, validating every field."""
-        return cls(_validated(OfficeState, data, "workplace state"))
+        return cls(validate_model(OfficeState, data, "workplace state"))
 
     def export_state(self) -> dict:
         """Pure-JSON copy of the whole world (no shared references)."""

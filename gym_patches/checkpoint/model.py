@@ -1,0 +1,242 @@
+"""Checkpoint participant of the policy model server, and its admission gate.
+
+DESIGN §3.4 "Model": a checkpoint must see every agent at a boundary, so
+once prepare closes admission the model hands out no reply: a reply that
+finishes while closed is *held* until resume, and calls that arrive while
+closed wait. Only a reply already being written blocks readiness. Generation
+itself never blocks: the agent waiting on it counts as parked at its last
+boundary and re-issues the call after a restore.
+
+The server drives one call through the gate like this::
+
+    async with participant.call(capture_key) as ticket:   # waits while closed
+        reply = await participant.run(ticket, backend_call())  # retire cancels it
+        await participant.release_response(ticket)      # held while closed
+        ...write the reply...
+        participant.delivered(ticket)
+
+Records are token-free: per episode, how many replies it has received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
+
+T = TypeVar("T")
+TicketState = Literal["waiting", "generating", "held", "writing"]
+
+
+class ModelRecord(BaseModel):
+    """What the model saves per episode (no tokens: the trainer has those)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: EpisodeId
+    delivered_calls: int = Field(ge=0)
+
+
+@dataclass(eq=False)
+class ModelTicket:
+    """One generation call. ``episode`` is None for calls outside ``/ng-rollout/``."""
+
+    ticket_id: int
+    episode: EpisodeId | None
+    admitted_at: float
+    state: TicketState = "waiting"
+    retired: bool = False
+    task: asyncio.Future[Any] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def capture_key(self) -> str | None:
+        return None if self.episode is None else self.episode.capture_key
+
+    def covered_by(self, episode: EpisodeId) -> bool:
+        return (
+            self.episode is not None
+            and self.episode.rollout_id == episode.rollout_id
+            and self.episode.attempt <= episode.attempt
+        )
+
+
+class PolicyModelParticipant(CheckpointParticipant):
+    """Admission gate + checkpoint participant (kind ``model``)."""
+
+    kind = "model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ids = itertools.count(1)
+        self._tickets: dict[int, ModelTicket] = {}
+        self._delivered: dict[EpisodeId, int] = {}
+
+    # -- the gate ----------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def call(self, capture_key: str | None) -> AsyncIterator[ModelTicket]:
+        """Admit one call (waiting while closed); the ticket lives until exit.
+
+        Raises ``StaleAttemptError`` for a retired attempt, also one retired
+        while it waited.
+        """
+        episode = None if capture_key is None else EpisodeId.from_capture_key(capture_key)
+        if episode is not None:
+            self.check_attempt(episode)
+        ticket = ModelTicket(ticket_id=next(self._ids), episode=episode, admitted_at=time.time())
+        self._tickets[ticket.ticket_id] = ticket
+        self.notify_changed()
+        try:
+            await self._wait_open(ticket)
+            ticket.state = "generating"
+            self.notify_changed()
+            yield ticket
+        finally:
+            self._tickets.pop(ticket.ticket_id, None)
+            self.notify_changed()
+
+    async def run(self, ticket: ModelTicket, work: Awaitable[T]) -> T:
+        """Run the backend call; ``retire`` cancels it (-> ``StaleAttemptError``)."""
+        try:
+            self._raise_if_retired(ticket)
+        except StaleAttemptError:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started: do not leave it un-awaited
+            raise
+        task = asyncio.ensure_future(work)
+        ticket.task = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if ticket.retired and task.cancelled():
+                self._raise_if_retired(ticket)
+            raise
+        finally:
+            ticket.task = None
+
+    async def release_response(self, ticket: ModelTicket) -> None:
+        """Hold a finished reply while admission is closed; then mark it writing."""
+        await self._wait_open(ticket, state="held")
+        ticket.state = "writing"
+        self.notify_changed()
+
+    def delivered(self, ticket: ModelTicket) -> None:
+        """The reply reached the caller: count it for the episode's record."""
+        if ticket.episode is None or ticket.retired:
+            return
+        with contextlib.suppress(StaleAttemptError):
+            self.check_attempt(ticket.episode)
+            self._delivered[ticket.episode] = self._delivered.get(ticket.episode, 0) + 1
+
+    async def _wait_open(self, ticket: ModelTicket, state: TicketState | None = None) -> None:
+        while True:
+            self._raise_if_retired(ticket)
+            if self.accepting:
+                return
+            ticket.wake.clear()
+            if state is not None and ticket.state != state:
+                ticket.state = state
+                self.notify_changed()
+            await ticket.wake.wait()
+
+    def _raise_if_retired(self, ticket: ModelTicket) -> None:
+        if ticket.retired:
+            raise StaleAttemptError(f"model call of episode {ticket.capture_key} was cancelled: its attempt was retired")
+        if ticket.episode is not None:
+            self.check_attempt(ticket.episode)
+
+    def _wake_all(self) -> None:
+        for ticket in self._tickets.values():
+            ticket.wake.set()
+
+    # -- participant -------------------------------------------------------
+    async def close_admission(self, policy: RestartOnlyPolicy) -> None:
+        self.policy = policy
+        self.accepting = False
+        self.notify_changed()
+
+    async def open_admission(self) -> None:
+        self.accepting = True
+        self._wake_all()
+        self.notify_changed()
+
+    def readiness(self) -> PrepareReport:
+        """Ready unless a tracked reply is being written. Generating and held
+        calls never block: their agents are still at their last boundary."""
+        counts = {"waiting": 0, "inflight": 0, "held": 0, "writing": 0}
+        blockers = []
+        for ticket in self._tickets.values():
+            counts["inflight" if ticket.state == "generating" else ticket.state] += 1
+            if ticket.state == "writing" and ticket.capture_key is not None:
+                blockers.append(ticket.capture_key)
+        return PrepareReport.build(blockers, counts=counts)
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"accepting": self.accepting}
+
+    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
+        """One record per episode. Without a scope: every episode with delivered
+        replies. With a scope: every in-scope episode that is not retired, also
+        those with 0 delivered (an agent parked at its first call), so a restore
+        of that scope always finds a record."""
+        if episodes is None:
+            chosen = {e: n for e, n in self._delivered.items() if n > 0}
+        else:
+            chosen = {}
+            for episode in episodes:
+                with contextlib.suppress(StaleAttemptError):
+                    self.check_attempt(episode)
+                    chosen[episode] = self._delivered.get(episode, 0)
+        return [
+            ModelRecord(episode_id=e, delivered_calls=n).model_dump(mode="json")
+            for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)
+        ]
+
+    async def install(self, records: list[Record]) -> list[str]:
+        """Install each record under ``next_attempt``; the old attempt is
+        superseded and refused from now on. All or nothing."""
+        parsed: list[ModelRecord] = []
+        for index, record in enumerate(records):
+            try:
+                parsed.append(ModelRecord.model_validate(record))
+            except ValidationError as exc:
+                fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<record>'}: {e['msg']}" for e in exc.errors())
+                raise CheckpointError(f"model record {index} is invalid: {fields}") from None
+        for rec in parsed:
+            self.check_attempt(next_attempt(rec.episode_id))
+        installed = []
+        for rec in parsed:
+            self._cancel_covered(rec.episode_id)
+            self.mark_retired(rec.episode_id)
+            new = next_attempt(rec.episode_id)
+            self._delivered[new] = rec.delivered_calls
+            installed.append(new.capture_key)
+        return installed
+
+    async def retire(self, episodes: list[EpisodeId]) -> list[str]:
+        for episode in episodes:
+            self._cancel_covered(episode)
+            self.mark_retired(episode)
+        return [e.capture_key for e in episodes]
+
+    def _cancel_covered(self, episode: EpisodeId) -> None:
+        """Cancel every ticket of ``episode``'s rollout at or below its attempt."""
+        for ticket in self._tickets.values():
+            if ticket.covered_by(episode) and ticket.state != "writing":
+                ticket.retired = True
+                if ticket.task is not None and not ticket.task.done():
+                    ticket.task.cancel()
+                ticket.wake.set()
+        for key in [e for e in self._delivered if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
+            del self._delivered[key]
+        self.notify_changed()

@@ -1,0 +1,308 @@
+"""Checkpoint participant of a resources server (DESIGN §3.4 "Resources").
+
+It is also the server's table of live sessions, so that admission, readiness
+and export all read one source of truth. A session is live from a successful
+``/seed_session`` until ``/verify`` or ``/close_session``.
+
+- ``exported`` / ``stateless``: prepare holds new session calls and is ready
+  once no call is running; commit exports each session (``state`` is None for
+  ``stateless``); restore installs every record under its next attempt with the
+  same session id, all or nothing.
+- ``restart_only``: the state cannot leave the process. Under policy ``block``
+  every live session blocks; under ``best_effort`` they are reported unsaved.
+
+In every mode, seeds that arrive while admission is closed wait for resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, ClassVar, Literal
+
+from pydantic import ValidationError
+
+from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.wire import PrepareReport, ResourcesCheckpointMode, RestartOnlyPolicy
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
+RETIRED_SESSIONS_KEPT = 10_000
+
+
+class UnknownSessionError(LookupError):
+    """No live session has this id (never seeded, already ended, or lost with its process)."""
+
+
+class SessionStateHooks(ABC):
+    """What the participant needs from the server that owns the session states."""
+
+    @abstractmethod
+    def export_session_state(self, state: Any) -> dict[str, Any]:
+        """JSON copy of one session's state (``exported`` mode)."""
+
+    @abstractmethod
+    def restore_session_state(self, data: dict[str, Any]) -> Any:
+        """Rebuild a state from ``export_session_state`` output; raise ValueError if invalid."""
+
+    @abstractmethod
+    async def close_state(self, state: Any) -> None:
+        """Free what the state holds (subprocesses, files); must not raise."""
+
+
+@dataclass
+class LiveSession:
+    session_id: str
+    episode: EpisodeId
+    state: Any
+    inflight: int = 0
+    ended: bool = False  # removed from the table; freed when the last call leaves
+    freed: bool = False
+
+
+@dataclass
+class _Seed:
+    episode: EpisodeId
+    token: object = field(default_factory=object)
+
+
+class ResourcesParticipant(CheckpointParticipant):
+    """Live sessions of one resources server plus their checkpoint rules."""
+
+    kind: ClassVar[Literal["resources"]] = "resources"
+
+    def __init__(self, mode: ResourcesCheckpointMode, hooks: SessionStateHooks, *, instance: str = "resources"):
+        super().__init__()
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(f"{instance}: checkpoint_mode must be one of {CHECKPOINT_MODES}, got {mode!r}")
+        self.mode: ResourcesCheckpointMode = mode
+        self.hooks = hooks
+        self.instance = instance
+        self.sessions: dict[str, LiveSession] = {}
+        self._seeding: dict[object, _Seed] = {}
+        self._waiting = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        # session id -> capture key of sessions retired here (a later call gets stale_attempt)
+        self._retired_sessions: OrderedDict[str, str] = OrderedDict()
+
+    # -- admission ---------------------------------------------------------
+    @property
+    def holds_session_calls(self) -> bool:
+        """Only modes that save state must keep tool calls out of the cut."""
+        return self.mode != "restart_only"
+
+    async def close_admission(self, policy: RestartOnlyPolicy) -> None:
+        self.policy = policy
+        self.accepting = False
+        self._open.clear()
+        self.notify_changed()
+
+    async def open_admission(self) -> None:
+        self.accepting = True
+        self._open.set()
+        self.notify_changed()
+
+    async def _wait_open(self) -> None:
+        self._waiting += 1
+        try:
+            while not self.accepting:
+                await self._open.wait()
+        finally:
+            self._waiting -= 1
+
+    def readiness(self) -> PrepareReport:
+        seeding = [s.episode.capture_key for s in self._seeding.values()]
+        inflight = sum(s.inflight for s in self.sessions.values()) + len(seeding)
+        counts = {"inflight": inflight, "sessions": len(self.sessions), "waiting": self._waiting}
+        if self.mode == "restart_only":
+            live = [s.episode.capture_key for s in self.sessions.values()] + seeding
+            if self.policy == "best_effort":
+                return PrepareReport.build([], unsaved=live, counts=counts)
+            return PrepareReport.build(live, counts=counts)
+        busy = [s.episode.capture_key for s in self.sessions.values() if s.inflight > 0] + seeding
+        return PrepareReport.build(busy, counts=counts)
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+    # -- session lifecycle (called by the server's routes) --------------------
+    @contextlib.asynccontextmanager
+    async def seeding(self, episode: EpisodeId) -> AsyncIterator[None]:
+        """Wrap building a new session's state: waits while closed, refuses retired attempts."""
+        await self._wait_open()
+        self.check_attempt(episode)
+        seed = _Seed(episode)
+        self._seeding[seed.token] = seed
+        self.notify_changed()
+        try:
+            yield
+        finally:
+            del self._seeding[seed.token]
+            self.notify_changed()
+
+    def add_session(self, session_id: str, episode: EpisodeId, state: Any) -> LiveSession:
+        """Make a freshly seeded state live. Raises ``stale_attempt`` if retired meanwhile
+        (the caller then frees the state itself)."""
+        self.check_attempt(episode)
+        if session_id in self.sessions:
+            raise CheckpointError(f"{self.instance}: session {session_id!r} is already live")
+        session = LiveSession(session_id, episode, state)
+        self.sessions[session_id] = session
+        self.notify_changed()
+        return session
+
+    def lookup(self, session_id: str | None) -> LiveSession:
+        """The live session, or ``stale_attempt`` / ``UnknownSessionError``."""
+        if session_id:
+            session = self.sessions.get(session_id)
+            if session is not None:
+                self.check_attempt(session.episode)
+                return session
+            retired_key = self._retired_sessions.get(session_id)
+            if retired_key is not None:
+                raise StaleAttemptError(f"{self.instance}: session {session_id!r} of {retired_key} was retired")
+        shown = "no session cookie" if not session_id else f"session {session_id!r} is not live"
+        raise UnknownSessionError(f"{self.instance}: {shown}; call /seed_session first")
+
+    @contextlib.asynccontextmanager
+    async def session_call(self, session_id: str | None) -> AsyncIterator[LiveSession]:
+        """Wrap one call on a session (tool, verify, close). In saving modes it waits
+        while closed and counts as in flight while it runs."""
+        self.lookup(session_id)
+        if self.holds_session_calls and not self.accepting:
+            await self._wait_open()
+        session = self.lookup(session_id)  # it may have been retired while we waited
+        session.inflight += 1
+        self.notify_changed()
+        try:
+            yield session
+        finally:
+            session.inflight -= 1
+            self.notify_changed()
+            if session.ended and session.inflight == 0:
+                await self._free(session)
+
+    async def end_session(self, session: LiveSession) -> None:
+        """Forget a session (after verify/close); its state is freed once no call uses it."""
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+        session.ended = True
+        self.notify_changed()
+        if session.inflight == 0:
+            await self._free(session)
+
+    async def _free(self, session: LiveSession) -> None:
+        if not session.freed:
+            session.freed = True
+            try:
+                await self.hooks.close_state(session.state)
+            except Exception:  # freeing is best effort; the session is gone either way
+                logger.exception("%s: freeing session %s failed", self.instance, session.session_id)
+
+    async def shutdown(self) -> None:
+        """Free every live session (server cleanup)."""
+        for session in list(self.sessions.values()):
+            await self.end_session(session)
+
+    # -- checkpoint lifecycle ---------------------------------------------------
+    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
+        if self.mode == "restart_only":
+            return []
+        scope = None if episodes is None else {e.capture_key for e in episodes}
+        records: list[Record] = []
+        for session in sorted(self.sessions.values(), key=lambda s: s.session_id):
+            key = session.episode.capture_key
+            if scope is not None and key not in scope:
+                continue  # the commit scope spans every server; other rollouts live elsewhere
+            if session.inflight:
+                raise CheckpointError(f"{self.instance}: session {session.session_id!r} of {key} has a call in flight")
+            state = None if self.mode == "stateless" else self.hooks.export_session_state(session.state)
+            records.append(
+                {"episode_id": session.episode.model_dump(), "session_id": session.session_id, "state": state}
+            )
+        return records
+
+    async def install(self, records: list[Record]) -> list[str]:
+        if records and self.mode == "restart_only":
+            raise CheckpointError(
+                f"{self.instance} is restart_only: its sessions cannot be restored "
+                f"({len(records)} record(s) offered)"
+            )
+        parsed = [self._parse_record(index, record) for index, record in enumerate(records)]
+        repeated = sorted(i for i, n in Counter(sid for sid, _, _ in parsed).items() if n > 1)
+        if repeated:
+            raise CheckpointError(f"{self.instance}: records repeat session id(s) {repeated[:10]}")
+        built: list[tuple[str, EpisodeId, Any]] = []
+        try:
+            for index, (session_id, episode, data) in enumerate(parsed):
+                if self.mode == "stateless":
+                    state = None
+                else:
+                    try:
+                        state = self.hooks.restore_session_state(data)
+                    except (ValueError, TypeError) as exc:
+                        raise CheckpointError(
+                            f"{self.instance}: record {index} (session {session_id!r}) has an invalid state: {exc}"
+                        ) from None
+                built.append((session_id, episode, state))
+        except BaseException:
+            for _, _, state in built:
+                with contextlib.suppress(Exception):
+                    await self.hooks.close_state(state)
+            raise
+        for session_id, episode, state in built:
+            self.sessions[session_id] = LiveSession(session_id, episode, state)
+        self.notify_changed()
+        keys: list[str] = []
+        for _, episode, _ in built:
+            if episode.capture_key not in keys:
+                keys.append(episode.capture_key)
+        return keys
+
+    def _parse_record(self, index: int, record: Record) -> tuple[str, EpisodeId, Any]:
+        where = f"{self.instance}: record {index}"
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{where} is not a JSON object")
+        unknown = sorted(set(record) - {"episode_id", "session_id", "state"})
+        if unknown:
+            raise CheckpointError(f"{where} has unknown field(s) {unknown}")
+        try:
+            old = EpisodeId.model_validate(record.get("episode_id"))
+        except ValidationError:
+            raise CheckpointError(f"{where} has no valid episode_id") from None
+        session_id = record.get("session_id")
+        if not isinstance(session_id, str) or not session_id:
+            raise CheckpointError(f"{where} ({old}) has no valid session_id")
+        if session_id in self.sessions:
+            raise CheckpointError(f"{where}: session {session_id!r} is already live here; restore needs a fresh server")
+        state = record.get("state", ...)
+        if self.mode == "stateless" and state is not None:
+            raise CheckpointError(f"{where} ({old}) carries a state, but {self.instance} is stateless")
+        if self.mode == "exported" and not isinstance(state, dict):
+            raise CheckpointError(f"{where} ({old}) has no state object")
+        episode = next_attempt(old)
+        try:
+            self.check_attempt(episode)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{where}: {exc.detail}", code=exc.code) from None
+        return session_id, episode, state
+
+    async def retire(self, episodes: list[EpisodeId]) -> list[str]:
+        for episode in episodes:
+            self.mark_retired(episode)
+        for session in list(self.sessions.values()):
+            highest = self.retired.get(session.episode.rollout_id)
+            if highest is not None and session.episode.attempt <= highest:
+                self._retired_sessions[session.session_id] = session.episode.capture_key
+                while len(self._retired_sessions) > RETIRED_SESSIONS_KEPT:
+                    self._retired_sessions.popitem(last=False)
+                await self.end_session(session)
+        return [e.capture_key for e in episodes]

@@ -1,0 +1,422 @@
+"""The agent loop behind ``/run``: seed -> model -> tools -> ... -> verify.
+
+One implementation serves both agents: the session agent passes an
+``activation`` (its checkpoint participant's per-session handle) and the loop
+reports every boundary to it; the restart-only agent passes none. The loop
+mutates its ``SimpleAgentLoopState`` only between boundaries, so a parked or
+model-waiting session's state object *is* its boundary state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.config import ServerRef
+from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase, json_error
+from gym_patches.wire_models import (
+    ROLLOUT_ID_FIELD,
+    ROLLOUT_PREFIX,
+    SESSION_COOKIE,
+    Boundary,
+    Item,
+    ResponsesReply,
+    ResponsesRequest,
+    ResponseUsage,
+    RunReply,
+    SeedSessionReply,
+    TaskRow,
+    TerminationReason,
+    ToolReply,
+    VerifyReply,
+    message_item,
+)
+
+# Token information the model server attaches to the last output item; kept in
+# the rollout's output for training, not sent back to the model as input.
+TOKEN_INFO_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_version")
+_TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
+# Routes every resources server has that a model must never reach as a "tool".
+_RESERVED_ROUTES = frozenset({"seed_session", "verify", "close_session", "health"})
+
+
+class SimpleAgentLoopState(BaseModel):
+    """Everything needed to continue an episode from a boundary (JSON-able)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(default=0, ge=0)  # finished model turns (max_steps counts these)
+    pending_tools: bool = False  # the last reply's function calls have not run yet
+    new_outputs: list[Item] = Field(default_factory=list)  # every new item, in order
+    usage: ResponseUsage = Field(default_factory=ResponseUsage)
+    last_model_response: dict[str, Any] | None = None
+    model_calls: int = Field(default=0, ge=0)  # model replies this episode consumed
+    resources_cookies: dict[str, str] = Field(default_factory=dict)
+    seed_row: dict[str, Any]
+
+    def pending_calls(self) -> list[Item]:
+        """Function calls of the last reply (the tools a P1 boundary still owes)."""
+        return function_calls(self.last_model_response)
+
+
+class LoopError(RuntimeError):
+    """Another Gym server failed or answered nonsense; names the server and route."""
+
+
+class Activation(Protocol):
+    """What the loop reports to a checkpointing agent (see checkpoint/agent.py)."""
+
+    async def boundary(self, name: Boundary, state: SimpleAgentLoopState) -> None: ...
+
+    def awaiting_model(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    def seeding(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+class NoActivation:
+    """The activation of an agent that saves nothing: every hook is a no-op."""
+
+    async def boundary(self, name: Boundary, state: SimpleAgentLoopState) -> None:
+        return None
+
+    @contextlib.asynccontextmanager
+    async def awaiting_model(self) -> AsyncIterator[None]:
+        yield
+
+    @contextlib.asynccontextmanager
+    async def seeding(self) -> AsyncIterator[None]:
+        yield
+
+
+class LoopIO(Protocol):
+    """The four calls the loop makes to other servers."""
+
+    async def seed(self, row: dict[str, Any], capture_key: str) -> dict[str, str]: ...
+
+    async def call_model(self, capture_key: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], cookies: dict[str, str]) -> str: ...
+
+    async def verify(self, row: dict[str, Any], output: list[Item], cookies: dict[str, str]) -> float: ...
+
+
+# -- the loop -------------------------------------------------------------
+
+
+def function_calls(reply: dict[str, Any] | None) -> list[Item]:
+    if not reply:
+        return []
+    return [item for item in reply.get("output") or [] if isinstance(item, dict) and item.get("type") == "function_call"]
+
+
+def model_request(state: SimpleAgentLoopState) -> dict[str, Any]:
+    """The row's ``responses_create_params`` with every new item appended to ``input``."""
+    params = dict(state.seed_row["responses_create_params"])
+    base = params.get("input")
+    items = [message_item("user", base)] if isinstance(base, str) else list(base or [])
+    items += [{k: v for k, v in item.items() if k not in TOKEN_INFO_KEYS} for item in state.new_outputs]
+    params["input"] = items
+    return params
+
+
+def _add_usage(total: ResponseUsage, reply: ResponsesReply) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=total.input_tokens + reply.usage.input_tokens,
+        output_tokens=total.output_tokens + reply.usage.output_tokens,
+        total_tokens=total.total_tokens + reply.usage.total_tokens,
+    )
+
+
+async def run_tools(io: LoopIO, state: SimpleAgentLoopState) -> None:
+    """Run the pending calls in order, appending one output per call."""
+    for call in state.pending_calls():
+        output = await _tool_output(io, call, state.resources_cookies)
+        state.new_outputs.append({"type": "function_call_output", "call_id": call.get("call_id"), "output": output})
+    state.pending_tools = False
+
+
+async def _tool_output(io: LoopIO, call: Item, cookies: dict[str, str]) -> str:
+    name = call.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.match(name) or name in _RESERVED_ROUTES:
+        return f"Error: unknown tool {name!r}"
+    raw = call.get("arguments") or "{}"
+    try:
+        arguments = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as exc:
+        return f"Error: arguments of {name} are not valid JSON ({exc})"
+    if not isinstance(arguments, dict):
+        return f"Error: arguments of {name} must be a JSON object"
+    return await io.call_tool(name, arguments, cookies)
+
+
+async def run_turns(
+    io: LoopIO,
+    state: SimpleAgentLoopState,
+    *,
+    capture_key: str,
+    max_steps: int,
+    activation: Activation | None = None,
+) -> TerminationReason:
+    """Model and tool turns until a final answer, an incomplete reply or ``max_steps``.
+
+    Starts wherever ``state`` stands: pending tools run first (a P1 restore),
+    otherwise the next model call is issued. Boundaries: B0 before each model
+    call, P1 after a reply that asks for tools, P2 after those tools return.
+    """
+    act = activation or NoActivation()
+    if state.pending_tools:
+        await run_tools(io, state)
+        if state.step >= max_steps:
+            return "max_steps"
+        await act.boundary("P2", state)
+    while True:
+        await act.boundary("B0", state)
+        async with act.awaiting_model():
+            body = await io.call_model(capture_key, model_request(state))
+        try:
+            reply = ResponsesReply.model_validate(body)
+        except ValidationError as exc:
+            raise LoopError(f"model reply for {capture_key} is not a Responses API object: {exc}") from None
+        state.step += 1
+        state.model_calls += 1
+        state.usage = _add_usage(state.usage, reply)
+        state.last_model_response = body
+        state.new_outputs.extend(reply.output)
+        if reply.incomplete_details is not None:
+            return "incomplete"
+        if not function_calls(body):
+            return "final_answer"
+        state.pending_tools = True
+        await act.boundary("P1", state)
+        await run_tools(io, state)
+        if state.step >= max_steps:
+            return "max_steps"
+        await act.boundary("P2", state)
+
+
+async def run_episode(
+    io: LoopIO,
+    row: dict[str, Any] | None,
+    *,
+    capture_key: str,
+    max_steps: int,
+    activation: Activation | None = None,
+    restored_from: Boundary | None = None,
+    restored_state: SimpleAgentLoopState | None = None,
+) -> RunReply:
+    """A whole ``/run``: seed (unless continuing a restored state), loop, verify."""
+    act = activation or NoActivation()
+    if restored_state is not None:
+        state = restored_state
+    else:
+        if row is None:
+            raise ValueError("run_episode needs a row when not continuing a restored state")
+        state = SimpleAgentLoopState(seed_row=row)
+        async with act.seeding():
+            state.resources_cookies = await io.seed(row, capture_key)
+    reason = await run_turns(io, state, capture_key=capture_key, max_steps=max_steps, activation=act)
+    reward = await io.verify(state.seed_row, state.new_outputs, state.resources_cookies)
+    return RunReply(
+        rollout_id=capture_key,
+        reward=reward,
+        response={"output": state.new_outputs},
+        num_model_calls=state.model_calls,
+        termination_reason=reason,
+        restored_from=restored_from,
+    )
+
+
+# -- the real calls -------------------------------------------------------
+
+
+class ServerLoopIO:
+    """``LoopIO`` over HTTP to the agent's model and resources servers."""
+
+    def __init__(self, client: ServerClient, model_server: str, resources_server: str):
+        self.client = client
+        self.model_server = model_server
+        self.resources_server = resources_server
+
+    async def _post(self, server: str, path: str, **kw: Any):
+        try:
+            return await self.client.post(server, path, **kw)
+        except ServerCallError as exc:
+            raise LoopError(str(exc)) from None
+
+    def _fail(self, server: str, path: str, resp: Any) -> LoopError:
+        shown = resp.body if resp.body is not None else resp.text[:500]
+        return LoopError(f"Gym server {server!r} {path} returned {resp.status}: {shown}")
+
+    async def seed(self, row: dict[str, Any], capture_key: str) -> dict[str, str]:
+        path = "/seed_session"
+        resp = await self._post(self.resources_server, path, json={"row": row, ROLLOUT_ID_FIELD: capture_key})
+        if resp.status != 200:
+            raise self._fail(self.resources_server, path, resp)
+        if SESSION_COOKIE in resp.cookies:
+            return {SESSION_COOKIE: resp.cookies[SESSION_COOKIE]}
+        try:
+            return {SESSION_COOKIE: SeedSessionReply.model_validate(resp.body).session_id}
+        except ValidationError:
+            raise self._fail(self.resources_server, path, resp) from None
+
+    async def call_model(self, capture_key: str, body: dict[str, Any]) -> dict[str, Any]:
+        path = f"{ROLLOUT_PREFIX}/{capture_key}/v1/responses"
+        resp = await self._post(self.model_server, path, json=body)
+        if resp.status != 200 or not isinstance(resp.body, dict):
+            raise self._fail(self.model_server, path, resp)
+        return resp.body
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], cookies: dict[str, str]) -> str:
+        path = f"/{name}"
+        resp = await self._post(self.resources_server, path, json=arguments, cookies=cookies)
+        if resp.status == 200:
+            try:
+                return ToolReply.model_validate(resp.body).output
+            except ValidationError:
+                raise self._fail(self.resources_server, path, resp) from None
+        if resp.status in (404, 422):  # the model's mistake (unknown tool, bad arguments): show it to the model
+            return resp.text
+        raise self._fail(self.resources_server, path, resp)
+
+    async def verify(self, row: dict[str, Any], output: list[Item], cookies: dict[str, str]) -> float:
+        path = "/verify"
+        resp = await self._post(
+            self.resources_server, path, json={"row": row, "response": {"output": output}}, cookies=cookies
+        )
+        if resp.status != 200:
+            raise self._fail(self.resources_server, path, resp)
+        try:
+            return VerifyReply.model_validate(resp.body).reward
+        except ValidationError:
+            raise self._fail(self.resources_server, path, resp) from None
+
+
+# -- the server both agents share -------------------------------------------
+
+
+class LoopAgentConfig(ServerConfigBase):
+    model_server: ServerRef
+    resources_server: ServerRef
+    max_steps: int = Field(default=6, ge=1, le=1000)
+
+    @field_validator("model_server")
+    @classmethod
+    def _model_ref(cls, ref: ServerRef) -> ServerRef:
+        if ref.type != "responses_api_models":
+            raise ValueError(f"model_server must name a responses_api_models server, not {ref.type}/{ref.name}")
+        return ref
+
+    @field_validator("resources_server")
+    @classmethod
+    def _resources_ref(cls, ref: ServerRef) -> ServerRef:
+        if ref.type != "resources_servers":
+            raise ValueError(f"resources_server must name a resources_servers server, not {ref.type}/{ref.name}")
+        return ref
+
+
+class RunRequestError(ValueError):
+    """A ``/run`` body that cannot start an episode."""
+
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(detail)
+        self.status, self.code, self.detail = status, code, detail
+
+
+def parse_run_body(body: Any) -> tuple[EpisodeId, dict[str, Any]]:
+    """Split a ``/run`` body into the episode (from ``_ng_rollout_id``) and the row."""
+    if not isinstance(body, dict):
+        raise RunRequestError(422, "invalid_request", "POST /run body must be a JSON object (a task row)")
+    key = body.get(ROLLOUT_ID_FIELD)
+    if not isinstance(key, str) or not key:
+        raise RunRequestError(400, "rollout_id_required", f"POST /run needs {ROLLOUT_ID_FIELD} (the capture key)")
+    try:
+        episode = EpisodeId.from_capture_key(key)
+    except ValidationError as exc:
+        msg = "; ".join(e["msg"] for e in exc.errors())
+        raise RunRequestError(400, "rollout_id_required", f"{ROLLOUT_ID_FIELD} {key!r} is not valid: {msg}") from None
+    return episode, {k: v for k, v in body.items() if k != ROLLOUT_ID_FIELD}
+
+
+def check_row(row: dict[str, Any]) -> None:
+    """A fresh episode needs ``responses_create_params`` with an ``input``."""
+    try:
+        TaskRow.model_validate(row)
+        ResponsesRequest.model_validate(row["responses_create_params"])
+    except ValidationError as exc:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<row>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise RunRequestError(422, "invalid_request", f"task row: {detail}") from None
+    except KeyError:
+        raise RunRequestError(422, "invalid_request", "task row: responses_create_params is required") from None
+
+
+class LoopAgentServer(GymServer):
+    """``POST /run`` over ``run_episode``; subclasses decide how a run is hosted."""
+
+    server_type = "responses_api_agents"
+    config_model = LoopAgentConfig
+    checkpoint_sessions_supported: bool = False
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        cfg: LoopAgentConfig = self.config  # type: ignore[assignment]
+        self.io: LoopIO = ServerLoopIO(self.client, cfg.model_server.name, cfg.resources_server.name)
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.max_steps  # type: ignore[attr-defined]
+
+    def setup_routes(self, app: web.Application) -> None:
+        app.router.add_post("/run", self._run_route)
+
+    def needs_row(self, episode: EpisodeId) -> bool:
+        """Whether this run starts from the row (False when it continues a restored session)."""
+        return True
+
+    async def run_rollout(self, episode: EpisodeId, row: dict[str, Any]) -> RunReply:
+        raise NotImplementedError
+
+    def episode_runner(
+        self, episode: EpisodeId, row: dict[str, Any]
+    ) -> Callable[..., Awaitable[RunReply]]:
+        """``runner(activation=None, restored_from=None, restored_state=None)`` for one run."""
+
+        async def runner(activation: Activation | None = None, restored_from: Boundary | None = None,
+                         restored_state: SimpleAgentLoopState | None = None) -> RunReply:
+            return await run_episode(
+                self.io,
+                row,
+                capture_key=episode.capture_key,
+                max_steps=self.max_steps,
+                activation=activation,
+                restored_from=restored_from,
+                restored_state=restored_state,
+            )
+
+        return runner
+
+    async def _run_route(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return json_error(422, "invalid_request", "POST /run body is not valid JSON")
+        try:
+            episode, row = parse_run_body(body)
+            if self.needs_row(episode):
+                check_row(row)
+            reply = await self.run_rollout(episode, row)
+        except RunRequestError as exc:
+            return json_error(exc.status, exc.code, exc.detail)
+        except CheckpointError as exc:
+            return web.json_response(exc.to_body(), status=exc.status)
+        except LoopError as exc:
+            return json_error(502, "upstream_error", f"{self.name}: {exc}")
+        return web.json_response(reply.model_dump(mode="json"))

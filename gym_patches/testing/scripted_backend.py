@@ -1,0 +1,440 @@
+"""Scripted chat-completions server: a test backend, not a policy.
+
+Serves OpenAI-compatible ``POST /v1/chat/completions`` in its own process
+(``python -m gym_patches.testing.scripted_backend --port N``) so Gym tests
+exercise a real model server over real HTTP with answers they can predict.
+
+Plans are keyed by the text of the first user message. A plan is a list of
+assistant turns; the turn a request asks for is the number of assistant
+messages already in ``messages``. A turn is ``{"tool_calls": [{"name",
+"arguments": {...}}]}`` and/or ``{"content": "text"}``. Past the end of a plan
+the reply is the final text ``"Done."``; without a plan it is ``"I cannot
+help."``.
+
+Token ids and logprobs in replies are FAKE but deterministic: prompt ids are
+the UTF-8 bytes of the rendered messages, generation ids the bytes of the
+reply text, and each logprob is derived from its byte. ``weight_version`` is
+always 0. ``max_tokens`` truncates the fake generation (finish "length").
+
+Control routes under ``/scripted/`` let a test hold a given turn's reply,
+release it, and read back which calls completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+FINAL_TEXT = "Done."
+NO_PLAN_TEXT = "I cannot help."
+WEIGHT_VERSION = 0
+
+Key = tuple[str, int]  # (first user message text, turn index)
+
+
+# -- plans ---------------------------------------------------------------------
+class ScriptedToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScriptedTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tool_calls: list[ScriptedToolCall] | None = None
+    content: str | None = None
+
+    @model_validator(mode="after")
+    def _has_something(self) -> "ScriptedTurn":
+        if not self.tool_calls and self.content is None:
+            raise ValueError("a turn needs 'tool_calls' or 'content'")
+        return self
+
+
+class PlansRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    plans: dict[str, list[ScriptedTurn]]
+    replace: bool = False  # False: add/override per user text; True: drop all others
+
+
+class TurnRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user: str
+    turn: int = Field(ge=0)
+
+
+def message_text(content: Any) -> str:
+    """Text of a chat message's content (string or list of text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def fake_logprob(token_id: int) -> float:
+    return -round(((token_id * 37) % 97 + 1) / 50.0, 4)
+
+
+# -- server --------------------------------------------------------------------
+class ScriptedState:
+    def __init__(self) -> None:
+        self.plans: dict[str, list[ScriptedTurn]] = {}
+        self.holds: dict[Key, asyncio.Event] = {}
+        self.waiting: dict[Key, int] = {}  # replies currently held, per turn
+        self.calls: list[dict[str, Any]] = []
+        self.pending = 0
+
+    def turn_for(self, user: str, turn: int) -> ScriptedTurn:
+        plan = self.plans.get(user)
+        if plan is None:
+            return ScriptedTurn(content=NO_PLAN_TEXT)
+        return plan[turn] if turn < len(plan) else ScriptedTurn(content=FINAL_TEXT)
+
+    def release(self, key: Key) -> bool:
+        event = self.holds.pop(key, None)
+        if event is not None:
+            event.set()
+        return event is not None
+
+
+def _error(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "detail": detail}}, status=status)
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate(await request.json())
+    except ValueError as exc:  # JSON or validation error
+        detail = str(exc) if isinstance(exc, ValidationError) else "body is not valid JSON"
+        raise web.HTTPUnprocessableEntity(
+            text=json.dumps({"error": {"code": "invalid_request", "detail": detail}}), content_type="application/json"
+        ) from None
+
+
+def build_app() -> web.Application:
+    state = ScriptedState()
+
+    async def chat(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(422, "invalid_request", "body is not valid JSON")
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return _error(422, "invalid_request", "messages: must be a non-empty list of objects")
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            return _error(422, "invalid_request", "max_tokens: must be a positive integer")
+        user = next((message_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+        turn_index = sum(1 for m in messages if m.get("role") == "assistant")
+        key = (user, turn_index)
+        state.pending += 1
+        try:
+            hold = state.holds.get(key)
+            if hold is not None:
+                state.waiting[key] = state.waiting.get(key, 0) + 1
+                try:
+                    await hold.wait()
+                finally:
+                    state.waiting[key] -= 1
+                    if not state.waiting[key]:
+                        del state.waiting[key]
+            reply = _completion(messages, state.turn_for(user, turn_index), turn_index, body.get("model"), max_tokens)
+            state.calls.append({"user": user, "turn": turn_index, "ts": time.time(), "model": body.get("model")})
+            return web.json_response(reply)
+        finally:
+            state.pending -= 1
+
+    async def set_plans(request: web.Request) -> web.Response:
+        req = await _body(request, PlansRequest)
+        if req.replace:
+            state.plans.clear()
+        state.plans.update(req.plans)
+        return web.json_response({"plans": len(state.plans)})
+
+    async def hold(request: web.Request) -> web.Response:
+        req = await _body(request, TurnRequest)
+        state.holds.setdefault((req.user, req.turn), asyncio.Event())
+        return web.json_response({"held": True})
+
+    async def release(request: web.Request) -> web.Response:
+        req = await _body(request, TurnRequest)
+        return web.json_response({"released": state.release((req.user, req.turn))})
+
+    async def calls(_: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "calls": state.calls,
+                "pending": state.pending,
+                "held": sum(state.waiting.values()),
+                "held_turns": [{"user": u, "turn": t, "waiting": n} for (u, t), n in state.waiting.items()],
+            }
+        )
+
+    async def reset(_: web.Request) -> web.Response:
+        for key in list(state.holds):
+            state.release(key)
+        state.plans.clear()
+        state.calls.clear()
+        return web.json_response({"reset": True})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "name": "scripted_backend"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/scripted/plans", set_plans)
+    app.router.add_post("/scripted/hold", hold)
+    app.router.add_post("/scripted/release", release)
+    app.router.add_get("/scripted/calls", calls)
+    app.router.add_post("/scripted/reset", reset)
+    app.router.add_get("/health", health)
+    return app
+
+
+def _render_prompt(messages: list[dict[str, Any]]) -> str:
+    parts = []
+    for m in messages:
+        calls = json.dumps(m["tool_calls"], sort_keys=True) if m.get("tool_calls") else ""
+        parts.append(f"<{m.get('role')}>{message_text(m.get('content'))}{calls}")
+    return "".join(parts)
+
+
+def _completion(
+    messages: list[dict[str, Any]], turn: ScriptedTurn, turn_index: int, model: Any, max_tokens: int | None
+) -> dict[str, Any]:
+    tool_calls = [
+        {
+            "id": f"call_t{turn_index}_{j}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, sort_keys=True)},
+        }
+        for j, c in enumerate(turn.tool_calls or [])
+    ]
+    content = turn.content
+    generated = (content or "") + "".join(c["function"]["name"] + c["function"]["arguments"] for c in tool_calls)
+    gen_ids = list(generated.encode("utf-8"))
+    finish = "tool_calls" if tool_calls else "stop"
+    if max_tokens is not None and len(gen_ids) > max_tokens:
+        gen_ids = gen_ids[:max_tokens]
+        content = bytes(gen_ids).decode("utf-8", errors="ignore")
+        tool_calls, finish = [], "length"
+    prompt_ids = list(_render_prompt(messages).encode("utf-8"))
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model if isinstance(model, str) else "scripted",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(gen_ids),
+            "total_tokens": len(prompt_ids) + len(gen_ids),
+        },
+        "prompt_token_ids": prompt_ids,
+        "generation_token_ids": gen_ids,
+        "generation_log_probs": [fake_logprob(t) for t in gen_ids],
+        "weight_version": WEIGHT_VERSION,
+    }
+
+
+# -- sync handle for tests -----------------------------------------------------
+class ScriptedBackendError(RuntimeError):
+    pass
+
+
+class ScriptedBackend:
+    """Starts and drives a scripted backend process; ``stop()`` reaps it."""
+
+    def __init__(self, host: str = "127.0.0.1", startup_timeout_s: float = 30.0):
+        self.host = host
+        self.port: int | None = None
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._log_path: Path | None = None
+
+    # -- lifecycle --
+    def start(self, port: int = 0) -> "ScriptedBackend":
+        from gym_patches.utils.processes import die_with_parent, free_port
+
+        if self._proc is not None:
+            raise ScriptedBackendError("scripted backend already started")
+        attempts = 3 if port == 0 else 1
+        for attempt in range(attempts):
+            self.port = port or free_port(self.host)
+            fd, log = tempfile.mkstemp(prefix="scripted-backend-", suffix=".log")
+            self._log_path = Path(log)
+            env = dict(os.environ)
+            repo_root = str(Path(__file__).resolve().parents[2])
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+            with os.fdopen(fd, "wb") as log_file:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "gym_patches.testing.scripted_backend", "--host", self.host,
+                     "--port", str(self.port)],
+                    env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent,
+                )
+            try:
+                self._wait_healthy()
+                return self
+            except ScriptedBackendError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise ScriptedBackendError(
+                    f"scripted backend exited with code {self._proc.returncode} during startup:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ScriptedBackendError(f"scripted backend not up after {self.startup_timeout_s:g}s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop the process (idempotent) and remove its log."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return "(no log)"
+        return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> "ScriptedBackend":
+        return self if self._proc is not None else self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- addresses --
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """What a Gym config's ``policy_base_url`` should be."""
+        return f"{self.url}/v1"
+
+    # -- control --
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10.0) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise ScriptedBackendError(f"scripted backend {method} {path} -> {exc.code}: {exc.read()[:500]!r}") from None
+
+    def set_plans(self, plans: dict[str, list[dict[str, Any]]], *, replace: bool = True) -> None:
+        self._call("POST", "/scripted/plans", {"plans": plans, "replace": replace})
+
+    def plans_from_rows(self, rows: Iterable[dict[str, Any]], *, replace: bool = True) -> dict[str, list[dict[str, Any]]]:
+        """Plan each task row: one turn per ground-truth call, then its final answer."""
+        plans = {first_user_text(row): plan_for_row(row) for row in rows}
+        self.set_plans(plans, replace=replace)
+        return plans
+
+    def hold(self, user: str, turn: int) -> None:
+        self._call("POST", "/scripted/hold", {"user": user, "turn": turn})
+
+    def release(self, user: str, turn: int) -> bool:
+        return bool(self._call("POST", "/scripted/release", {"user": user, "turn": turn})["released"])
+
+    def state(self) -> dict[str, Any]:
+        """``{calls, pending, held, held_turns}``."""
+        return self._call("GET", "/scripted/calls")
+
+    def calls(self, user: str | None = None) -> list[dict[str, Any]]:
+        """Completed calls ``{user, turn, ts, model}`` in completion order."""
+        return [c for c in self.state()["calls"] if user is None or c["user"] == user]
+
+    def wait_for_held(self, user: str, turn: int, timeout: float = 10.0) -> None:
+        """Return once a reply for ``(user, turn)`` is waiting on its hold."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(h["user"] == user and h["turn"] == turn for h in self.state()["held_turns"]):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"no held reply for turn {turn} of {user!r} after {timeout:g}s")
+
+    def reset(self) -> None:
+        self._call("POST", "/scripted/reset", {})
+
+
+def first_user_text(row: dict[str, Any]) -> str:
+    """The plan key of a task row: its first user message text."""
+    input_ = row.get("responses_create_params", {}).get("input")
+    if isinstance(input_, str):
+        return input_
+    for item in input_ or []:
+        if isinstance(item, dict) and item.get("role") == "user":
+            return message_text(item.get("content"))
+    raise ValueError(f"task row {row.get('id')!r} has no user message in responses_create_params.input")
+
+
+def plan_for_row(row: dict[str, Any]) -> list[dict[str, Any]]:
+    turns: list[dict[str, Any]] = [
+        {"tool_calls": [{"name": call["name"], "arguments": call.get("arguments", {})}]}
+        for call in row.get("ground_truth") or []
+    ]
+    final = row.get("final_answer")
+    if final is not None:
+        turns.append({"content": final if isinstance(final, str) else json.dumps(final)})
+    return turns
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Scripted chat-completions test backend (not a policy).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    web.run_app(build_app(), host=args.host, port=args.port, print=None, shutdown_timeout=1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""The run config: YAML files with ``defaults:`` inheritance and Hydra-style overrides.
+
+Every section forbids unknown keys, so a typo fails at startup with the full
+dotted path of the bad key instead of silently keeping a default. The recovery
+section also rejects settings that cannot work together, e.g. accepting
+restart-only Gym servers at a level that never asks Gym to save (DESIGN §4.1).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin
+
+import yaml
+from omegaconf import OmegaConf
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
+from nemo_rl.experience.rollout_recovery import RecoveryTargetLevel
+
+DEFAULT_GYM_SHARD = "nemo_gym"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Keys an older recovery config used; they name what replaced them.
+_REMOVED_RECOVERY_KEYS = (
+    "default_granularity",
+    "task_granularity_overrides",
+    "task_source_granularity_overrides",
+    "agent_granularity_overrides",
+    "preserve_generation_prefixes",
+    "generation_chunk_flush_tokens",
+)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each bad key by dotted path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----- sections ------------------------------------------------------------
+class DataConfig(_Section):
+    train_data_path: str
+    val_data_path: str | None = None
+    shuffle: bool = True
+    seed: int = 42
+
+
+class ShardConfig(_Section):
+    """One Gym deployment shape, started ``replicas`` times (``<name>/replica-<i>``)."""
+
+    name: str = DEFAULT_GYM_SHARD
+    replicas: int = Field(default=1, ge=1)
+    config_paths: list[str] = Field(default_factory=list)  # laid over the common ones
+    config: dict[str, Any] = Field(default_factory=dict)  # inline Gym YAML, laid over last
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, value: str) -> str:
+        if not _SAFE_NAME.match(value):
+            raise ValueError(f"shard name {value!r} must match {_SAFE_NAME.pattern}")
+        return value
+
+
+class NemoGymEnvConfig(_Section):
+    """Gym deployment: common config (paths then inline dict) plus per-shard overlays.
+
+    The Gym YAML (server instance names plus global keys) is carried, not
+    interpreted, here.
+    """
+
+    config_paths: list[str] = Field(default_factory=list)
+    config: dict[str, Any] = Field(default_factory=dict)
+    shards: list[ShardConfig] = Field(default_factory=lambda: [ShardConfig()], min_length=1)
+    spinup_timeout_s: float = Field(default=120.0, gt=0)
+
+    @field_validator("shards")
+    @classmethod
+    def _unique(cls, shards: list[ShardConfig]) -> list[ShardConfig]:
+        names = [s.name for s in shards]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"shard names must be unique, repeated: {dupes}")
+        return shards
+
+    def instance_ids(self) -> list[str]:
+        """Every replica's checkpoint instance id, ``<shard>/replica-<i>``."""
+        return [f"{s.name}/replica-{i}" for s in self.shards for i in range(s.replicas)]
+
+
+class EnvConfig(_Section):
+    should_use_nemo_gym: bool = True
+    nemo_gym: NemoGymEnvConfig = Field(default_factory=NemoGymEnvConfig)
+
+
+class LoggerConfig(_Section):
+    log_dir: str = "logs/grpo"
+    metrics_file: str = "metrics.jsonl"  # relative to log_dir
+    progress_bar: bool = True
+    plot: bool = True
+
+
+class CheckpointingConfig(_Section):
+    enabled: bool = True
+    checkpoint_dir: str = "results/grpo"
+    save_period: int = Field(default=1, ge=1)
+
+
+class ClusterConfig(_Section):
+    ray_address: str | None = None  # None: start a local Ray
+    num_cpus: int | None = Field(default=None, ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
+
+
+class RolloutRecoveryConfig(_Section):
+    target_level: RecoveryTargetLevel = RecoveryTargetLevel.SIBLING
+    task_source_target_level_overrides: dict[str, RecoveryTargetLevel] = Field(default_factory=dict)
+    agent_target_level_overrides: dict[str, RecoveryTargetLevel] = Field(default_factory=dict)
+    gym_prepare_timeout_s: float = Field(default=300.0, gt=0)
+    allow_restart_only_gym_servers: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            old = [k for k in _REMOVED_RECOVERY_KEYS if k in data]
+            if old:
+                raise ValueError(
+                    "removed keys "
+                    + ", ".join(f"rollout_recovery.{k}" for k in old)
+                    + "; use rollout_recovery.target_level and the *_target_level_overrides maps"
+                )
+        return data
+
+    @field_validator("task_source_target_level_overrides", "agent_target_level_overrides")
+    @classmethod
+    def _coarser_only(cls, overrides: dict, info: ValidationInfo) -> dict:
+        base = info.data.get("target_level")
+        if base is None:
+            return overrides  # target_level itself failed; that error is reported
+        for key, level in overrides.items():
+            if not level.is_coarser_or_equal(base):
+                raise ValueError(
+                    f"rollout_recovery.{info.field_name}.{key}={level.value} is finer than "
+                    f"rollout_recovery.target_level={base.value}; overrides may only be "
+                    "coarser or equal (prefix < turn < sibling < prompt_group)"
+                )
+        return overrides
+
+    @field_validator("allow_restart_only_gym_servers")
+    @classmethod
+    def _needs_gym_saves(cls, allow: bool, info: ValidationInfo) -> bool:
+        base = info.data.get("target_level")
+        if allow and base is not None and not base.requires_gym_checkpoint:
+            raise ValueError(
+                "rollout_recovery.allow_restart_only_gym_servers=true only applies when "
+                f"rollout_recovery.target_level is turn or prefix (it is {base.value}); "
+                "remove the setting or raise the level"
+            )
+        return allow
+
+    @property
+    def turn_checkpointing_enabled(self) -> bool:
+        return self.target_level.requires_gym_checkpoint
+
+    def resolve_for(self, task_source: str | None, agent_name: str | None) -> RecoveryTargetLevel:
+        """The level a prompt gets: agent override, then task-source override, then default."""
+        if agent_name is not None and agent_name in self.agent_target_level_overrides:
+            return self.agent_target_level_overrides[agent_name]
+        if task_source is not None and task_source in self.task_source_target_level_overrides:
+            return self.task_source_target_level_overrides[task_source]
+        return self.target_level
+
+
+class RolloutCheckpointConfig(_Section):
+    snapshot_attempt_interval_s: float | None = Field(default=None, gt=0)  # None: off
+    max_consecutive_failures: int = Field(default=3, ge=1)
+    keep_latest_k: int = Field(default=2, ge=1)
+
+
+class MasterConfig(_Section):
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    loss_fn: LossConfig = Field(default_factory=LossConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    data: DataConfig
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    rollout_recovery: RolloutRecoveryConfig = Field(default_factory=RolloutRecoveryConfig)
+    rollout_checkpointing: RolloutCheckpointConfig = Field(default_factory=RolloutCheckpointConfig)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "MasterConfig":
+        problems = []
+        if self.rollout_checkpointing.snapshot_attempt_interval_s is not None and not self.checkpointing.enabled:
+            problems.append(
+                "rollout_checkpointing.snapshot_attempt_interval_s is set but "
+                "checkpointing.enabled=false (snapshots are anchored to trainer checkpoints)"
+            )
+        if self.rollout_recovery.turn_checkpointing_enabled and not self.env.should_use_nemo_gym:
+            problems.append(
+                f"rollout_recovery.target_level={self.rollout_recovery.target_level.value} needs Gym "
+                "but env.should_use_nemo_gym=false"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-safe dict (enums as strings); loads back with ``MasterConfig(**d)``."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----- embedded default ----------------------------------------------------
+# The Gym deployment of the default run. Server instance names plus Gym global
+# keys, exactly as a Gym YAML would hold them; edit here.
+DEFAULT_NEMO_GYM_CONFIG: dict[str, Any] = {
+    "default_host": "127.0.0.1",
+}
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 3, "seed": 42},
+    "loss_fn": {},
+    "policy": {
+        "model_name": "tiny-causal-lm",
+        "device": "cpu",
+        "generation": {"backend": "torch", "max_new_tokens": 32},
+    },
+    "data": {"train_data_path": "examples/data/workplace_train.jsonl", "val_data_path": None},
+    "env": {
+        "should_use_nemo_gym": True,
+        "nemo_gym": {
+            "config_paths": [],
+            "config": DEFAULT_NEMO_GYM_CONFIG,
+            "shards": [{"name": DEFAULT_GYM_SHARD, "replicas": 1}],
+            "spinup_timeout_s": 120.0,
+        },
+    },
+    "logger": {"log_dir": "logs/grpo"},
+    "checkpointing": {"enabled": True, "checkpoint_dir": "results/grpo", "save_period": 1},
+    "cluster": {"ray_address": None, "num_cpus": 2, "gpus_per_node": 0},
+    "rollout_recovery": {"target_level": "turn", "allow_restart_only_gym_servers": False},
+    "rollout_checkpointing": {"snapshot_attempt_interval_s": 5.0, "keep_latest_k": 2},
+}
+
+
+def embedded_default_config() -> dict[str, Any]:
+    return copy.deepcopy(DEFAULT_CONFIG)
+
+
+# ----- loading -------------------------------------------------------------
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read ``path`` and merge it over its ``defaults:`` parents (relative to it)."""
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{path}: 'defaults' inheritance cycle: {' -> '.join(map(str, chain + (path,)))}")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    parents = data.pop("defaults", None)
+    if parents is None:
+        return data
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError(f"{path}: 'defaults' must be a file name or a list of file names")
+    merged = OmegaConf.create({})
+    for parent in parents:
+        parent_data = _read_yaml(path.parent / parent, chain + (path,))
+        merged = OmegaConf.merge(merged, parent_data)
+    merged = OmegaConf.merge(merged, data)
+    return OmegaConf.to_container(merged, resolve=False)
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    """``'++a.b=v'`` -> ``('++', 'a.b', parsed v)``."""
+    mode = ""
+    for prefix in ("++", "+"):
+        if text.startswith(prefix):
+            mode, text = prefix, text[len(prefix):]
+            break
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {mode}{text!r} must look like key.path=value")
+    if raw == "":
+        return mode, key, ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the literal string
+    return mode, key, value
+
+
+def _schema_knows(model: type[BaseModel], parts: list[str]) -> bool:
+    """Whether ``parts`` is a declared field path of ``model`` (nested sections)."""
+    current: Any = model
+    for part in parts:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return False
+        field = current.model_fields.get(part)
+        if field is None:
+            return False
+        current = _section_type(field.annotation)
+    return True
+
+
+def _section_type(annotation: Any) -> Any:
+    if get_origin(annotation) is Union or type(annotation).__name__ == "UnionType":
+        models = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if len(models) == 1 else None
+    return annotation
+
+
+def _lookup(data: Any, parts: list[str]) -> bool:
+    """Whether the path exists in the plain config (dict keys, list indices)."""
+    node = data
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def _assign(data: dict[str, Any], parts: list[str], value: Any, key: str) -> None:
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set '{key}': '{'.'.join(parts[:depth])}' is not a mapping")
+        if not isinstance(node.get(part), (dict, list)):
+            node[part] = {}  # create (or replace a scalar/None) on the way down
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"cannot set '{key}': '{'.'.join(parts[:-1])}' is not a mapping")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` (key must exist), ``+key=value`` (must not) and ``++key=value``.
+
+    A key "exists" if the YAML has it or the schema declares it, so a field
+    left at its default can be set without ``++``.
+    """
+    data = copy.deepcopy(data)
+    for text in overrides:
+        mode, key, value = _parse_override(text)
+        parts = key.split(".")
+        exists = _lookup(data, parts)
+        if mode == "" and not (exists or _schema_knows(MasterConfig, parts)):
+            raise ConfigError(
+                f"override {text!r}: key '{key}' does not exist in the config "
+                f"(use '++{key}=...' to add it)"
+            )
+        if mode == "+" and exists:
+            raise ConfigError(f"override {text!r}: key '{key}' already exists (use '++{key}=...')")
+        _assign(data, parts, value, key)
+    return data
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (not part of the config schema)"
+        lines.append(f"  - {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any], source: str = "<dict>") -> MasterConfig:
+    """Validate a plain dict into a ``MasterConfig``.
+
+    ``${...}`` interpolations are resolved everywhere except ``env.nemo_gym``:
+    Gym YAML uses them for keys only Gym knows (e.g. ``${policy_base_url}``).
+    """
+    data = copy.deepcopy(data)
+    env = data.get("env")
+    gym_block = env.pop("nemo_gym", None) if isinstance(env, dict) else None
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except Exception as exc:
+        raise ConfigError(f"invalid config ({source}): cannot resolve interpolation: {exc}") from None
+    if gym_block is not None:
+        resolved["env"]["nemo_gym"] = gym_block
+    try:
+        return MasterConfig.model_validate(resolved)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> MasterConfig:
+    """Load YAML (or the embedded default when ``path`` is None), apply overrides, validate."""
+    if path is None:
+        data, source = embedded_default_config(), "embedded default"
+    else:
+        data, source = _read_yaml(Path(path)), str(path)
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        source += " + overrides"
+    return build_config(data, source)

@@ -1,0 +1,211 @@
+"""Setup of the single controller: Ray, the Gym shard set, and the restart-only check.
+
+``_spinup_gym`` runs before any rollout and before policy weights are built, so
+a Gym setup that cannot give what ``rollout_recovery`` asks for fails in seconds
+with every offending server named (DESIGN §1, §4.2).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+
+from gym_patches.config import GymConfigError, parse_gym_config
+from nemo_rl.algorithms.single_controller_utils.config import MasterConfig, NemoGymEnvConfig, ShardConfig
+from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
+from nemo_rl.environments.nemo_gym import NemoGym, NemoGymShardSet, build_gym_actor_config
+from nemo_rl.experience.rollout_recovery import RecoveryTargetLevel
+
+logger = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+class ShardSetupError(RuntimeError):
+    """A Gym shard replica failed to start; names the shard and replica."""
+
+
+def init_ray(config: MasterConfig) -> None:
+    """Start (or join) Ray sized for this machine; torch threads stay at 1 in actors."""
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    if config.cluster.ray_address:
+        ray.init(address=config.cluster.ray_address, **kwargs)
+    else:
+        ray.init(num_cpus=config.cluster.num_cpus or 2, num_gpus=config.cluster.gpus_per_node, **kwargs)
+
+
+def _resolve_path(path: str) -> Path:
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    candidate = REPO_ROOT / p
+    return candidate if candidate.exists() else p
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def shard_gym_config(env: NemoGymEnvConfig, shard: ShardConfig) -> dict[str, Any]:
+    """Common config_paths, common inline config, then the shard's own, merged in that order."""
+    merged: dict[str, Any] = {}
+    for path in [*env.config_paths, *shard.config_paths]:
+        resolved = _resolve_path(path)
+        try:
+            data = yaml.safe_load(resolved.read_text()) or {}
+        except OSError as exc:
+            raise GymConfigError(f"env.nemo_gym config file {path!r} cannot be read: {exc.strerror or exc}") from None
+        if not isinstance(data, dict):
+            raise GymConfigError(f"env.nemo_gym config file {path!r} must hold a mapping")
+        merged = _deep_merge(merged, data)
+    merged = _deep_merge(merged, env.config)
+    return _deep_merge(merged, shard.config)
+
+
+def _check_target_level(config: MasterConfig) -> None:
+    if config.rollout_recovery.target_level == RecoveryTargetLevel.PREFIX:
+        raise ValueError(
+            "rollout_recovery.target_level=prefix needs generation cuts (continuing a model call from its "
+            "decoded tokens), which this project does not implement yet; use target_level=turn"
+        )
+
+
+def restart_only_check(
+    config: MasterConfig, restart_only: dict[str, list[str]], server_types: dict[str, str]
+) -> None:
+    """Raise or warn per ``rollout_recovery.allow_restart_only_gym_servers`` (DESIGN §1)."""
+    recovery = config.rollout_recovery
+    if not recovery.turn_checkpointing_enabled:
+        return
+    # server name -> instances it is restart-only on
+    where: dict[str, list[str]] = {}
+    for instance_id, names in sorted(restart_only.items()):
+        for name in names:
+            where.setdefault(name, []).append(instance_id)
+    several = len(restart_only) > 1
+    described = []
+    for name in sorted(where):
+        kind = "agent" if server_types.get(name) == "responses_api_agents" else "resources server"
+        suffix = f" (on {', '.join(where[name])})" if several else ""
+        described.append(f"{kind} {name!r}{suffix}")
+    level = recovery.target_level.value
+    if not recovery.allow_restart_only_gym_servers:
+        if described:
+            raise ValueError(
+                f"rollout_recovery.target_level={level} needs every Gym agent and resources server to save "
+                f"its rollouts, but these are restart-only: {'; '.join(described)}. Every turn-level snapshot "
+                "would stall waiting for them. Fix one of: (1) add checkpoint support to them (agents: "
+                "checkpoint_sessions_supported = True with session export/restore; resources servers: "
+                "checkpoint_mode 'exported' or 'stateless'), or (2) set "
+                "rollout_recovery.allow_restart_only_gym_servers=true to snapshot best-effort (their rollouts "
+                "restart from the prompt after a crash; the others keep turn recovery)."
+            )
+        return
+    if described:
+        warnings.warn(
+            f"rollout_recovery.allow_restart_only_gym_servers=true: best-effort turn snapshots. These Gym servers "
+            f"are restart-only and their rollouts restart from the prompt after a crash: {'; '.join(described)}",
+            UserWarning,
+            stacklevel=2,
+        )
+    else:
+        warnings.warn(
+            "rollout_recovery.allow_restart_only_gym_servers=true, but every Gym agent and resources server "
+            "saves its rollouts; set it to false so a restart-only server added later fails setup instead of "
+            "silently losing turn recovery",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _spinup_gym(
+    config: MasterConfig,
+    *,
+    policy_base_url: str,
+    log_dir: str | Path,
+    control_auth_token: str | None = None,
+    skip_restart_only_check: bool = False,
+) -> NemoGymShardSet:
+    """Start one ``NemoGym`` actor per shard replica, discover restart-only servers, check.
+
+    ``skip_restart_only_check`` is a test-only switch (the RL-level stall regression).
+    """
+    _check_target_level(config)
+    env = config.env.nemo_gym
+    turn = config.rollout_recovery.turn_checkpointing_enabled
+    token = control_auth_token or secrets.token_urlsafe(24)
+    handles: dict[str, list[Any]] = {}
+    instances: dict[str, GymCheckpointInstance] = {}
+    agent_shards: dict[str, str] = {}
+    server_types: dict[str, str] = {}
+    shard_set = NemoGymShardSet(handles=handles, instances=instances, agent_shards=agent_shards)
+    try:
+        for shard in env.shards:
+            gym_cfg = build_gym_actor_config(
+                shard_gym_config(env, shard),
+                policy_base_url=policy_base_url,
+                control_auth_token=token,
+                checkpointing=turn,
+            )
+            parsed = parse_gym_config(gym_cfg)
+            for name, inst in parsed.instances.items():
+                server_types[name] = inst.server_type
+                if inst.server_type == "responses_api_agents":
+                    if name in agent_shards and agent_shards[name] != shard.name:
+                        raise GymConfigError(f"Gym agent {name!r} is configured in shards {agent_shards[name]!r} and {shard.name!r}")
+                    agent_shards[name] = shard.name
+            handles[shard.name] = []
+            for i in range(shard.replicas):
+                inst_id = GymCheckpointInstance(shard.name, i)
+                instances[inst_id.instance_id] = inst_id
+                handles[shard.name].append(
+                    NemoGym.options(name=None).remote(inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir))
+                )
+        _gather(shard_set, lambda h: h.spinup.remote(env.spinup_timeout_s), "start", env.spinup_timeout_s + 30)
+        if turn:
+            started = time.monotonic()
+            names = _gather(
+                shard_set, lambda h: h.initialize_checkpoint_adapter.remote(), "discover checkpoint participants of",
+                env.spinup_timeout_s,
+            )
+            shard_set.restart_only_servers = {iid: sorted(n) for iid, n in names.items()}
+            logger.info("Gym checkpoint participants discovered in %.2fs", time.monotonic() - started)
+            if not skip_restart_only_check:
+                restart_only_check(config, shard_set.restart_only_servers, server_types)
+    except BaseException:
+        shard_set.shutdown()
+        raise
+    return shard_set
+
+
+def _gather(shard_set: NemoGymShardSet, call, what: str, timeout_s: float) -> dict[str, Any]:
+    """Run ``call`` on every replica under one deadline; name the replica that failed."""
+    refs = {iid: call(h) for iid, h in shard_set.checkpoint_handles.items()}
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, Any] = {}
+    for iid, ref in refs.items():
+        try:
+            out[iid] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise ShardSetupError(f"Gym shard replica {iid}: could not {what} it within {timeout_s:.0f}s") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if isinstance(cause, (GymConfigError, ValueError)):
+                raise type(cause)(f"Gym shard replica {iid}: {cause}") from None
+            raise ShardSetupError(f"Gym shard replica {iid}: could not {what} it: {cause}") from None
+    return out

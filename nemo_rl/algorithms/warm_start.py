@@ -1,0 +1,201 @@
+"""Supervised warm start on demonstrations built from dataset rows.
+
+A policy trained from scratch never emits a well-formed tool call by chance,
+so GRPO would see reward 0 everywhere and learn nothing. A short supervised
+phase on each row's ``ground_truth`` calls (tool outputs simulated with the
+row's own world, final reply ``final_answer``) teaches the format and the task
+shapes; kept short on purpose, it leaves the policy sloppy enough that RL has
+room to improve it.
+
+Tool outputs come from the pure-Python worlds in ``gym_patches``: the
+workplace ``OfficeWorld`` for workplace rows and a real interpreter session for
+python_sandbox rows, so the demonstrations show exactly what rollouts show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from nemo_rl.models.chat_format import render_with_mask
+from nemo_rl.models.tokenizer import Tokenizer
+
+# What a row's demonstration needs: (row) -> list of tool outputs, one per ground_truth call.
+ToolSimulator = Callable[[dict], list[str]]
+
+
+def row_task_source(row: dict) -> str:
+    """``task_source`` if present, else inferred from the row's seed shape."""
+    src = row.get("task_source")
+    if src:
+        return src
+    seed = row.get("seed") or {}
+    return "workplace" if "people" in seed else "python_sandbox" if "setup" in seed else "unknown"
+
+
+def _simulate_workplace(row: dict) -> list[str]:
+    from gym_patches.resources_servers.workplace import ToolError, seed_from_row
+
+    world = seed_from_row(row)
+    outs = []
+    for i, call in enumerate(row["ground_truth"]):
+        try:
+            outs.append(world.call_tool(call["name"], call["arguments"]))
+        except ToolError as e:
+            raise ValueError(f"row {row.get('id')!r}: ground_truth[{i}] is not a valid call: {e}") from e
+    return outs
+
+
+async def _simulate_sandbox_async(row: dict) -> list[str]:
+    from gym_patches.resources_servers.python_sandbox import call_sandbox_tool, seed_sandbox
+
+    session = await seed_sandbox(row)
+    try:
+        return [await call_sandbox_tool(session, c["name"], c["arguments"]) for c in row["ground_truth"]]
+    finally:
+        await session.close()
+
+
+def _simulate_sandbox(row: dict) -> list[str]:
+    return asyncio.run(_simulate_sandbox_async(row))
+
+
+SIMULATORS: dict[str, ToolSimulator] = {
+    "workplace": _simulate_workplace,
+    "python_sandbox": _simulate_sandbox,
+}
+
+
+def _check_row(row: Any, i: int) -> dict:
+    if not isinstance(row, dict):
+        raise ValueError(f"rows[{i}] must be a dict, got {type(row).__name__}")
+    for key in ("responses_create_params", "ground_truth"):
+        if key not in row:
+            raise ValueError(f"rows[{i}] (id {row.get('id')!r}) has no field {key!r}")
+    if not isinstance(row["responses_create_params"].get("input"), list):
+        raise ValueError(f"rows[{i}] field 'responses_create_params.input' must be a list of messages")
+    for j, call in enumerate(row["ground_truth"]):
+        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
+            raise ValueError(f"rows[{i}] field 'ground_truth[{j}]' needs 'name' and 'arguments'")
+    return row
+
+
+def _args_dict(arguments: Any) -> dict:
+    return json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+
+
+def demo_messages(row: dict, tool_outputs: Sequence[str]) -> list[dict]:
+    """The demonstration conversation: one assistant turn per ground-truth call, then the final answer."""
+    msgs = [dict(m) for m in row["responses_create_params"]["input"]]
+    for i, (call, out) in enumerate(zip(row["ground_truth"], tool_outputs, strict=True)):
+        call_id = f"call_demo_{i}"
+        args = json.dumps(_args_dict(call["arguments"]))
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": args}}]})
+        msgs.append({"role": "tool", "tool_call_id": call_id, "content": out})
+    msgs.append({"role": "assistant", "content": row.get("final_answer") or "Done."})
+    return msgs
+
+
+def simulate_rows(rows: Iterable[dict], simulators: dict[str, ToolSimulator] | None = None) -> list[list[dict]]:
+    """Demonstration conversations for ``rows`` (tool outputs simulated per task source)."""
+    sims = {**SIMULATORS, **(simulators or {})}
+    convs = []
+    for i, row in enumerate(rows):
+        row = _check_row(row, i)
+        src = row_task_source(row)
+        if src not in sims:
+            raise ValueError(f"rows[{i}] has task_source {src!r}; no tool simulator for it (have {sorted(sims)})")
+        convs.append(demo_messages(row, sims[src](row)))
+    return convs
+
+
+def corpus_texts(conversations: Iterable[list[dict]]) -> list[str]:
+    """Every string a tokenizer should know: message texts, call names and JSON arguments."""
+    texts = []
+    for conv in conversations:
+        for m in conv:
+            if isinstance(m.get("content"), str):
+                texts.append(m["content"])
+            for c in m.get("tool_calls") or []:
+                texts += [c["function"]["name"], c["function"]["arguments"]]
+    return texts
+
+
+def build_tokenizer(rows: Iterable[dict], max_pieces: int = 4000, extra_texts: Iterable[str] = ()) -> Tokenizer:
+    """A tokenizer whose pieces come from the rows' demonstrations (and their tool schemas' names)."""
+    rows = list(rows)
+    texts = corpus_texts(simulate_rows(rows)) + list(extra_texts)
+    for row in rows:
+        for tool in row["responses_create_params"].get("tools") or []:
+            texts.append(tool.get("name") or tool.get("function", {}).get("name", ""))
+    return Tokenizer.from_corpus(texts, max_pieces=max_pieces)
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), T - 1))
+    for i, (x, m) in enumerate(examples):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x) - 1] = torch.tensor(m[1:], dtype=torch.float32)  # logprob j scores token j+1
+    return ids.to(device), mask.to(device)
+
+
+def warm_start(
+    policy,
+    tokenizer: Tokenizer,
+    rows: Sequence[dict],
+    steps: int = 60,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    seed: int = 0,
+    conversations: list[list[dict]] | None = None,
+    log_every: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Train ``policy`` in place on demonstrations (loss on assistant tokens only); returns metrics.
+
+    ``conversations`` may be passed to reuse demonstrations already simulated
+    (``simulate_rows``); otherwise they are built from ``rows``.
+    """
+    if steps < 0 or batch_size < 1:
+        raise ValueError(f"warm_start needs steps >= 0 and batch_size >= 1, got {steps}/{batch_size}")
+    t0 = time.perf_counter()
+    convs = conversations if conversations is not None else simulate_rows(rows)
+    if not convs:
+        raise ValueError("warm_start needs at least one row")
+    examples = [render_with_mask(tokenizer, c, add_generation_prompt=False) for c in convs]
+    too_long = [i for i, (ids, _) in enumerate(examples) if len(ids) > policy.max_seq_len]
+    if too_long:
+        raise ValueError(f"demonstrations {too_long[:5]} exceed policy.max_seq_len={policy.max_seq_len}")
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
+    )
+    policy.train()
+    loss_v = float("nan")
+    for step in range(steps):
+        ids, mask = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_id, policy.device)
+        lp = policy.sequence_logprobs(ids)
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_v = loss.item()
+        if log_every and (step + 1) % log_every == 0:
+            log(f"warm_start step {step + 1}/{steps} loss {loss_v:.4f}")
+    policy.eval()
+    return {"warm_start_loss": loss_v, "warm_start_steps": float(steps), "warm_start_s": time.perf_counter() - t0,
+            "num_demos": float(len(examples))}

@@ -1,0 +1,227 @@
+"""``NemoGym``: one Ray actor per Gym shard replica.
+
+Each actor starts its own Gym deployment (a head server plus one process per
+server, on loopback), runs rollouts over HTTP and owns that deployment's
+``GymCheckpointAdapter``. ``NemoGymShardSet`` is the controller's handle on
+all of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.wire import RestartOnlyPolicy
+from gym_patches.config import parse_gym_config
+from gym_patches.launch import GymDeployment
+from gym_patches.server_utils import ServerCallError, ServerClient
+from gym_patches.wire_models import ROLLOUT_ID_FIELD, RunReply
+from nemo_rl.environments.gym_checkpoint_adapter import (
+    GymCheckpointAdapter,
+    GymCheckpointCommitSummary,
+    GymCheckpointInstance,
+    GymCheckpointPrepareSummary,
+)
+
+
+class GymRolloutError(RuntimeError):
+    """A rollout did not finish. ``infra`` = a server failed (retry from the prompt)."""
+
+    def __init__(self, message: str, *, rollout_id: str, server: str, infra: bool, code: str | None = None):
+        super().__init__(message)
+        self.rollout_id, self.server, self.infra, self.code = rollout_id, server, infra, code
+
+    def __reduce__(self):
+        return (_rebuild_rollout_error, (str(self), self.rollout_id, self.server, self.infra, self.code))
+
+
+def _rebuild_rollout_error(message, rollout_id, server, infra, code):
+    return GymRolloutError(message, rollout_id=rollout_id, server=server, infra=infra, code=code)
+
+
+class GymCheckpointParked(GymRolloutError):
+    """A ``/run`` refused because a checkpoint holds the agent closed; dispatch again later."""
+
+
+def build_gym_actor_config(
+    gym_config: dict[str, Any], *, policy_base_url: str, control_auth_token: str, checkpointing: bool
+) -> dict[str, Any]:
+    """The Gym config one replica runs: RL injects the policy URL and checkpoint block."""
+    cfg = dict(gym_config)
+    cfg["policy_base_url"] = policy_base_url
+    cfg["head_server"] = {"host": "127.0.0.1", "port": 0}
+    cfg["checkpoint"] = {
+        "enabled": bool(checkpointing),
+        "control_auth_token": control_auth_token,
+        "lease_grace_seconds": float(gym_config.get("checkpoint", {}).get("lease_grace_seconds", 600.0))
+        if isinstance(gym_config.get("checkpoint"), dict)
+        else 600.0,
+    }
+    parse_gym_config(cfg)  # fail here, in the driver, with the key named
+    return cfg
+
+
+@ray.remote(max_restarts=0, num_cpus=0)
+class NemoGym:
+    """One Gym deployment and its checkpoint adapter, for one shard replica."""
+
+    def __init__(
+        self,
+        instance: GymCheckpointInstance,
+        gym_config: dict[str, Any],
+        *,
+        control_auth_token: str,
+        log_dir: str,
+        rollout_timeout_s: float = 1800.0,
+    ):
+        self.instance = instance
+        self.gym_config = gym_config
+        self.control_auth_token = control_auth_token
+        self.log_dir = Path(log_dir) / "gym-instances" / instance.shard_name / f"replica-{instance.replica_index}"
+        self.rollout_timeout_s = rollout_timeout_s
+        self.deployment: GymDeployment | None = None
+        self.client: ServerClient | None = None
+        self.adapter: GymCheckpointAdapter | None = None
+
+    async def spinup(self, startup_timeout_s: float = 60.0) -> list[dict[str, str]]:
+        # Started from the actor's event-loop thread, which lives as long as the
+        # actor, so the servers' parent-death signal fires only when it dies.
+        self.deployment = GymDeployment.start(self.gym_config, log_dir=self.log_dir, startup_timeout_s=startup_timeout_s)
+        self.client = ServerClient(self.deployment.config)
+        return [
+            {"name": s.name, "kind": s.kind, "url": s.url, "checkpoint_mode": s.checkpoint_mode}
+            for s in self.deployment.servers
+        ]
+
+    async def initialize_checkpoint_adapter(self, timeout_s: float = 30.0) -> list[str]:
+        """Discover participants; return the restart-only server names."""
+        assert self.client is not None, "spinup() first"
+        self.adapter = GymCheckpointAdapter(self.instance, self.client, self.control_auth_token)
+        return await self.adapter.discover(timeout_s=timeout_s)
+
+    async def run_rollout(self, row: dict[str, Any], rollout_id: str) -> dict[str, Any]:
+        """POST the row to its agent's ``/run`` under ``rollout_id`` (a capture key)."""
+        assert self.client is not None, "spinup() first"
+        agent = (row.get("agent_ref") or {}).get("name")
+        if not agent:
+            raise GymRolloutError(
+                f"row {row.get('id')!r} has no agent_ref.name", rollout_id=rollout_id, server="?", infra=False
+            )
+        body = dict(row)
+        body[ROLLOUT_ID_FIELD] = rollout_id
+        try:
+            resp = await self.client.post(agent, "/run", json=body, timeout_s=self.rollout_timeout_s)
+        except ServerCallError as exc:
+            raise GymRolloutError(str(exc), rollout_id=rollout_id, server=agent, infra=True) from None
+        except TimeoutError:
+            raise GymRolloutError(
+                f"Gym agent {agent!r} /run timed out after {self.rollout_timeout_s}s",
+                rollout_id=rollout_id, server=agent, infra=True,
+            ) from None
+        if resp.status == 200:
+            return RunReply.model_validate(resp.body).model_dump()
+        code = (resp.body or {}).get("error", {}).get("code") if isinstance(resp.body, dict) else None
+        message = f"Gym agent {agent!r} /run for {rollout_id} returned {resp.status}: {resp.text[:300]}"
+        if code == "admission_closed":
+            raise GymCheckpointParked(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
+        raise GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=resp.status >= 500, code=code)
+
+    # -- checkpoint calls (thin: the adapter does the work) -----------------------
+    async def checkpoint_prepare(
+        self, checkpoint_id: str, deadline_ts: float, restart_only_policy: RestartOnlyPolicy
+    ) -> GymCheckpointPrepareSummary:
+        return await self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy)
+
+    async def checkpoint_renew(self, checkpoint_id: str, deadline_ts: float) -> None:
+        await self._adapter().renew(checkpoint_id, deadline_ts)
+
+    async def checkpoint_retire(self, checkpoint_id: str, deadline_ts: float, episodes: list[EpisodeId]) -> None:
+        await self._adapter().retire(checkpoint_id, deadline_ts, episodes)
+
+    async def checkpoint_commit(
+        self, checkpoint_id: str, deadline_ts: float, root: str, episodes: list[EpisodeId]
+    ) -> GymCheckpointCommitSummary:
+        return await self._adapter().commit(checkpoint_id, deadline_ts, root, episodes)
+
+    async def checkpoint_restore(
+        self, restore_id: str, deadline_ts: float, root: str, exported_by_server: dict[str, list[str]],
+        source_checkpoint_id: str,
+    ) -> list[str]:
+        return await self._adapter().restore(restore_id, deadline_ts, root, exported_by_server, source_checkpoint_id)
+
+    async def checkpoint_resume(self, checkpoint_id: str, deadline_ts: float) -> None:
+        await self._adapter().resume(checkpoint_id, deadline_ts)
+
+    def _adapter(self) -> GymCheckpointAdapter:
+        if self.adapter is None:
+            raise RuntimeError(f"{self.instance.instance_id}: checkpoint adapter not initialized")
+        return self.adapter
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def server_pids(self) -> dict[str, int]:
+        assert self.deployment is not None
+        return {name: self.deployment.pid(name) for name in ["head_server", *self.deployment.config.instances]}
+
+    async def kill_server(self, name: str) -> None:
+        assert self.deployment is not None
+        self.deployment.kill_server(name)
+
+    async def shutdown(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        if self.deployment is not None:
+            self.deployment.stop()
+            self.deployment = None
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+@dataclass
+class NemoGymShardSet:
+    """All replicas of all shards; ``restart_only_servers`` is filled by setup."""
+
+    handles: dict[str, list[Any]]
+    instances: dict[str, GymCheckpointInstance]
+    agent_shards: dict[str, str] = field(default_factory=dict)  # agent name -> shard
+    restart_only_servers: dict[str, list[str]] = field(default_factory=dict)  # instance id -> names
+    _cycle: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def checkpoint_handles(self) -> dict[str, Any]:
+        return {
+            GymCheckpointInstance(shard, i).instance_id: h
+            for shard, hs in self.handles.items()
+            for i, h in enumerate(hs)
+        }
+
+    def handle_for(self, instance_id: str) -> Any:
+        try:
+            return self.checkpoint_handles[instance_id]
+        except KeyError:
+            raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.checkpoint_handles)}") from None
+
+    def pick_instance(self, agent_name: str) -> str:
+        """Round-robin over the replicas of the shard serving ``agent_name``."""
+        shard = self.agent_shards.get(agent_name)
+        if shard is None:
+            raise KeyError(f"no Gym shard serves agent {agent_name!r}; agents: {sorted(self.agent_shards)}")
+        if shard not in self._cycle:
+            self._cycle[shard] = itertools.cycle(range(len(self.handles[shard])))
+        return GymCheckpointInstance(shard, next(self._cycle[shard])).instance_id
+
+    def shutdown(self) -> None:
+        refs = [h.shutdown.remote() for hs in self.handles.values() for h in hs]
+        try:
+            ray.get(refs, timeout=30)
+        except Exception:  # noqa: BLE001 - best effort on the way out; the kill below is certain
+            pass
+        for hs in self.handles.values():
+            for h in hs:
+                ray.kill(h, no_restart=True)

@@ -1,0 +1,1 @@
+"""Tokenizer, chat template, tiny policy and the generation worker."""

@@ -1,0 +1,278 @@
+"""The torch generation worker: a Ray actor serving OpenAI-style chat completions.
+
+The actor owns its own copy of the policy and an aiohttp server on its event
+loop. Requests are queued and decoded in small batches (requests that arrive
+within ``generation.batch_window_ms`` share one ``sample_batch``) on a single
+executor thread, so the event loop stays responsive and refits, which run on
+the same thread, always land between batches: every reply was produced by
+exactly one ``weight_version``, which it reports.
+
+Replies carry four extensions Gym's model server passes through for training:
+``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and
+``weight_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from aiohttp import web
+from pydantic import ValidationError
+
+from nemo_rl.algorithms.grpo_config import PolicyConfig
+from nemo_rl.models.chat_format import parse_completion, render_messages
+from nemo_rl.models.generation.protocol import ChatCompletionRequest, error_body
+from nemo_rl.models.policy import build_policy
+from nemo_rl.models.tokenizer import Tokenizer
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    future: asyncio.Future = field(repr=False)
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _load_weights(weights: Any) -> dict[str, torch.Tensor]:
+    if isinstance(weights, (bytes, bytearray, memoryview)):
+        weights = torch.load(io.BytesIO(bytes(weights)), map_location="cpu", weights_only=True)
+    if not isinstance(weights, dict):
+        raise TypeError(f"refit expects a state dict or its torch.save bytes, got {type(weights).__name__}")
+    return weights
+
+
+class GenerationServer:
+    """Plain-Python implementation; ``GenerationWorker`` is its Ray actor form."""
+
+    def __init__(
+        self,
+        policy_cfg: PolicyConfig | dict,
+        tokenizer: Tokenizer | dict,
+        weights: Any = None,
+        weight_version: int = 0,
+        seed: int = 0,
+        model_name: str | None = None,
+    ):
+        torch.set_num_threads(1)
+        self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.from_dict(tokenizer)
+        self.model_name = model_name or self.cfg.model_name
+        self.policy = build_policy(self.cfg, self.tokenizer.vocab_size).eval()
+        for p in self.policy.parameters():
+            p.requires_grad_(False)
+        if weights is not None:
+            self.policy.load_state_dict(_load_weights(weights))
+        self._version = int(weight_version)
+        self._gen = torch.Generator(device=self.policy.device).manual_seed(seed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._batcher: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
+        self.base_url: str | None = None
+        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0}
+
+    # ----- lifecycle -----------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving; returns the base URL ending in ``/v1``."""
+        if self._runner is not None:
+            return self.base_url
+        self._queue = asyncio.Queue()
+        self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._handle_chat)
+        app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_get("/health", self._handle_health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        real_port = site._server.sockets[0].getsockname()[1]
+        self.base_url = f"http://{host}:{real_port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._batcher is not None:
+            self._batcher.cancel()
+            self._batcher = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ----- weights -------------------------------------------------------
+    def _refit_sync(self, weights: Any, weight_version: int) -> int:
+        state = _load_weights(weights)
+        self.policy.load_state_dict(state)
+        self._version = int(weight_version)
+        return self._version
+
+    async def refit(self, weights: Any, weight_version: int) -> int:
+        """Load new weights between batches; returns the new version."""
+        if not isinstance(weight_version, int) or weight_version < 0:
+            raise ValueError(f"weight_version must be a non-negative int, got {weight_version!r}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._refit_sync, weights, weight_version)
+
+    async def weight_version(self) -> int:
+        return self._version
+
+    async def logprobs(self, prompt_ids: list[int], gen_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Score ``gen_ids`` after ``prompt_ids`` with the current weights."""
+        loop = asyncio.get_running_loop()
+        fn = lambda: self.policy.token_logprobs(prompt_ids, gen_ids, temperature).tolist()  # noqa: E731
+        return await loop.run_in_executor(self._executor, fn)
+
+    async def get_stats(self) -> dict:
+        return dict(self.stats)
+
+    # ----- generation ----------------------------------------------------
+    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float) -> dict:
+        """Queue one prompt; resolves to ``{token_ids, logprobs, finish_reason, weight_version}``."""
+        if self._queue is None:
+            raise RuntimeError("call start() before generate()")
+        if len(prompt_ids) >= self.policy.max_seq_len:
+            raise _BadRequest(
+                f"prompt is {len(prompt_ids)} tokens; this model's maximum context length is "
+                f"{self.policy.max_seq_len} tokens",
+                "messages",
+                "context_length_exceeded",
+            )
+        fut = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut))
+        return await fut
+
+    def _decode_batch(self, jobs: list[_Job]) -> tuple[list, int]:
+        outs = self.policy.sample_batch(
+            [j.prompt_ids for j in jobs],
+            [j.max_new_tokens for j in jobs],
+            [j.temperature for j in jobs],
+            stop_token=self.tokenizer.end_id,
+            generator=self._gen,
+            pad_id=self.tokenizer.pad_id,
+        )
+        return outs, self._version
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        window = self.cfg.generation.batch_window_ms / 1000.0
+        while True:
+            jobs = [await self._queue.get()]
+            if window > 0:
+                await asyncio.sleep(window)
+            while not self._queue.empty() and len(jobs) < self.cfg.generation.max_batch_size:
+                jobs.append(self._queue.get_nowait())
+            jobs = [j for j in jobs if not j.future.done()]  # client went away
+            if not jobs:
+                continue
+            try:
+                outs, version = await loop.run_in_executor(self._executor, self._decode_batch, jobs)
+            except Exception as e:  # surface to every waiting request, keep serving
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(e)
+                continue
+            self.stats["batches"] += 1
+            for j, o in zip(jobs, outs):
+                self.stats["generated_tokens"] += len(o.token_ids)
+                if not j.future.done():
+                    j.future.set_result(
+                        {"token_ids": o.token_ids, "logprobs": o.logprobs,
+                         "finish_reason": o.finish_reason, "weight_version": version}
+                    )
+
+    # ----- HTTP ----------------------------------------------------------
+    async def _handle_models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "nemo_rl"}]}
+        )
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "weight_version": self._version})
+
+    async def _handle_chat(self, request: web.Request) -> web.Response:
+        try:
+            try:
+                body = await request.json()
+            except Exception:
+                raise _BadRequest("request body is not valid JSON", "body") from None
+            if not isinstance(body, dict):
+                raise _BadRequest("request body must be a JSON object", "body")
+            try:
+                req = ChatCompletionRequest.model_validate(body)
+            except ValidationError as e:
+                err = e.errors()[0]
+                loc = ".".join(str(x) for x in err["loc"]) or "body"
+                raise _BadRequest(f"{loc}: {err['msg']}", loc) from None
+            try:
+                prompt_ids = render_messages(self.tokenizer, req.messages)
+            except ValueError as e:
+                msg = str(e)
+                param = msg.split(":")[0] if msg.startswith("messages[") else "messages"
+                raise _BadRequest(msg, param) from None
+            gen_cfg = self.cfg.generation
+            temperature = gen_cfg.temperature if req.temperature is None else req.temperature
+            max_new = req.max_completion_tokens or req.max_tokens or gen_cfg.max_new_tokens
+            self.stats["requests"] += 1
+            out = await self.generate(prompt_ids, max_new, temperature)
+        except _BadRequest as e:
+            return web.json_response(error_body(str(e), e.param, e.code), status=400)
+        return web.json_response(self._completion_body(req, prompt_ids, out))
+
+    def _completion_body(self, req: ChatCompletionRequest, prompt_ids: list[int], out: dict) -> dict:
+        tok = self.tokenizer
+        gen = out["token_ids"]
+        text_ids = gen[:-1] if gen and gen[-1] == tok.end_id else gen
+        content, tool_calls = parse_completion(tok.decode(text_ids))
+        finish = out["finish_reason"]
+        if finish == "stop" and tool_calls:
+            finish = "tool_calls"
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {
+            "id": "chatcmpl-" + uuid.uuid4().hex,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model or self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": {
+                        "content": [
+                            {"token": tok.token_str(t), "logprob": lp, "top_logprobs": []}
+                            for t, lp in zip(gen, out["logprobs"])
+                        ]
+                    },
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(gen),
+                "total_tokens": len(prompt_ids) + len(gen),
+            },
+            "prompt_token_ids": prompt_ids,
+            "generation_token_ids": gen,
+            "generation_log_probs": out["logprobs"],
+            "weight_version": out["weight_version"],
+        }
+
+
+# The Ray actor. Size it with .options(num_cpus=..., num_gpus=...) at creation.
+GenerationWorker = ray.remote(GenerationServer)

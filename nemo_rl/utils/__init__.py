@@ -1,0 +1,1 @@
+"""Small shared helpers of the RL side (on-disk snapshot layout)."""

@@ -1,0 +1,429 @@
+"""Atomic on-disk layout for trainer anchors and rollout snapshots.
+
+A crash can happen at any byte, so nothing is ever edited in place: a
+snapshot or trainer step is written into a ``.tmp-*`` sibling, sealed with a
+``manifest.json`` that lists every file with its sha256 and size (written
+last), and renamed into place. Readers trust a directory only if its manifest
+parses and every listed file matches; anything else is skipped and reported
+with the bad file named (DESIGN §4.4 step 7, §4.5).
+
+Layout::
+
+    <checkpoint_dir>/bootstrap/                      anchor for step 0
+    <checkpoint_dir>/step_<N>/manifest.json           trainer step N
+    <anchor>/rollout_snapshots/snapshot_<SEQ>[-tag]/  one rollout snapshot
+    <anchor>/rollout_snapshots/.tmp-snapshot_<...>/   unpublished (ignored)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MANIFEST_NAME = "manifest.json"
+SNAPSHOTS_DIRNAME = "rollout_snapshots"
+SNAPSHOT_PREFIX = "snapshot_"
+TMP_PREFIX = ".tmp-"
+BOOTSTRAP_DIRNAME = "bootstrap"
+STORE_SCHEMA_VERSION = 1
+
+_SNAPSHOT_NAME = re.compile(r"^(?P<seq>[0-9]{1,18})(?:-[A-Za-z0-9._-]{1,64})?$")
+_STEP_DIR = re.compile(r"^step_(?P<step>[0-9]+)$")
+_CHUNK = 1 << 20
+
+
+class SnapshotStoreError(ValueError):
+    """A snapshot or trainer directory that cannot be used (names the path)."""
+
+
+# ----- primitives ----------------------------------------------------------
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or create inside ``path`` durable."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write via a temp file in the same directory, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+# ----- manifests -----------------------------------------------------------
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class DirectoryManifest(BaseModel):
+    """Seal of a published directory; ``files`` keys are POSIX relative paths."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = STORE_SCHEMA_VERSION
+    kind: Literal["rollout_snapshot", "trainer_step", "bootstrap"]
+    sequence: int = Field(ge=0)  # snapshot sequence, or trainer step
+    created_at: float
+    files: dict[str, FileEntry]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+def _listed_files(root: Path, skip_subdirs: tuple[str, ...] = ()) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir == Path("."):
+            dirnames[:] = [d for d in dirnames if d not in skip_subdirs]
+        for name in filenames:
+            rel = (rel_dir / name).as_posix()
+            if rel != MANIFEST_NAME:
+                out.append(rel)
+    return sorted(out)
+
+
+def _seal(
+    root: Path,
+    kind: str,
+    sequence: int,
+    metadata: dict[str, Any] | None,
+    skip_subdirs: tuple[str, ...] = (),
+) -> DirectoryManifest:
+    """fsync every file, then write the manifest last."""
+    files = {}
+    for rel in _listed_files(root, skip_subdirs):
+        path = root / rel
+        if path.is_symlink() or not path.is_file():
+            raise SnapshotStoreError(f"{path}: only regular files may be published")
+        _fsync_file(path)
+        files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
+    for dirpath, _dirs, _files in os.walk(root):
+        fsync_dir(dirpath)
+    manifest = DirectoryManifest(
+        kind=kind, sequence=sequence, created_at=time.time(), files=files, metadata=metadata or {}
+    )
+    write_json_atomic(root / MANIFEST_NAME, manifest.model_dump(mode="json"))
+    return manifest
+
+
+def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
+    """Return the manifest if ``root`` is intact, else raise naming the bad file."""
+    root = Path(root)
+    manifest_path = root / MANIFEST_NAME
+    try:
+        raw = manifest_path.read_bytes()
+    except FileNotFoundError:
+        raise SnapshotStoreError(f"{manifest_path}: missing") from None
+    try:
+        manifest = DirectoryManifest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise SnapshotStoreError(f"{manifest_path}: unreadable manifest ({where}: {first['msg']})") from None
+    if kind is not None and manifest.kind != kind:
+        raise SnapshotStoreError(f"{manifest_path}: kind {manifest.kind!r}, expected {kind!r}")
+    for rel, entry in manifest.files.items():
+        path = root / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise SnapshotStoreError(f"{manifest_path}: file entry {rel!r} escapes the directory")
+        if not path.is_file():
+            raise SnapshotStoreError(f"{path}: listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise SnapshotStoreError(f"{path}: size {size}, manifest says {entry.size}")
+        if sha256_file(path) != entry.sha256:
+            raise SnapshotStoreError(f"{path}: sha256 does not match the manifest")
+    return manifest
+
+
+# ----- rollout snapshots -----------------------------------------------------
+def snapshots_root(anchor_dir: str | Path) -> Path:
+    return Path(anchor_dir) / SNAPSHOTS_DIRNAME
+
+
+def snapshot_sequence(name: str) -> int | None:
+    """Sequence number of ``snapshot_<seq>[-tag]`` (or of its tmp twin), else None."""
+    if name.startswith(TMP_PREFIX):
+        name = name[len(TMP_PREFIX):]
+    if not name.startswith(SNAPSHOT_PREFIX):
+        return None
+    match = _SNAPSHOT_NAME.match(name[len(SNAPSHOT_PREFIX):])
+    return int(match["seq"]) if match else None
+
+
+def next_snapshot_name(anchor_dir: str | Path, tag: str | None = None) -> str:
+    """A name whose sequence is above every snapshot (valid, torn or tmp) seen here."""
+    root = snapshots_root(anchor_dir)
+    seqs = [snapshot_sequence(p.name) for p in root.iterdir()] if root.is_dir() else []
+    seq = max((s for s in seqs if s is not None), default=0) + 1
+    return f"{seq:06d}" + (f"-{tag}" if tag else "")
+
+
+def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = None) -> tuple[Path, Path]:
+    """``(tmp_dir, final_dir)`` for a new snapshot; ``tmp_dir`` is created empty.
+
+    ``snapshot_name`` is ``<sequence>[-tag]``; None picks the next sequence.
+    """
+    if snapshot_name is None:
+        snapshot_name = next_snapshot_name(anchor_dir)
+    if not _SNAPSHOT_NAME.match(snapshot_name):
+        raise SnapshotStoreError(
+            f"snapshot_name {snapshot_name!r} must be '<sequence>[-tag]' ({_SNAPSHOT_NAME.pattern})"
+        )
+    root = snapshots_root(anchor_dir)
+    final_dir = root / f"{SNAPSHOT_PREFIX}{snapshot_name}"
+    tmp_dir = root / f"{TMP_PREFIX}{SNAPSHOT_PREFIX}{snapshot_name}"
+    if final_dir.exists():
+        raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
+    if tmp_dir.exists():
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    return tmp_dir, final_dir
+
+
+def commit_snapshot(
+    tmp_dir: str | Path,
+    final_dir: str | Path,
+    keep_latest_k: int,
+    metadata: dict[str, Any] | None = None,
+) -> DirectoryManifest:
+    """Seal ``tmp_dir`` with a manifest, rename it to ``final_dir``, prune old ones."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    if keep_latest_k < 1:
+        raise SnapshotStoreError("keep_latest_k must be >= 1")
+    seq = snapshot_sequence(final_dir.name)
+    if seq is None or final_dir.name.startswith(TMP_PREFIX):
+        raise SnapshotStoreError(f"{final_dir}: not a snapshot_<sequence> directory name")
+    if final_dir.exists():
+        raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
+    manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k)
+    return manifest
+
+
+def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
+    newest_seq = snapshot_sequence(newest.name)
+    for path in root.iterdir():
+        if path.name.startswith(TMP_PREFIX) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)  # stale: there is one writer
+    older = sorted(
+        (
+            (snapshot_sequence(p.name), p)
+            for p in root.iterdir()
+            if p.is_dir() and p != newest and snapshot_sequence(p.name) is not None
+        ),
+        reverse=True,
+    )
+    kept = 1
+    for seq, path in older:
+        if seq > newest_seq:
+            continue  # never touch a snapshot newer than the one just written
+        if kept < keep_latest_k and _is_valid(path):
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+    fsync_dir(root)
+
+
+def _is_valid(path: Path) -> bool:
+    try:
+        verify_directory(path, "rollout_snapshot")
+    except SnapshotStoreError:
+        return False
+    return True
+
+
+class SnapshotSelection(NamedTuple):
+    """The newest valid snapshot (None if none) and every skipped one with why."""
+
+    path: Path | None
+    skipped: list[tuple[Path, str]]
+    manifest: DirectoryManifest | None = None
+
+
+def resolve_latest_snapshot(anchor_dir: str | Path) -> SnapshotSelection:
+    """Pick the newest valid snapshot by sequence number (never by mtime)."""
+    root = snapshots_root(anchor_dir)
+    skipped: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return SnapshotSelection(None, skipped)
+    candidates = []
+    for path in sorted(root.iterdir()):
+        seq = snapshot_sequence(path.name)
+        if path.name.startswith(TMP_PREFIX):
+            skipped.append((path, f"{path}: unpublished temporary directory"))
+        elif seq is None or not path.is_dir():
+            skipped.append((path, f"{path}: not a snapshot_<sequence> directory"))
+        else:
+            candidates.append((seq, path))
+    for seq, path in sorted(candidates, reverse=True):
+        try:
+            manifest = verify_directory(path, "rollout_snapshot")
+        except SnapshotStoreError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        if manifest.sequence != seq:
+            skipped.append(
+                (path, f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name")
+            )
+            continue
+        return SnapshotSelection(path, skipped, manifest)
+    return SnapshotSelection(None, skipped)
+
+
+# ----- trainer anchors -----------------------------------------------------
+def anchor_dir(checkpoint_dir: str | Path, step: int) -> Path:
+    """``bootstrap/`` anchors snapshots before the first trainer step, else ``step_N/``."""
+    if step < 0:
+        raise SnapshotStoreError(f"step must be >= 0, got {step}")
+    return Path(checkpoint_dir) / (BOOTSTRAP_DIRNAME if step == 0 else f"step_{step}")
+
+
+def ensure_bootstrap_anchor(checkpoint_dir: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+    """Create the step-0 anchor once (atomically); an existing valid one is kept."""
+    final = anchor_dir(checkpoint_dir, 0)
+    if final.exists():
+        verify_directory(final, "bootstrap")
+        return final
+    tmp = Path(checkpoint_dir) / f"{TMP_PREFIX}{BOOTSTRAP_DIRNAME}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    _seal(tmp, "bootstrap", 0, metadata)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def prepare_trainer_step(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """``(tmp_dir, final_dir)`` for trainer step ``step`` (>= 1); tmp is created empty."""
+    if step < 1:
+        raise SnapshotStoreError(f"trainer steps start at 1, got {step}")
+    final = anchor_dir(checkpoint_dir, step)
+    tmp = Path(checkpoint_dir) / f"{TMP_PREFIX}{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp, final
+
+
+def publish_trainer_step(
+    tmp_dir: str | Path, final_dir: str | Path, metadata: dict[str, Any] | None = None
+) -> DirectoryManifest:
+    """Seal and rename a trainer step; a torn ``step_N`` left by a crash is replaced."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    match = _STEP_DIR.match(final_dir.name)
+    if not match:
+        raise SnapshotStoreError(f"{final_dir}: not a step_<N> directory name")
+    if final_dir.exists():
+        try:
+            verify_directory(final_dir, "trainer_step")
+        except SnapshotStoreError:
+            shutil.rmtree(final_dir)
+        else:
+            raise SnapshotStoreError(f"{final_dir}: a valid trainer step already exists")
+    manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,))
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    return manifest
+
+
+def list_trainer_steps(checkpoint_dir: str | Path) -> list[int]:
+    """Steps with a valid anchor, ascending; 0 stands for a valid ``bootstrap/``."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        if path.name == BOOTSTRAP_DIRNAME:
+            kind, step = "bootstrap", 0
+        elif match := _STEP_DIR.match(path.name):
+            kind, step = "trainer_step", int(match["step"])
+        else:
+            continue
+        try:
+            manifest = verify_directory(path, kind)
+        except SnapshotStoreError:
+            continue
+        if manifest.sequence == step:
+            steps.append(step)
+    return sorted(steps)
+
+
+class RestorePoint(NamedTuple):
+    step: int
+    anchor: Path
+    snapshot: SnapshotSelection
+
+
+def resolve_restore_point(checkpoint_dir: str | Path) -> RestorePoint | None:
+    """The newest valid trainer anchor and its newest valid snapshot (may be none)."""
+    steps = list_trainer_steps(checkpoint_dir)
+    if not steps:
+        return None
+    step = steps[-1]
+    anchor = anchor_dir(checkpoint_dir, step)
+    return RestorePoint(step, anchor, resolve_latest_snapshot(anchor))
+
+
+def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
+    """Delete ``.tmp-*`` dirs a crash left behind (call once at startup, single writer)."""
+    root = Path(checkpoint_dir)
+    removed = []
+    if not root.is_dir():
+        return removed
+    dirs = [root]
+    for path in root.iterdir():
+        if path.is_dir() and (path.name == BOOTSTRAP_DIRNAME or _STEP_DIR.match(path.name)):
+            dirs.append(snapshots_root(path))
+    for parent in dirs:
+        if not parent.is_dir():
+            continue
+        for path in parent.iterdir():
+            if path.name.startswith(TMP_PREFIX) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed

@@ -1,0 +1,606 @@
+"""Control routes over real loopback HTTP, driving a FakeParticipant."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gym_patches.checkpoint.control import ParticipantControlPlane
+from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.store import MANIFEST_NAME
+from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, CHECKPOINT_ROUTE_PREFIX, PrepareReport
+
+TOKEN = "tok-3f9c1e7a"
+
+
+class FakeParticipant(CheckpointParticipant):
+    """Test-only participant. ``live`` keys block under ``block``; if
+    ``restart_only``, they are unsaved (not blockers) under ``best_effort``."""
+
+    def __init__(self, kind: str = "agent", *, restart_only: bool = False):
+        super().__init__()
+        self.kind = kind  # type: ignore[misc]
+        self.restart_only = restart_only
+        self.live: set[str] = set()
+        self.saved: dict[str, Record] = {}
+        self.installed: list[Record] = []
+        self.closes = 0
+        self.opens = 0
+        self.exports = 0
+        self.fail_close = False
+        self.fail_install: Exception | None = None
+        self.export_gate: asyncio.Event | None = None
+        self.export_cancelled = False
+        self.log: list[str] | None = None  # shared call log, for ordering checks
+
+    def _note(self, what: str) -> None:
+        if self.log is not None:
+            self.log.append(what)
+
+    def set_live(self, *keys: str) -> None:
+        self.live = set(keys)
+        self.notify_changed()
+
+    def save(self, key: str, **state: Any) -> None:
+        ep = EpisodeId.from_capture_key(key)
+        self.saved[key] = {"episode_id": ep.model_dump(), "state": state}
+
+    async def close_admission(self, policy):
+        self._note(f"close:{policy}")
+        if self.fail_close:
+            raise RuntimeError("fake close failure")
+        self.closes += 1
+        self.accepting = False
+
+    async def open_admission(self):
+        self._note("open")
+        self.opens += 1
+        self.accepting = True
+
+    def readiness(self) -> PrepareReport:
+        if self.accepting:
+            return PrepareReport.build([], counts={"live": len(self.live)})
+        if self.restart_only and self.policy == "best_effort":
+            return PrepareReport.build([], unsaved=sorted(self.live))
+        return PrepareReport.build(sorted(self.live))
+
+    async def export(self, episodes):
+        self.exports += 1
+        if self.export_gate is not None:
+            try:
+                await self.export_gate.wait()
+            except asyncio.CancelledError:
+                self.export_cancelled = True
+                raise
+        keys = None if episodes is None else {e.capture_key for e in episodes}
+        return [r for k, r in sorted(self.saved.items()) if keys is None or k in keys]
+
+    async def install(self, records):
+        if self.fail_install is not None:
+            raise self.fail_install
+        self.installed.extend(records)
+        return [next_attempt(EpisodeId.model_validate(r["episode_id"])).capture_key for r in records]
+
+    async def retire(self, episodes):
+        self._note("retire:" + ",".join(e.capture_key for e in episodes))
+        return await super().retire(episodes)
+
+    def status_extra(self):
+        return {"restart_only": self.restart_only}
+
+
+class Harness:
+    def __init__(self, client: TestClient, plane: ParticipantControlPlane, participant: FakeParticipant):
+        self.client, self.plane, self.participant = client, plane, participant
+
+    async def call(self, op: str, body: Any = None, *, token: str | None = TOKEN, raw: bytes | None = None):
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        path = f"{CHECKPOINT_ROUTE_PREFIX}/{op}"
+        if op == "status":
+            resp = await self.client.get(path, headers=headers)
+        else:
+            data = raw if raw is not None else json.dumps(body).encode()
+            resp = await self.client.post(path, data=data, headers={**headers, "Content-Type": "application/json"})
+        return resp.status, await resp.json()
+
+    async def ok(self, op: str, **body: Any) -> dict:
+        body.setdefault("deadline_ts", time.time() + 10)
+        status, reply = await self.call(op, body)
+        assert status == 200, reply
+        return reply
+
+    async def err(self, op: str, code: str, **body: Any) -> str:
+        body.setdefault("deadline_ts", time.time() + 10)
+        status, reply = await self.call(op, body)
+        assert status >= 400 and reply["error"]["code"] == code, (status, reply)
+        return reply["error"]["detail"]
+
+
+async def start(participant: FakeParticipant, **kw: Any) -> Harness:
+    kw.setdefault("instance", "agent_a")
+    plane = ParticipantControlPlane(participant, auth_token=TOKEN, **kw)
+    app = web.Application()
+    plane.install(app)
+    client = TestClient(TestServer(app, host="127.0.0.1"))
+    await client.start_server()
+    return Harness(client, plane, participant)
+
+
+@pytest.fixture
+async def h():
+    harness = await start(FakeParticipant())
+    yield harness
+    await harness.client.close()
+
+
+def ep(key: str) -> dict:
+    return EpisodeId.from_capture_key(key).model_dump()
+
+
+# -- auth -----------------------------------------------------------------------
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", ""])
+async def test_bad_token_is_401_and_changes_nothing(h, token):
+    for op in ("status", "prepare", "resume"):
+        status, reply = await h.call(op, {"checkpoint_id": "c1", "deadline_ts": time.time() + 5}, token=token)
+        assert status == 401 and reply["error"]["code"] == "unauthorized"
+        assert TOKEN not in json.dumps(reply)
+    assert h.plane.phase == "idle" and h.plane.checkpoint_id is None
+    assert h.participant.closes == 0 and h.participant.accepting
+    await h.ok("prepare", checkpoint_id="c1")  # the id was not fenced by the rejected resume
+
+
+async def test_status_shape(h):
+    status, body = await h.call("status")
+    assert status == 200
+    assert body["kind"] == "agent" and body["instance"] == "agent_a" and body["phase"] == "idle"
+    assert body["checkpoint_id"] is None and body["lease_expires_at"] is None
+    assert body["report"]["ready"] is True and body["restart_only"] is False
+
+
+# -- phases ---------------------------------------------------------------------
+async def test_full_cycle_prepare_commit_resume(h, tmp_path):
+    h.participant.save("r1", turn=2)
+    h.participant.save("r2-a1", turn=5)
+    deadline = time.time() + 10
+    reply = await h.ok("prepare", checkpoint_id="c1", deadline_ts=deadline)
+    assert reply["phase"] == "prepared" and reply["report"]["ready"]
+    assert h.plane.phase == "prepared" and not h.participant.accepting
+    assert h.plane.lease_expires_at == pytest.approx(deadline + 600.0)
+    reply = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=None)
+    assert reply["phase"] == "committed" and reply["episode_ids"] == ["r1", "r2-a1"]
+    manifest = reply["manifest"]
+    assert (tmp_path / "gym" / "agent" / "agent_a" / MANIFEST_NAME).exists()
+    assert manifest["record_count"] == 2 and manifest["checkpoint_id"] == "c1"
+    _, status = await h.call("status")
+    assert status["phase"] == "committed" and status["checkpoint_id"] == "c1"
+    reply = await h.ok("resume", checkpoint_id="c1")
+    assert reply == {"phase": "idle", "idempotent": False}
+    assert h.participant.accepting and h.plane.phase == "idle" and h.plane.lease_expires_at is None
+    assert await h.ok("resume", checkpoint_id="c1") == {"phase": "idle", "idempotent": True}
+    assert h.participant.opens == 1
+    await h.err("prepare", "stale_checkpoint", checkpoint_id="c1")
+    await h.err("commit", "stale_checkpoint", checkpoint_id="c1", checkpoint_dir=str(tmp_path))
+    assert h.plane.phase == "idle"
+
+
+async def test_idempotent_retries_and_conflicts(h, tmp_path):
+    first = await h.ok("prepare", checkpoint_id="c1")
+    assert await h.ok("prepare", checkpoint_id="c1") == first
+    assert h.participant.closes == 1
+    await h.err("prepare", "checkpoint_conflict", checkpoint_id="c1", restart_only_policy="best_effort")
+    await h.err("prepare", "checkpoint_conflict", checkpoint_id="c2")
+    h.participant.save("r1")
+    h.participant.save("r2")
+    scope = [ep("r2"), ep("r1")]
+    commit = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=scope)
+    again = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=scope[::-1])
+    assert again == commit and h.participant.exports == 1
+    await h.err("commit", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                episode_ids=[ep("r1")])
+    await h.err("commit", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "other"),
+                episode_ids=scope)
+    assert await h.ok("prepare", checkpoint_id="c1") == first  # stored, even though now committed
+    await h.err("resume", "checkpoint_conflict", checkpoint_id="c9")
+    assert h.plane.phase == "committed" and not h.participant.accepting
+
+
+async def test_invalid_phase(h, tmp_path):
+    detail = await h.err("commit", "invalid_phase", checkpoint_id="c1", checkpoint_dir=str(tmp_path))
+    assert "prepared" in detail
+    await h.err("renew", "invalid_phase", checkpoint_id="c1")
+    await h.ok("prepare", checkpoint_id="c1")
+    detail = await h.err("retire", "invalid_phase", checkpoint_id="c1", episode_ids=[ep("r1")])
+    assert "resume first" in detail
+    await h.err("restore", "invalid_phase", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                episode_ids=[], source_checkpoint_id="c0")
+    assert h.plane.phase == "prepared" and h.participant.retired == {}
+
+
+async def test_retire_from_idle(h):
+    reply = await h.ok("retire", checkpoint_id="c5", episode_ids=[ep("r1-a2"), ep("r3")])
+    assert reply == {"retired": ["r1-a2", "r3"]}
+    assert h.participant.retired == {"r1": 2, "r3": 0}
+    assert h.plane.phase == "idle" and h.plane.lease_expires_at is None
+    await h.ok("prepare", checkpoint_id="c5")  # retiring did not fence the id
+
+
+async def test_renew_extends_lease(h):
+    deadline = time.time() + 10
+    await h.ok("prepare", checkpoint_id="c1", deadline_ts=deadline)
+    reply = await h.ok("renew", checkpoint_id="c1", deadline_ts=deadline + 100)
+    assert reply["lease_expires_at"] == pytest.approx(deadline + 700)
+    reply = await h.ok("renew", checkpoint_id="c1", deadline_ts=deadline)  # never shortens
+    assert reply["lease_expires_at"] == pytest.approx(deadline + 700)
+    await h.err("renew", "checkpoint_conflict", checkpoint_id="c2")
+
+
+async def test_resume_on_idle_fences_id(h):
+    assert await h.ok("resume", checkpoint_id="c7") == {"phase": "idle", "idempotent": True}
+    assert h.participant.opens == 0
+    await h.err("prepare", "stale_checkpoint", checkpoint_id="c7")
+    assert h.participant.closes == 0
+
+
+# -- prepare readiness ----------------------------------------------------------
+async def test_prepare_not_ready_at_deadline_stays_closed(h):
+    h.participant.set_live("r1", "r2")
+    t0 = time.monotonic()
+    reply = await h.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.3)
+    assert time.monotonic() - t0 >= 0.25
+    assert reply["phase"] == "preparing"
+    assert reply["report"]["blockers"] == ["r1", "r2"] and reply["report"]["blocker_count"] == 2
+    assert h.plane.phase == "preparing" and not h.participant.accepting
+    # a retry re-waits; the blockers finish meanwhile
+    asyncio.get_running_loop().call_later(0.1, h.participant.set_live)
+    reply = await h.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 5)
+    assert reply["phase"] == "prepared" and h.participant.closes == 1
+    await h.ok("resume", checkpoint_id="c1")
+    assert h.participant.accepting
+
+
+async def test_prepare_wakes_when_ready(h):
+    h.participant.set_live("r1")
+    asyncio.get_running_loop().call_later(0.15, h.participant.set_live)
+    t0 = time.monotonic()
+    reply = await h.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 20)
+    assert reply["phase"] == "prepared" and time.monotonic() - t0 < 2
+
+
+async def test_resume_interleaves_with_waiting_prepare(h):
+    h.participant.set_live("r1")
+    waiting = asyncio.create_task(h.call("prepare", {"checkpoint_id": "c1", "deadline_ts": time.time() + 20}))
+    for _ in range(100):
+        if h.plane.phase == "preparing":
+            break
+        await asyncio.sleep(0.01)
+    assert await h.ok("resume", checkpoint_id="c1") == {"phase": "idle", "idempotent": False}
+    status, reply = await asyncio.wait_for(waiting, 2)
+    assert status == 409 and reply["error"]["code"] == "stale_checkpoint"
+    assert h.participant.accepting and h.plane.phase == "idle"
+
+
+async def test_close_failure_reopens(h):
+    h.participant.fail_close = True
+    status, reply = await h.call("prepare", {"checkpoint_id": "c1", "deadline_ts": time.time() + 5})
+    assert status == 500 and "fake close failure" in reply["error"]["detail"]
+    assert h.plane.phase == "idle" and h.participant.opens == 1 and h.participant.accepting
+
+
+async def test_commit_rechecks_readiness(h, tmp_path):
+    await h.ok("prepare", checkpoint_id="c1")
+    h.participant.set_live("r9")
+    await h.err("commit", "invalid_phase", checkpoint_id="c1", checkpoint_dir=str(tmp_path))
+    assert h.plane.phase == "prepared" and not (tmp_path / "gym").exists()
+
+
+# -- best effort ----------------------------------------------------------------
+async def test_best_effort_unsaved_and_restart_in_scope(tmp_path):
+    h = await start(FakeParticipant(restart_only=True))
+    try:
+        h.participant.set_live("r1")
+        h.participant.save("r2")
+        reply = await h.ok("prepare", checkpoint_id="c1", restart_only_policy="best_effort")
+        assert reply["phase"] == "prepared" and reply["report"]["unsaved"] == ["r1"]
+        assert h.participant.policy == "best_effort"
+        for scope in (None, [ep("r1"), ep("r2")]):
+            detail = await h.err("commit", "restart_in_scope", checkpoint_id="c1",
+                                 checkpoint_dir=str(tmp_path), episode_ids=scope)
+            assert "r1" in detail
+        assert h.plane.phase == "prepared" and h.participant.exports == 0
+        reply = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=[ep("r2")])
+        assert reply["episode_ids"] == ["r2"]
+    finally:
+        await h.client.close()
+
+
+async def test_block_policy_restart_only_blocks(tmp_path):
+    h = await start(FakeParticipant(restart_only=True))
+    try:
+        h.participant.set_live("r1")
+        reply = await h.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.1)
+        assert reply["phase"] == "preparing" and reply["report"]["blockers"] == ["r1"]
+    finally:
+        await h.client.close()
+
+
+# -- lease ----------------------------------------------------------------------
+async def test_lease_expiry_reopens_and_fences():
+    h = await start(FakeParticipant(), lease_grace_seconds=0.3)
+    try:
+        h.participant.set_live("r1")
+        reply = await h.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.1)
+        assert reply["phase"] == "preparing" and not h.participant.accepting
+        for _ in range(150):
+            if h.participant.accepting:
+                break
+            await asyncio.sleep(0.01)
+        assert h.participant.accepting and h.plane.phase == "idle" and h.plane.lease_expires_at is None
+        await h.err("prepare", "stale_checkpoint", checkpoint_id="c1")
+        h.participant.set_live()
+        assert (await h.ok("prepare", checkpoint_id="c2", deadline_ts=time.time() + 5))["phase"] == "prepared"
+    finally:
+        await h.client.close()
+    assert h.plane._watcher is None  # stopped with the app
+
+
+# -- commit under concurrency ---------------------------------------------------
+async def test_commit_retry_while_running_shares_work(h, tmp_path):
+    h.participant.save("r1")
+    h.participant.export_gate = asyncio.Event()
+    await h.ok("prepare", checkpoint_id="c1")
+    body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 10, "checkpoint_dir": str(tmp_path)}
+    first = asyncio.create_task(h.call("commit", body))
+    await asyncio.sleep(0.1)
+    second = asyncio.create_task(h.call("commit", body))
+    other = await h.call("commit", {**body, "checkpoint_dir": str(tmp_path / "x")})
+    assert other[0] == 409 and other[1]["error"]["code"] == "checkpoint_conflict"
+    await asyncio.sleep(0.05)
+    h.participant.export_gate.set()
+    (s1, r1), (s2, r2) = await asyncio.gather(first, second)
+    assert s1 == s2 == 200 and r1 == r2 and h.participant.exports == 1
+
+
+async def test_resume_mid_commit_aborts_cleanly(h, tmp_path):
+    h.participant.save("r1")
+    h.participant.export_gate = asyncio.Event()
+    await h.ok("prepare", checkpoint_id="c1")
+    body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 10, "checkpoint_dir": str(tmp_path)}
+    pending = asyncio.create_task(h.call("commit", body))
+    await asyncio.sleep(0.1)
+    assert await h.ok("resume", checkpoint_id="c1") == {"phase": "idle", "idempotent": False}
+    assert h.participant.export_cancelled and h.participant.accepting
+    status, reply = await asyncio.wait_for(pending, 2)
+    assert status == 409 and reply["error"]["code"] == "stale_checkpoint"
+    assert not (tmp_path / "gym" / "agent" / "agent_a" / MANIFEST_NAME).exists()
+
+
+class SlowRecords(list):
+    """Test-only record list that iterates slowly off the event-loop thread (the store's writer)."""
+
+    def __iter__(self):
+        for item in super().__iter__():
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.05)
+            yield item
+
+
+async def test_resume_mid_write_stops_before_publish(h, tmp_path):
+    for i in range(20):
+        h.participant.save(f"r{i}")
+    original = h.participant.export
+
+    async def slow_export(episodes):
+        return SlowRecords(await original(episodes))
+
+    h.participant.export = slow_export  # type: ignore[method-assign]
+    await h.ok("prepare", checkpoint_id="c1")
+    body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 10, "checkpoint_dir": str(tmp_path)}
+    pending = asyncio.create_task(h.call("commit", body))
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    assert (await h.ok("resume", checkpoint_id="c1"))["idempotent"] is False
+    assert time.monotonic() - t0 < 0.5  # stopped between records, not after all 20
+    status, reply = await asyncio.wait_for(pending, 2)
+    assert status == 409 and reply["error"]["code"] == "stale_checkpoint"
+    assert list((tmp_path / "gym" / "agent" / "agent_a").iterdir()) == []  # nothing published, no temp file
+
+
+# -- restore --------------------------------------------------------------------
+async def _committed_dir(tmp_path) -> str:
+    src = await start(FakeParticipant())
+    try:
+        src.participant.save("r1", turn=1)
+        src.participant.save("r2-a1", turn=4)
+        await src.ok("prepare", checkpoint_id="c1")
+        await src.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path))
+        await src.ok("resume", checkpoint_id="c1")
+    finally:
+        await src.client.close()
+    return str(tmp_path)
+
+
+async def test_restore_round_trip(h, tmp_path):
+    directory = await _committed_dir(tmp_path)
+    reply = await h.ok("restore", checkpoint_id="r-1", checkpoint_dir=directory,
+                       episode_ids=[ep("r2-a1")], source_checkpoint_id="c1")
+    assert reply == {"phase": "restored", "source_checkpoint_id": "c1", "restored": ["r2-a2"]}
+    assert [r["state"] for r in h.participant.installed] == [{"turn": 4}]
+    assert h.plane.phase == "restored" and h.plane.checkpoint_id == "r-1"
+    again = await h.ok("restore", checkpoint_id="r-1", checkpoint_dir=directory,
+                       episode_ids=[ep("r2-a1")], source_checkpoint_id="c1")
+    assert again == reply and len(h.participant.installed) == 1
+    await h.err("restore", "checkpoint_conflict", checkpoint_id="r-1", checkpoint_dir=directory,
+                episode_ids=[ep("r1")], source_checkpoint_id="c1")
+    # retire is allowed while restored
+    await h.ok("retire", checkpoint_id="r-1", episode_ids=[ep("r2-a2")])
+    await h.ok("resume", checkpoint_id="r-1")
+    assert h.plane.phase == "idle" and h.participant.opens == 0  # restore never closed admission
+
+
+async def test_restore_missing_episode_and_corrupt_file(h, tmp_path):
+    directory = await _committed_dir(tmp_path)
+    detail = await h.err("restore", "invalid_checkpoint_state", checkpoint_id="r-1", checkpoint_dir=directory,
+                         episode_ids=[ep("r1"), ep("r9")], source_checkpoint_id="c1")
+    assert "r9" in detail
+    records = next((tmp_path / "gym" / "agent" / "agent_a").glob("records-*.jsonl"))
+    data = bytearray(records.read_bytes())
+    data[3] ^= 0x20
+    records.write_bytes(bytes(data))
+    status, reply = await h.call("restore", {"checkpoint_id": "r-1", "deadline_ts": time.time() + 5,
+                                             "checkpoint_dir": directory, "episode_ids": [ep("r1")],
+                                             "source_checkpoint_id": "c1"})
+    assert status == 422 and reply["error"]["code"] == "invalid_checkpoint_state"
+    assert str(records) in reply["error"]["detail"]
+    assert h.plane.phase == "idle" and h.participant.installed == []
+
+
+async def test_restore_install_failure_leaves_idle(h, tmp_path):
+    directory = await _committed_dir(tmp_path)
+    h.participant.fail_install = CheckpointError("fake install refused")
+    detail = await h.err("restore", "invalid_checkpoint_state", checkpoint_id="r-1", checkpoint_dir=directory,
+                         episode_ids=[ep("r1")], source_checkpoint_id="c1")
+    assert "fake install refused" in detail and h.plane.phase == "idle"
+
+
+# -- malformed requests ---------------------------------------------------------
+VALID: dict[str, dict[str, Any]] = {
+    "prepare": {"restart_only_policy": "block"},
+    "renew": {},
+    "resume": {},
+    "retire": {"episode_ids": [{"rollout_id": "r1", "attempt": 0}]},
+    "commit": {"checkpoint_dir": "DIR", "episode_ids": None},
+    "restore": {"checkpoint_dir": "DIR", "episode_ids": [], "source_checkpoint_id": "c0"},
+}
+
+
+def valid_body(op: str, directory) -> dict[str, Any]:
+    body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 30, **VALID[op]}
+    if "checkpoint_dir" in body:
+        body["checkpoint_dir"] = str(directory)
+    return body
+
+
+@pytest.mark.parametrize(
+    "op, mutate, field",
+    [
+        ("prepare", {"checkpoint_id": "../etc"}, "checkpoint_id"),
+        ("prepare", {"checkpoint_id": ""}, "checkpoint_id"),
+        ("prepare", {"checkpoint_id": 7}, "checkpoint_id"),
+        ("prepare", {"deadline_ts": "soon"}, "deadline_ts"),
+        ("prepare", {"deadline_ts": -1}, "deadline_ts"),
+        ("prepare", {"deadline_ts": True}, "deadline_ts"),
+        ("commit", {"deadline_ts": "12"}, "deadline_ts"),
+        ("retire", {"episode_ids": [{"rollout_id": "r1", "attempt": "1"}]}, "attempt"),
+        ("prepare", {"restart_only_policy": "maybe"}, "restart_only_policy"),
+        ("prepare", {"surprise_field": 1}, "surprise_field"),
+        ("resume", {"deadline_ts": None}, "deadline_ts"),
+        ("retire", {"episode_ids": []}, "episode_ids"),
+        ("retire", {"episode_ids": [{"rollout_id": "r1-a2"}]}, "episode_ids"),
+        ("commit", {"checkpoint_dir": ""}, "checkpoint_dir"),
+        ("commit", {"episode_ids": "r1"}, "episode_ids"),
+        ("restore", {"source_checkpoint_id": "a b"}, "source_checkpoint_id"),
+    ],
+)
+async def test_malformed_requests_are_422_naming_the_field(h, tmp_path, op, mutate, field):
+    await h.ok("prepare", checkpoint_id="c0")
+    body = {**valid_body(op, tmp_path), **mutate}
+    status, reply = await h.call(op, body)
+    assert status == 422 and reply["error"]["code"] == "invalid_request"
+    assert field in reply["error"]["detail"] and TOKEN not in reply["error"]["detail"]
+    assert h.plane.phase == "prepared" and h.plane.checkpoint_id == "c0" and h.participant.closes == 1
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b"\xff\xfe", b'"str"', b'{"deadline_ts": NaN, "checkpoint_id": "c"}',
+                                 b'{"deadline_ts": Infinity, "checkpoint_id": "c"}'])
+async def test_unparseable_bodies(h, raw):
+    status, reply = await h.call("prepare", raw=raw)
+    assert status == 422 and reply["error"]["code"] == "invalid_request"
+    assert h.plane.phase == "idle" and h.participant.closes == 0
+
+
+_BAD_IDS = st.one_of(
+    st.just(""),
+    st.text(max_size=140).filter(lambda s: not re.match(CHECKPOINT_ID_PATTERN, s) or "\n" in s),
+    st.integers(),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+)
+_BAD_DEADLINES = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, 0, -5.0, None, [], {}, True]),
+    st.text(max_size=10).filter(lambda s: _not_a_number(s)),
+)
+_FIELD_NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12)
+
+
+def _not_a_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return True
+    return False
+
+
+@st.composite
+def malformed(draw, directory: str) -> tuple[str, dict[str, Any]]:
+    op = draw(st.sampled_from(sorted(VALID)))
+    body = {"checkpoint_id": "c0", "deadline_ts": 4102444800.0, **VALID[op]}
+    if "checkpoint_dir" in body:
+        body["checkpoint_dir"] = directory
+    kind = draw(st.sampled_from(["id", "deadline", "extra", "missing", "episodes"]))
+    if kind == "id":
+        key = draw(st.sampled_from(["checkpoint_id", "source_checkpoint_id"] if op == "restore" else ["checkpoint_id"]))
+        body[key] = draw(_BAD_IDS)
+    elif kind == "deadline":
+        body["deadline_ts"] = draw(_BAD_DEADLINES)
+    elif kind == "extra":
+        name = draw(_FIELD_NAMES.filter(lambda n: n not in body and n not in {"restart_only_policy", "episode_ids",
+                                                                              "checkpoint_dir", "source_checkpoint_id"}))
+        body[name] = draw(st.integers() | st.text(max_size=5))
+    elif kind == "missing":
+        required = ["checkpoint_id", "deadline_ts"] + [k for k in VALID[op] if k not in ("restart_only_policy",
+                                                                                          "episode_ids")
+                                                       or (op in ("retire", "restore") and k == "episode_ids")]
+        del body[draw(st.sampled_from(required))]
+    else:
+        body["episode_ids"] = draw(st.sampled_from(
+            [[{"rollout_id": ""}], [{"rollout_id": "r", "attempt": -1}], [{"rollout_id": "r", "x": 1}], 5, ["r1"]]
+        ))
+    return op, body
+
+
+def test_malformed_control_requests_property(tmp_path):
+    """Any malformed request: 4xx, an error code, and the phase/participant untouched."""
+    loop = asyncio.new_event_loop()
+    h = loop.run_until_complete(start(FakeParticipant()))
+    try:
+        loop.run_until_complete(h.ok("prepare", checkpoint_id="c0", deadline_ts=4102444800.0))
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(malformed(str(tmp_path)))
+        def check(case):
+            op, body = case
+            status, reply = loop.run_until_complete(h.call(op, body))
+            assert 400 <= status < 500, (op, body, status, reply)
+            assert reply["error"]["code"] == "invalid_request", reply
+            assert TOKEN not in json.dumps(reply)
+            assert h.plane.phase == "prepared" and h.plane.checkpoint_id == "c0"
+            assert h.participant.closes == 1 and h.participant.opens == 0 and h.participant.retired == {}
+
+        check()
+        assert not (tmp_path / "gym").exists()
+    finally:
+        loop.run_until_complete(h.client.close())
+        loop.close()

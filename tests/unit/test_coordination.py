@@ -1,0 +1,328 @@
+"""Coordination library against real control planes on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gym_patches.checkpoint import coordination as co
+from gym_patches.checkpoint.control import ParticipantControlPlane
+from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.participant import CheckpointParticipant
+from gym_patches.checkpoint.wire import PrepareReport
+
+TOKEN = "coord-token-81b2"
+
+
+class FakeParticipant(CheckpointParticipant):
+    """Test-only participant: ``live`` keys block (or are unsaved when
+    restart-only under best_effort); ``saved`` is what export returns."""
+
+    def __init__(self, kind: str, log: list[str], name: str, *, restart_only: bool = False):
+        super().__init__()
+        self.kind = kind  # type: ignore[misc]
+        self.log, self.name, self.restart_only = log, name, restart_only
+        self.live: set[str] = set()
+        self.saved: dict[str, dict] = {}
+        self.installed: list[dict] = []
+        self.closes = 0
+        self.fail_install = False
+
+    async def close_admission(self, policy):
+        self.log.append(f"prepare:{self.name}")
+        self.closes += 1
+        self.accepting = False
+
+    async def open_admission(self):
+        self.log.append(f"resume:{self.name}")
+        self.accepting = True
+
+    def readiness(self):
+        if self.accepting:
+            return PrepareReport.build([])
+        if self.restart_only and self.policy == "best_effort":
+            return PrepareReport.build([], unsaved=sorted(self.live))
+        return PrepareReport.build(sorted(self.live))
+
+    async def export(self, episodes):
+        keys = None if episodes is None else {e.capture_key for e in episodes}
+        return [r for k, r in sorted(self.saved.items()) if keys is None or k in keys]
+
+    async def install(self, records):
+        if self.fail_install:
+            raise CheckpointError(f"{self.name}: fake install refused")
+        self.installed.extend(records)
+        return [next_attempt(EpisodeId.model_validate(r["episode_id"])).capture_key for r in records]
+
+    async def retire(self, episodes):
+        self.log.append(f"retire:{self.name}")
+        return await super().retire(episodes)
+
+    def status_extra(self):
+        return {"restart_only": self.restart_only}
+
+
+@dataclass(frozen=True)
+class InstanceStandIn:
+    """Test-only stand-in for one ``ServerClient.instances()`` entry."""
+
+    name: str
+    server_type: str
+    url: str
+
+
+class ServerClientStandIn:
+    """Test-only stand-in for Gym's ServerClient: just ``instances()`` and ``session``."""
+
+    def __init__(self, instances: list[InstanceStandIn], session: aiohttp.ClientSession):
+        self._instances, self.session = instances, session
+
+    def instances(self) -> list[InstanceStandIn]:
+        return list(self._instances)
+
+
+TYPES = {"model": "responses_api_models", "agent": "responses_api_agents", "resources": "resources_servers"}
+
+
+class Deployment:
+    """Real aiohttp servers, each with a control plane around a FakeParticipant."""
+
+    def __init__(self) -> None:
+        self.servers: dict[str, TestServer] = {}
+        self.fakes: dict[str, FakeParticipant] = {}
+        self.planes: dict[str, ParticipantControlPlane] = {}
+        self.instances: list[InstanceStandIn] = []
+        self.log: list[str] = []
+        self.session = aiohttp.ClientSession()
+
+    async def add(self, name: str, kind: str, *, server_type: str | None = None, participant: bool = True,
+                  restart_only: bool = False) -> None:
+        app = web.Application()
+        if participant:
+            fake = FakeParticipant(kind, self.log, name, restart_only=restart_only)
+            plane = ParticipantControlPlane(fake, instance=name, auth_token=TOKEN)
+            plane.install(app)
+            self.fakes[name], self.planes[name] = fake, plane
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        self.servers[name] = server
+        self.instances.append(InstanceStandIn(name, server_type or TYPES[kind], str(server.make_url("")).rstrip("/")))
+
+    def client(self) -> ServerClientStandIn:
+        return ServerClientStandIn(self.instances, self.session)
+
+    async def close(self) -> None:
+        await self.session.close()
+        for server in self.servers.values():
+            await server.close()
+
+
+@pytest.fixture
+async def dep():
+    d = Deployment()
+    await d.add("policy", "model")
+    await d.add("b_agent", "agent")
+    await d.add("a_agent", "agent", restart_only=True)
+    await d.add("tools", "resources", restart_only=True)
+    await d.add("judge", "resources", participant=False)  # no control routes: 404
+    yield d
+    await d.close()
+
+
+def deadline(seconds: float = 10.0) -> float:
+    return time.time() + seconds
+
+
+def ep(key: str) -> EpisodeId:
+    return EpisodeId.from_capture_key(key)
+
+
+# -- discover -------------------------------------------------------------------
+async def test_discover_orders_and_skips_non_participants(dep):
+    parts = await co.discover(dep.client(), TOKEN, timeout_s=5)
+    assert parts.names == ["policy", "a_agent", "b_agent", "tools"]
+    assert [p.kind for p in parts] == ["model", "agent", "agent", "resources"]
+    assert [p.name for p in parts.by_kind("agent")] == ["a_agent", "b_agent"]
+    a_agent = parts.by_kind("agent")[0]
+    assert a_agent.status.phase == "idle" and a_agent.status.model_extra == {"restart_only": True}
+
+
+async def test_discover_errors_name_the_server(dep):
+    with pytest.raises(co.CoordinationFailures, match="policy") as info:
+        await co.discover(dep.client(), "wrong-token", timeout_s=5)
+    assert set(info.value.failures) == {"policy", "a_agent", "b_agent", "tools"}
+    assert all(e.status == 401 and e.code == "unauthorized" for e in info.value.failures.values())
+    assert "wrong-token" not in str(info.value)
+
+    await dep.add("odd", "agent", server_type="resources_servers")  # status says agent
+    with pytest.raises(co.CoordinationError, match="kind_mismatch") as info:
+        await co.discover(dep.client(), TOKEN, timeout_s=5)
+    assert info.value.server == "odd"
+
+
+async def test_discover_unreachable_and_no_model():
+    d = Deployment()
+    try:
+        await d.add("tools", "resources")
+        with pytest.raises(co.CoordinationError, match="no_model"):
+            await co.discover(d.client(), TOKEN, timeout_s=5)
+        d.instances.append(InstanceStandIn("gone", "responses_api_models", "http://127.0.0.1:9"))
+        with pytest.raises(co.CoordinationError, match="unreachable") as info:
+            await co.discover(d.client(), TOKEN, timeout_s=5)
+        assert info.value.server == "gone"
+    finally:
+        await d.close()
+
+
+def test_call_timeout_follows_deadline():
+    control = co.ControlClient(object(), "t", clock=lambda: 100.0)  # type: ignore[arg-type]
+    assert control.timeout_for(130.0) == 35.0
+    assert control.timeout_for(50.0) == 5.0
+
+
+# -- prepare --------------------------------------------------------------------
+async def test_prepare_commit_resume_cycle(dep, tmp_path):
+    parts = await co.discover(dep.client(), TOKEN)
+    dep.fakes["b_agent"].saved["r1"] = {"episode_id": ep("r1").model_dump(), "turn": 3}
+    result = await co.prepare(parts, "c1", deadline())
+    assert result.prepared and result.blockers == {} and result.unsaved == {}
+    assert set(result.replies) == {"policy", "a_agent", "b_agent", "tools"}
+    assert dep.log.index("prepare:policy") < dep.log.index("prepare:a_agent") < dep.log.index("prepare:tools")
+    replies = await co.commit(parts, "c1", deadline(), str(tmp_path), [ep("r1")])
+    assert replies["b_agent"].episode_ids == ["r1"] and replies["policy"].episode_ids == []
+    assert all((tmp_path / "gym" / p.kind / p.name / "manifest.json").exists() for p in parts)
+    renewed = await co.renew(parts, "c1", deadline(20))
+    assert all(r.lease_expires_at is not None for r in renewed.values())
+    dep.log.clear()
+    resumed = await co.resume(parts, "c1", deadline())
+    assert all(not r.idempotent for r in resumed.values())
+    assert dep.log.index("resume:tools") < dep.log.index("resume:b_agent") < dep.log.index("resume:policy")
+    assert all(f.accepting for f in dep.fakes.values())
+
+
+async def test_prepare_stops_at_first_unprepared_stage(dep):
+    parts = await co.discover(dep.client(), TOKEN)
+    dep.fakes["a_agent"].live = {"r7", "r8"}
+    result = await co.prepare(parts, "c1", deadline(0.3))
+    assert not result.prepared
+    assert result.blockers == {"a_agent": ["r7", "r8"]}
+    assert set(result.replies) == {"policy", "a_agent", "b_agent"}
+    assert dep.fakes["tools"].closes == 0 and dep.planes["tools"].phase == "idle"
+    assert "prepare:tools" not in dep.log
+    await co.resume(parts, "c1", deadline())
+    assert all(f.accepting for f in dep.fakes.values())
+    assert all(p.phase == "idle" for p in dep.planes.values())
+    with pytest.raises(co.CoordinationError, match="stale_checkpoint"):
+        await co.prepare(parts, "c1", deadline())
+
+
+async def test_best_effort_reports_unsaved(dep, tmp_path):
+    parts = await co.discover(dep.client(), TOKEN)
+    dep.fakes["a_agent"].live = {"r1"}
+    dep.fakes["tools"].live = {"r1", "r3"}
+    dep.fakes["b_agent"].saved["r2"] = {"episode_id": ep("r2").model_dump()}
+    result = await co.prepare(parts, "c1", deadline(), restart_only_policy="best_effort")
+    assert result.prepared
+    assert result.unsaved == {"a_agent": ["r1"], "tools": ["r1", "r3"]}
+    assert result.unsaved_keys() == {"r1", "r3"}
+    scope = result.continued([ep("r1"), ep("r2"), ep("r3")])
+    assert [e.capture_key for e in scope] == ["r2"]
+    replies = await co.commit(parts, "c1", deadline(), str(tmp_path), scope)
+    assert replies["b_agent"].episode_ids == ["r2"]
+    await co.resume(parts, "c1", deadline())
+    # committing an unsaved rollout is refused by every server that reported it
+    assert (await co.prepare(parts, "c2", deadline(), restart_only_policy="best_effort")).prepared
+    with pytest.raises(co.CoordinationFailures, match="restart_in_scope") as info:
+        await co.commit(parts, "c2", deadline(), str(tmp_path / "c2"), [ep("r1"), ep("r2")])
+    assert set(info.value.failures) == {"a_agent", "tools"}
+    await co.resume(parts, "c2", deadline())
+
+
+# -- restore --------------------------------------------------------------------
+async def _checkpoint(dep, parts, tmp_path) -> None:
+    for name in ("policy", "b_agent", "tools"):
+        for key in ("r1", "r2"):
+            dep.fakes[name].saved[key] = {"episode_id": ep(key).model_dump(), "by": name}
+    assert (await co.prepare(parts, "c1", deadline())).prepared
+    await co.commit(parts, "c1", deadline(), str(tmp_path), None)
+    await co.resume(parts, "c1", deadline())
+
+
+async def test_restore_with_per_server_scope(dep, tmp_path):
+    parts = await co.discover(dep.client(), TOKEN)
+    await _checkpoint(dep, parts, tmp_path)
+    scope = {"policy": [ep("r1"), ep("r2")], "b_agent": [ep("r1"), ep("r2")], "tools": [ep("r2")]}
+    replies = await co.restore(parts, "c2", deadline(), str(tmp_path), scope, "c1")
+    assert replies["policy"].restored == ["r1-a1", "r2-a1"]
+    assert replies["tools"].restored == ["r2-a1"] and replies["a_agent"].restored == []
+    assert all(dep.planes[n].phase == "restored" for n in replies)
+    await co.resume(parts, "c2", deadline())
+    with pytest.raises(ValueError, match="nobody"):
+        await co.restore(parts, "c3", deadline(), str(tmp_path), {"nobody": []}, "c1")
+
+
+async def test_restore_failure_retires_next_attempts_and_resumes(dep, tmp_path):
+    parts = await co.discover(dep.client(), TOKEN)
+    await _checkpoint(dep, parts, tmp_path)
+    dep.fakes["tools"].fail_install = True
+    dep.log.clear()
+    scope = {"policy": [ep("r1")], "b_agent": [ep("r1")], "tools": [ep("r1")]}
+    with pytest.raises(co.CoordinationError, match="fake install refused") as info:
+        await co.restore(parts, "c2", deadline(), str(tmp_path), scope, "c1")
+    assert info.value.server == "tools"
+    for fake in dep.fakes.values():
+        assert fake.retired == {"r1": 1}, fake.name  # next attempt of r1, everywhere
+    assert all(p.phase == "idle" for p in dep.planes.values())
+    assert dep.log.index("retire:b_agent") < dep.log.index("retire:policy")
+    with pytest.raises(co.CoordinationError, match="stale_checkpoint"):  # the failed id is spent
+        await co.restore(parts, "c2", deadline(), str(tmp_path), scope, "c1")
+
+
+async def test_restore_of_missing_checkpoint_cleans_up(dep, tmp_path):
+    parts = await co.discover(dep.client(), TOKEN)
+    with pytest.raises(co.CoordinationFailures) as info:
+        await co.restore(parts, "c2", deadline(), str(tmp_path), [ep("r1")], "c-none")
+    assert set(info.value.failures) == {"policy", "a_agent", "b_agent", "tools"}
+    assert "manifest.json is missing" in str(info.value)
+    assert all(f.retired == {"r1": 1} for f in dep.fakes.values())
+
+
+# -- resume / retire ------------------------------------------------------------
+async def test_resume_continues_past_a_dead_server(dep):
+    parts = await co.discover(dep.client(), TOKEN)
+    assert (await co.prepare(parts, "c1", deadline())).prepared
+    await dep.servers["b_agent"].close()
+    with pytest.raises(co.CoordinationFailures) as info:
+        await co.resume(parts, "c1", deadline())
+    assert list(info.value.failures) == ["b_agent"] and "b_agent" in str(info.value)
+    for name in ("policy", "a_agent", "tools"):
+        assert dep.fakes[name].accepting and dep.planes[name].phase == "idle"
+
+
+async def test_retire_callers_first(dep):
+    parts = await co.discover(dep.client(), TOKEN)
+    replies = await co.retire(parts, "c1", deadline(), [ep("r4-a2")])
+    assert all(r.retired == ["r4-a2"] for r in replies.values())
+    agent_calls = [i for i, e in enumerate(dep.log) if e in ("retire:a_agent", "retire:b_agent")]
+    callee_calls = [i for i, e in enumerate(dep.log) if e in ("retire:policy", "retire:tools")]
+    assert max(agent_calls) < min(callee_calls)
+
+
+async def test_retire_stops_at_failing_stage(dep):
+    parts = await co.discover(dep.client(), TOKEN)
+    await dep.servers["b_agent"].close()
+    with pytest.raises(co.CoordinationError, match="b_agent"):
+        await co.retire(parts, "c1", deadline(), [ep("r1")])
+    assert dep.log == ["retire:a_agent"]  # models and resources were never asked
+    with pytest.raises(co.CoordinationFailures) as info:
+        await co.retire(parts, "c2", deadline(), [ep("r2")], best_effort=True)
+    assert list(info.value.failures) == ["b_agent"]
+    assert dep.fakes["tools"].retired == {"r2": 0} and dep.fakes["policy"].retired == {"r2": 0}

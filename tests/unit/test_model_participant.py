@@ -1,0 +1,197 @@
+"""The model server's admission gate and checkpoint participant (DESIGN §3.4 Model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.model import PolicyModelParticipant
+
+
+async def wait_until(predicate, timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+class FakeServer:
+    """Drives calls through the gate the way the model server does."""
+
+    def __init__(self, gate: PolicyModelParticipant):
+        self.gate = gate
+        self.go: dict[str | None, asyncio.Event] = {}
+        self.delivered: list[tuple[str | None, str]] = []
+
+    async def backend(self, key: str | None) -> str:
+        await self.go.setdefault(key, asyncio.Event()).wait()
+        return f"reply for {key}"
+
+    async def call(self, key: str | None) -> str:
+        async with self.gate.call(key) as ticket:
+            reply = await self.gate.run(ticket, self.backend(key))
+            await self.gate.release_response(ticket)
+            self.delivered.append((key, reply))
+            self.gate.delivered(ticket)
+            return reply
+
+    def finish(self, key: str | None) -> None:
+        self.go.setdefault(key, asyncio.Event()).set()
+
+
+@pytest.fixture
+def gate() -> PolicyModelParticipant:
+    return PolicyModelParticipant()
+
+
+async def test_reply_finishing_while_closed_is_held_until_open(gate):
+    server = FakeServer(gate)
+    task = asyncio.create_task(server.call("r1"))
+    await wait_until(lambda: gate.readiness().counts["inflight"] == 1)
+    await gate.close_admission("block")
+    assert gate.status_extra() == {"accepting": False}
+    assert gate.readiness().ready, "a call still generating must not block prepare"
+    server.finish("r1")
+    await wait_until(lambda: gate.readiness().counts["held"] == 1)
+    await asyncio.sleep(0.05)
+    assert not task.done() and server.delivered == []
+    report = gate.readiness()
+    assert report.ready and report.counts == {"waiting": 0, "inflight": 0, "held": 1, "writing": 0}
+    await gate.open_admission()
+    assert await asyncio.wait_for(task, 1) == "reply for r1"
+    assert server.delivered == [("r1", "reply for r1")]
+    assert gate.status_extra() == {"accepting": True}
+    assert gate.readiness().counts == {"waiting": 0, "inflight": 0, "held": 0, "writing": 0}
+
+
+async def test_reply_being_written_blocks_readiness(gate):
+    seen = []
+    async with gate.call("r1-a2") as ticket:
+        await gate.run(ticket, asyncio.sleep(0))
+        await gate.release_response(ticket)
+        await gate.close_admission("best_effort")  # prepare lands mid-write
+        report = gate.readiness()
+        seen.append((report.ready, report.blockers, report.counts["writing"]))
+    assert seen == [(False, ["r1-a2"], 1)]
+    assert gate.readiness().ready
+
+
+async def test_call_arriving_while_closed_waits_then_runs(gate):
+    server = FakeServer(gate)
+    await gate.close_admission("block")
+    tracked = asyncio.create_task(server.call("r2"))
+    ungated = asyncio.create_task(server.call(None))
+    server.finish("r2")
+    server.finish(None)
+    await wait_until(lambda: gate.readiness().counts["waiting"] == 2)
+    await asyncio.sleep(0.05)
+    assert not tracked.done() and not ungated.done()
+    assert gate.readiness().ready
+    await gate.open_admission()
+    assert await asyncio.wait_for(tracked, 1) == "reply for r2"
+    assert await asyncio.wait_for(ungated, 1) == "reply for None"
+    # Only the tracked call counts towards a record.
+    assert await gate.export(None) == [{"episode_id": {"rollout_id": "r2", "attempt": 0}, "delivered_calls": 1}]
+
+
+async def test_waiting_counts_change_wakes_prepare(gate):
+    server = FakeServer(gate)
+    waiter = asyncio.create_task(gate.wait_changed(5.0))
+    await asyncio.sleep(0)
+    task = asyncio.create_task(server.call("r1"))
+    await asyncio.wait_for(waiter, 1.0)  # admission of the call woke it
+    server.finish("r1")
+    await task
+
+
+async def test_retire_cancels_generating_and_held_calls_and_refuses_later_ones(gate):
+    server = FakeServer(gate)
+    generating = asyncio.create_task(server.call("r1"))
+    held = asyncio.create_task(server.call("r1-a1"))
+    other = asyncio.create_task(server.call("r9"))
+    await wait_until(lambda: gate.readiness().counts["inflight"] == 3)
+    await gate.close_admission("block")
+    server.finish("r1-a1")
+    await wait_until(lambda: gate.readiness().counts["held"] == 1)
+    assert await gate.retire([EpisodeId(rollout_id="r1", attempt=1)]) == ["r1-a1"]
+    for task in (generating, held):
+        with pytest.raises(StaleAttemptError, match="r1"):
+            await asyncio.wait_for(task, 1)
+    assert not other.done(), "another rollout is untouched"
+    with pytest.raises(StaleAttemptError):
+        async with gate.call("r1-a1"):
+            pass
+    with pytest.raises(StaleAttemptError):
+        async with gate.call("r1"):
+            pass
+    await gate.open_admission()
+    server.finish("r1-a2")
+    assert await asyncio.wait_for(server.call("r1-a2"), 1) == "reply for r1-a2"
+    server.finish("r9")
+    await asyncio.wait_for(other, 1)
+    assert gate.readiness().counts == {"waiting": 0, "inflight": 0, "held": 0, "writing": 0}
+
+
+async def test_retire_wakes_a_call_waiting_for_admission(gate):
+    server = FakeServer(gate)
+    await gate.close_admission("block")
+    waiting = asyncio.create_task(server.call("r3"))
+    await wait_until(lambda: gate.readiness().counts["waiting"] == 1)
+    await gate.retire([EpisodeId(rollout_id="r3")])
+    with pytest.raises(StaleAttemptError):
+        await asyncio.wait_for(waiting, 1)
+
+
+async def test_export_and_install(gate):
+    server = FakeServer(gate)
+    for key in ("r1", "r1", "r2"):
+        server.finish(key)
+        await server.call(key)
+    held = asyncio.create_task(server.call("r4"))  # undelivered: never counted
+    await wait_until(lambda: gate.readiness().counts["inflight"] == 1)
+    await gate.close_admission("block")
+    everything = await gate.export(None)
+    assert everything == [
+        {"episode_id": {"rollout_id": "r1", "attempt": 0}, "delivered_calls": 2},
+        {"episode_id": {"rollout_id": "r2", "attempt": 0}, "delivered_calls": 1},
+    ]
+    scoped = await gate.export([EpisodeId(rollout_id="r1"), EpisodeId(rollout_id="r4")])
+    assert scoped == [
+        {"episode_id": {"rollout_id": "r1", "attempt": 0}, "delivered_calls": 2},
+        {"episode_id": {"rollout_id": "r4", "attempt": 0}, "delivered_calls": 0},
+    ]
+    assert all("token" not in key for rec in everything for key in rec)
+    await gate.open_admission()
+    server.finish("r4")
+    await held
+
+    fresh = PolicyModelParticipant()
+    with pytest.raises(CheckpointError, match="record 1"):
+        await fresh.install([scoped[0], {"episode_id": {"rollout_id": "r4"}, "delivered_calls": -1}])
+    assert await fresh.export(None) == [], "a failed install installs nothing"
+    assert await fresh.install(scoped) == ["r1-a1", "r4-a1"]
+    assert await fresh.export(None) == [{"episode_id": {"rollout_id": "r1", "attempt": 1}, "delivered_calls": 2}]
+    with pytest.raises(StaleAttemptError):  # the restored-from attempt is superseded
+        async with fresh.call("r1"):
+            pass
+    restored = FakeServer(fresh)
+    restored.finish("r1-a1")
+    await restored.call("r1-a1")
+    assert (await fresh.export([EpisodeId(rollout_id="r1", attempt=1)]))[0]["delivered_calls"] == 3
+    await fresh.retire([EpisodeId(rollout_id="r4", attempt=1)])
+    with pytest.raises(StaleAttemptError):  # installing onto a retired attempt is refused
+        await fresh.install([{"episode_id": {"rollout_id": "r4", "attempt": 0}, "delivered_calls": 1}])
+
+
+async def test_retired_episodes_are_not_exported(gate):
+    server = FakeServer(gate)
+    server.finish("r5")
+    await server.call("r5")
+    await gate.retire([EpisodeId(rollout_id="r5")])
+    assert await gate.export(None) == []
+    assert await gate.export([EpisodeId(rollout_id="r5")]) == []

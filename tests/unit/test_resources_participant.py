@@ -1,0 +1,258 @@
+"""ResourcesParticipant rules (DESIGN §3.4), driven directly without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+
+from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.resources import ResourcesParticipant, SessionStateHooks, UnknownSessionError
+
+
+class CounterHooks(SessionStateHooks):
+    """A session state is a dict ``{"count": n}``; closing records what was freed."""
+
+    def __init__(self) -> None:
+        self.closed: list[Any] = []
+
+    def export_session_state(self, state: Any) -> dict[str, Any]:
+        return {"count": state["count"]}
+
+    def restore_session_state(self, data: dict[str, Any]) -> Any:
+        if set(data) != {"count"} or not isinstance(data["count"], int):
+            raise ValueError(f"bad counter state {data!r}")
+        return {"count": data["count"]}
+
+    async def close_state(self, state: Any) -> None:
+        self.closed.append(state)
+
+
+def ep(key: str) -> EpisodeId:
+    return EpisodeId.from_capture_key(key)
+
+
+async def seed(p: ResourcesParticipant, key: str, sid: str, count: int = 0) -> None:
+    async with p.seeding(ep(key)):
+        p.add_session(sid, ep(key), {"count": count})
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def hooks() -> CounterHooks:
+    return CounterHooks()
+
+
+def test_unknown_mode_is_refused(hooks: CounterHooks) -> None:
+    with pytest.raises(ValueError, match="checkpoint_mode"):
+        ResourcesParticipant("saves", hooks)  # type: ignore[arg-type]
+
+
+async def test_status_extra_and_counts(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    assert p.status_extra() == {"mode": "exported"}
+    await seed(p, "r1", "s1")
+    report = p.readiness()
+    assert report.ready and report.counts["sessions"] == 1 and report.counts["inflight"] == 0
+
+
+async def test_exported_prepare_waits_for_inflight_call_and_holds_new_ones(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1")
+    await seed(p, "r2", "s2")
+    entered, leave = asyncio.Event(), asyncio.Event()
+
+    async def running_call() -> None:
+        async with p.session_call("s1") as s:
+            entered.set()
+            await leave.wait()
+            s.state["count"] += 1
+
+    task = asyncio.create_task(running_call())
+    await entered.wait()
+    await p.close_admission("block")
+    report = p.readiness()
+    assert not report.ready and report.blockers == ["r1"] and report.counts["inflight"] == 1
+
+    held_ran = asyncio.Event()
+
+    async def held_call() -> None:
+        async with p.session_call("s2") as s:
+            held_ran.set()
+            s.state["count"] += 10
+
+    held = asyncio.create_task(held_call())
+    await settle()
+    assert not held_ran.is_set() and p.readiness().counts["waiting"] == 1
+
+    leave.set()
+    await task
+    report = p.readiness()
+    assert report.ready and report.blockers == [] and report.unsaved == []
+    records = await p.export(None)
+    assert records == [
+        {"episode_id": {"rollout_id": "r1", "attempt": 0}, "session_id": "s1", "state": {"count": 1}},
+        {"episode_id": {"rollout_id": "r2", "attempt": 0}, "session_id": "s2", "state": {"count": 0}},
+    ]
+    assert not held_ran.is_set()
+    await p.open_admission()
+    await held
+    assert p.sessions["s2"].state["count"] == 10
+
+
+async def test_seeds_wait_while_closed_in_every_mode(hooks: CounterHooks) -> None:
+    for mode in ("exported", "stateless", "restart_only"):
+        p = ResourcesParticipant(mode, hooks)  # type: ignore[arg-type]
+        await p.close_admission("best_effort")
+        task = asyncio.create_task(seed(p, "r9", "s9"))
+        await settle()
+        assert not task.done() and "s9" not in p.sessions, mode
+        await p.open_admission()
+        await task
+        assert "s9" in p.sessions, mode
+
+
+async def test_restart_only_block_and_best_effort(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("restart_only", hooks)
+    assert p.status_extra() == {"mode": "restart_only"}
+    await seed(p, "r1", "s1")
+    await seed(p, "r2-a1", "s2")
+    await p.close_admission("block")
+    report = p.readiness()
+    assert not report.ready and report.blockers == ["r1", "r2-a1"] and report.unsaved == []
+    # tool calls are not held: the state never leaves the process anyway
+    async with p.session_call("s1") as s:
+        s.state["count"] += 1
+    await p.open_admission()
+
+    p.policy = "best_effort"
+    await p.close_admission("best_effort")
+    report = p.readiness()
+    assert report.ready and report.blockers == [] and report.unsaved == ["r1", "r2-a1"]
+    assert await p.export(None) == []
+    with pytest.raises(CheckpointError, match="restart_only"):
+        await p.install([{"episode_id": {"rollout_id": "r1", "attempt": 0}, "session_id": "x", "state": None}])
+
+
+async def test_stateless_exports_routing_only(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("stateless", hooks)
+    await seed(p, "r1", "s1", count=5)
+    await p.close_admission("block")
+    records = await p.export([ep("r1"), ep("elsewhere")])
+    assert records == [{"episode_id": {"rollout_id": "r1", "attempt": 0}, "session_id": "s1", "state": None}]
+    fresh = ResourcesParticipant("stateless", CounterHooks())
+    assert await fresh.install(records) == ["r1-a1"]
+    assert fresh.sessions["s1"].episode == ep("r1-a1") and fresh.sessions["s1"].state is None
+
+
+async def test_export_scope_and_install_under_next_attempt(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1", count=3)
+    await seed(p, "r2-a2", "s2", count=4)
+    await p.close_admission("block")
+    records = await p.export([ep("r2-a2")])
+    assert [r["session_id"] for r in records] == ["s2"]
+
+    fresh = ResourcesParticipant("exported", CounterHooks())
+    keys = await fresh.install(copy.deepcopy(await p.export(None)))
+    assert keys == ["r1-a1", "r2-a3"]
+    session = fresh.lookup("s2")  # the saved cookie routes to the restored state
+    assert session.episode == ep("r2-a3") and session.state == {"count": 4}
+
+
+async def test_install_is_all_or_nothing(hooks: CounterHooks) -> None:
+    good = {"episode_id": {"rollout_id": "r1", "attempt": 0}, "session_id": "s1", "state": {"count": 1}}
+    bad_state = {"episode_id": {"rollout_id": "r2", "attempt": 0}, "session_id": "s2", "state": {"count": "x"}}
+    no_episode = {"session_id": "s3", "state": {"count": 1}}
+    extra = dict(good, session_id="s4", owner="me")
+    for broken, pattern in ((bad_state, "record 1 .*invalid state"), (no_episode, "record 1 has no valid episode_id"),
+                            (extra, "unknown field")):
+        p = ResourcesParticipant("exported", hooks)
+        with pytest.raises(CheckpointError, match=pattern):
+            await p.install([good, broken])
+        assert p.sessions == {}
+    assert {"count": 1} in hooks.closed  # the state built before the failure was freed
+    p = ResourcesParticipant("exported", hooks)
+    with pytest.raises(CheckpointError, match="repeat session"):
+        await p.install([good, dict(good, episode_id={"rollout_id": "r5", "attempt": 0})])
+    await p.install([good])
+    with pytest.raises(CheckpointError, match="already live"):
+        await p.install([good])
+
+
+async def test_retire_frees_sessions_and_refuses_the_attempt(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("restart_only", hooks)
+    await seed(p, "r1", "s1", count=7)
+    await seed(p, "r2", "s2")
+    assert await p.retire([ep("r1")]) == ["r1"]
+    assert {"count": 7} in hooks.closed and set(p.sessions) == {"s2"}
+    with pytest.raises(StaleAttemptError):
+        p.lookup("s1")
+    with pytest.raises(StaleAttemptError):
+        await seed(p, "r1", "s1b")
+    await seed(p, "r1-a1", "s1c")  # the next attempt is fine
+    with pytest.raises(UnknownSessionError):
+        p.lookup("nope")
+    with pytest.raises(UnknownSessionError):
+        p.lookup(None)
+    await p.close_admission("block")
+    assert p.readiness().blockers == ["r1-a1", "r2"]
+
+
+async def test_retire_during_a_call_frees_after_it(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1", count=1)
+    async with p.session_call("s1"):
+        await p.retire([ep("r1")])
+        assert hooks.closed == []  # still in use
+    assert hooks.closed == [{"count": 1}]
+
+
+async def test_seed_retired_while_seeding_is_refused(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    with pytest.raises(StaleAttemptError):
+        async with p.seeding(ep("r1")):
+            assert p.readiness().counts["inflight"] == 1
+            await p.retire([ep("r1")])
+            p.add_session("s1", ep("r1"), {"count": 0})
+    assert p.sessions == {} and p.readiness().counts["inflight"] == 0
+
+
+async def test_end_session_and_shutdown_free_states(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1", count=1)
+    await seed(p, "r2", "s2", count=2)
+    async with p.session_call("s1") as s:
+        await p.end_session(s)
+    assert hooks.closed == [{"count": 1}]
+    with pytest.raises(UnknownSessionError):
+        p.lookup("s1")
+    await p.shutdown()
+    assert hooks.closed == [{"count": 1}, {"count": 2}] and p.sessions == {}
+
+
+async def test_readiness_change_wakes_a_waiter(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1")
+    gate = asyncio.Event()
+
+    async def call() -> None:
+        async with p.session_call("s1"):
+            await gate.wait()
+
+    task = asyncio.create_task(call())
+    await settle()
+    await p.close_admission("block")
+    waiter = asyncio.create_task(p.wait_changed(5.0))
+    await settle()
+    gate.set()
+    await asyncio.wait_for(waiter, 1.0)  # woken by the call ending, long before the timeout
+    await task
+    assert p.readiness().ready

@@ -1,0 +1,201 @@
+"""Store: write-once manifest, digest-named records, every error names its file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gym_patches.checkpoint.errors import CheckpointStoreError
+from gym_patches.checkpoint.store import (
+    MANIFEST_NAME,
+    WriteStopped,
+    participant_dir,
+    read_participant_state,
+    write_participant_state,
+)
+
+RECORDS = [
+    {"episode_id": {"rollout_id": "r1", "attempt": 0}, "state": {"b": [1, 2], "a": "ünï"}},
+    {"episode_id": {"rollout_id": "r2", "attempt": 3}, "state": None},
+]
+
+
+def test_round_trip_layout_and_manifest(tmp_path):
+    manifest = write_participant_state(tmp_path, "agent", "agent_a", "ckpt-1", RECORDS)
+    directory = tmp_path / "gym" / "agent" / "agent_a"
+    assert manifest.records_file == f"records-{manifest.records_sha256}.jsonl"
+    assert manifest.record_count == 2
+    assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_NAME, manifest.records_file])
+    on_disk = json.loads((directory / MANIFEST_NAME).read_text())
+    assert on_disk["schema_version"] == 1 and on_disk["checkpoint_id"] == "ckpt-1"
+    # one JSON object per line, stable key order
+    lines = (directory / manifest.records_file).read_text(encoding="utf-8").splitlines()
+    assert lines[0].index('"a"') < lines[0].index('"b"')
+    read_manifest, records = read_participant_state(tmp_path, "agent", "agent_a", "ckpt-1")
+    assert read_manifest == manifest
+    assert records == RECORDS
+
+
+def test_instance_with_slash_nests(tmp_path):
+    write_participant_state(tmp_path, "model", "shard0/replica-1", "c", [])
+    assert (tmp_path / "gym" / "model" / "shard0" / "replica-1" / MANIFEST_NAME).exists()
+    manifest, records = read_participant_state(tmp_path, "model", "shard0/replica-1", "c")
+    assert records == [] and manifest.record_count == 0
+
+
+def test_same_content_again_returns_existing_manifest(tmp_path):
+    first = write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    again = write_participant_state(tmp_path, "agent", "a", "c1", [dict(r) for r in RECORDS])
+    assert again == first
+    files = list((tmp_path / "gym" / "agent" / "a").iterdir())
+    assert len(files) == 2  # no temp files left behind
+
+
+def test_different_content_for_existing_manifest_is_refused(tmp_path):
+    write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    manifest_path = tmp_path / "gym" / "agent" / "a" / MANIFEST_NAME
+    before = manifest_path.read_bytes()
+    with pytest.raises(CheckpointStoreError, match="already records different content") as info:
+        write_participant_state(tmp_path, "agent", "a", "c1", RECORDS[:1])
+    assert str(manifest_path) in str(info.value)
+    assert manifest_path.read_bytes() == before
+    _, records = read_participant_state(tmp_path, "agent", "a", "c1")
+    assert records == RECORDS
+
+
+def test_other_checkpoint_in_same_dir_is_refused(tmp_path):
+    write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    with pytest.raises(CheckpointStoreError, match="already belongs to checkpoint 'c1'"):
+        write_participant_state(tmp_path, "agent", "a", "c2", RECORDS)
+
+
+@pytest.mark.parametrize("instance", ["..", "../x", "a/../../b", "/abs", "", "a//b", "a\\b", "./a", "a/."])
+def test_path_traversal_is_refused(tmp_path, instance):
+    with pytest.raises(CheckpointStoreError, match="instance name"):
+        write_participant_state(tmp_path, "agent", instance, "c1", RECORDS)
+    with pytest.raises(CheckpointStoreError, match="instance name"):
+        read_participant_state(tmp_path, "agent", instance, "c1")
+    assert not (tmp_path / "gym").exists() or not any((tmp_path / "gym").rglob("*.jsonl"))
+
+
+def test_bad_kind_and_checkpoint_id(tmp_path):
+    with pytest.raises(CheckpointStoreError, match="unknown participant kind 'environment'"):
+        participant_dir(tmp_path, "environment", "a")
+    with pytest.raises(CheckpointStoreError, match="checkpoint_id '../x'"):
+        write_participant_state(tmp_path, "agent", "a", "../x", [])
+
+
+def test_unserialisable_record_publishes_nothing(tmp_path):
+    with pytest.raises(CheckpointStoreError, match="record 1 is not JSON-serialisable"):
+        write_participant_state(tmp_path, "agent", "a", "c1", [{"ok": 1}, {"bad": object()}])
+    with pytest.raises(CheckpointStoreError, match="record 0 is a list"):
+        write_participant_state(tmp_path, "agent", "a", "c1", [[1]])  # type: ignore[list-item]
+    assert list((tmp_path / "gym" / "agent" / "a").iterdir()) == []
+
+
+def test_stop_before_publish(tmp_path):
+    with pytest.raises(WriteStopped):
+        write_participant_state(tmp_path, "agent", "a", "c1", RECORDS, should_stop=lambda: True)
+    assert list((tmp_path / "gym" / "agent" / "a").iterdir()) == []
+
+
+def test_flipped_byte_in_records_names_the_file(tmp_path):
+    manifest = write_participant_state(tmp_path, "resources", "tools", "c1", RECORDS)
+    records_path = tmp_path / "gym" / "resources" / "tools" / manifest.records_file
+    data = bytearray(records_path.read_bytes())
+    data[5] ^= 0x01
+    records_path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointStoreError) as info:
+        read_participant_state(tmp_path, "resources", "tools", "c1")
+    assert str(records_path) in str(info.value) and "sha256" in str(info.value)
+
+
+def test_truncated_manifest_names_manifest(tmp_path):
+    write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    manifest_path = tmp_path / "gym" / "agent" / "a" / MANIFEST_NAME
+    raw = manifest_path.read_bytes()
+    os.chmod(manifest_path, 0o644)
+    manifest_path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointStoreError, match="manifest.json is not valid JSON") as info:
+        read_participant_state(tmp_path, "agent", "a", "c1")
+    assert str(manifest_path) in str(info.value)
+
+
+def test_missing_manifest_and_missing_records(tmp_path):
+    with pytest.raises(CheckpointStoreError, match=r"manifest\.json is missing"):
+        read_participant_state(tmp_path, "agent", "a", "c1")
+    manifest = write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    records_path = tmp_path / "gym" / "agent" / "a" / manifest.records_file
+    records_path.unlink()
+    with pytest.raises(CheckpointStoreError, match="is missing") as info:
+        read_participant_state(tmp_path, "agent", "a", "c1")
+    assert str(records_path) in str(info.value)
+
+
+def _rewrite_manifest(tmp_path, where, changes):
+    path = tmp_path / "gym" / where / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"schema_version": 2}, "schema_version 2"),
+        ({"kind": "model"}, "has kind 'model', expected 'agent'"),
+        ({"instance": "other"}, "has instance 'other', expected 'a'"),
+        ({"checkpoint_id": "c2"}, "has checkpoint_id 'c2', expected 'c1'"),
+        ({"record_count": 5}, "holds 2 records"),
+        ({"records_file": "records-" + "0" * 64 + ".jsonl"}, "does not match records_sha256"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_every_manifest_field_is_checked(tmp_path, changes, message):
+    write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    path = _rewrite_manifest(tmp_path, "agent/a", changes)
+    with pytest.raises(CheckpointStoreError, match=message) as info:
+        read_participant_state(tmp_path, "agent", "a", "c1")
+    assert "manifest.json" in str(info.value) or str(path.parent) in str(info.value)
+
+
+def test_unparseable_line_with_matching_digest_names_file_and_line(tmp_path):
+    # A records file whose digest matches but whose second line is not JSON.
+    import hashlib
+
+    directory = tmp_path / "gym" / "agent" / "a"
+    directory.mkdir(parents=True)
+    content = b'{"x":1}\n{not json\n'
+    sha = hashlib.sha256(content).hexdigest()
+    (directory / f"records-{sha}.jsonl").write_bytes(content)
+    manifest = {
+        "schema_version": 1, "kind": "agent", "instance": "a", "checkpoint_id": "c1",
+        "records_file": f"records-{sha}.jsonl", "records_sha256": sha, "record_count": 2,
+    }
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointStoreError, match="line 2 is not valid JSON") as info:
+        read_participant_state(tmp_path, "agent", "a", "c1")
+    assert f"records-{sha}.jsonl" in str(info.value)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.dictionaries(st.text(max_size=8), _json, max_size=4), max_size=5))
+def test_round_trip_property(tmp_path_factory, records):
+    root = tmp_path_factory.mktemp("prop")
+    manifest = write_participant_state(root, "resources", "r", "c1", records)
+    read_manifest, back = read_participant_state(root, "resources", "r", "c1")
+    assert read_manifest == manifest and back == records
+    assert write_participant_state(root, "resources", "r", "c1", records) == manifest

@@ -422,6 +422,8 @@ class ParticipantControlPlane:
                     )
                 work = _CommitWork(cid, args)
                 work.task = asyncio.create_task(self._run_commit(work, req), name=f"checkpoint-commit:{cid}")
+                # retrieve the outcome even if every waiting request went away
+                work.task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 self._commit = work
             self._extend_lease(req.deadline_ts)
         assert work.task is not None

@@ -55,6 +55,13 @@ class ScriptedToolCall(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+class SettingsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    delay_s: float | None = Field(default=None, ge=0.0, le=600.0)
+    respect_max_tokens: bool | None = None
+
+
 class ScriptedTurn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -71,7 +78,10 @@ class ScriptedTurn(BaseModel):
 class PlansRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    plans: dict[str, list[ScriptedTurn]]
+    plans: dict[str, list[ScriptedTurn]] = Field(default_factory=dict)
+    # Several plans for one user text (rows that differ only in seeded data): the
+    # backend plays the variant whose next tool arguments appear in the tool outputs so far.
+    variants: dict[str, list[list[ScriptedTurn]]] = Field(default_factory=dict)
     replace: bool = False  # False: add/override per user text; True: drop all others
 
 
@@ -98,23 +108,35 @@ def fake_logprob(token_id: int) -> float:
 # -- server --------------------------------------------------------------------
 class ScriptedState:
     def __init__(self) -> None:
-        self.plans: dict[str, list[ScriptedTurn]] = {}
+        self.plans: dict[str, list[list[ScriptedTurn]]] = {}  # user text -> variants
         self.holds: dict[Key, asyncio.Event] = {}
         self.waiting: dict[Key, int] = {}  # replies currently held, per turn
         self.calls: list[dict[str, Any]] = []
         self.pending = 0
+        self.delay_s = 0.0  # every reply waits this long (keeps rollouts in flight in RL tests)
+        self.respect_max_tokens = True  # False: plans play out whole (fake tokens are bytes, not words)
 
-    def turn_for(self, user: str, turn: int) -> ScriptedTurn:
-        plan = self.plans.get(user)
-        if plan is None:
+    def turn_for(self, user: str, turn: int, tool_text: str = "") -> ScriptedTurn:
+        variants = self.plans.get(user)
+        if not variants:
             return ScriptedTurn(content=NO_PLAN_TEXT)
+        plan = max(variants, key=lambda v: _evidence(v, turn, tool_text))
         return plan[turn] if turn < len(plan) else ScriptedTurn(content=FINAL_TEXT)
+
 
     def release(self, key: Key) -> bool:
         event = self.holds.pop(key, None)
         if event is not None:
             event.set()
         return event is not None
+
+
+def _evidence(plan: list[ScriptedTurn], turn: int, tool_text: str) -> int:
+    """How many of the turn's string arguments the conversation's tool outputs mention."""
+    if turn >= len(plan):
+        return 0
+    values = [v for c in plan[turn].tool_calls or [] for v in c.arguments.values() if isinstance(v, str)]
+    return sum(1 for v in values if v and v in tool_text)
 
 
 def _error(status: int, code: str, detail: str) -> web.Response:
@@ -159,8 +181,20 @@ def build_app() -> web.Application:
                     state.waiting[key] -= 1
                     if not state.waiting[key]:
                         del state.waiting[key]
-            reply = _completion(messages, state.turn_for(user, turn_index), turn_index, body.get("model"), max_tokens)
-            state.calls.append({"user": user, "turn": turn_index, "ts": time.time(), "model": body.get("model")})
+            if state.delay_s:
+                await asyncio.sleep(state.delay_s)
+            limit = max_tokens if state.respect_max_tokens else None
+            tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
+            reply = _completion(messages, state.turn_for(user, turn_index, tool_text), turn_index, body.get("model"), limit)
+            state.calls.append(
+                {
+                    "user": user,
+                    "turn": turn_index,
+                    "ts": time.time(),
+                    "model": body.get("model"),
+                    "authorization": request.headers.get("Authorization"),
+                }
+            )
             return web.json_response(reply)
         finally:
             state.pending -= 1
@@ -169,7 +203,8 @@ def build_app() -> web.Application:
         req = await _body(request, PlansRequest)
         if req.replace:
             state.plans.clear()
-        state.plans.update(req.plans)
+        state.plans.update({user: [plan] for user, plan in req.plans.items()})
+        state.plans.update(req.variants)
         return web.json_response({"plans": len(state.plans)})
 
     async def hold(request: web.Request) -> web.Response:
@@ -191,6 +226,14 @@ def build_app() -> web.Application:
             }
         )
 
+    async def settings(request: web.Request) -> web.Response:
+        req = await _body(request, SettingsRequest)
+        if req.delay_s is not None:
+            state.delay_s = req.delay_s
+        if req.respect_max_tokens is not None:
+            state.respect_max_tokens = req.respect_max_tokens
+        return web.json_response({"delay_s": state.delay_s, "respect_max_tokens": state.respect_max_tokens})
+
     async def reset(_: web.Request) -> web.Response:
         for key in list(state.holds):
             state.release(key)
@@ -205,6 +248,7 @@ def build_app() -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/scripted/plans", set_plans)
     app.router.add_post("/scripted/hold", hold)
+    app.router.add_post("/scripted/settings", settings)
     app.router.add_post("/scripted/release", release)
     app.router.add_get("/scripted/calls", calls)
     app.router.add_post("/scripted/reset", reset)
@@ -374,9 +418,18 @@ class ScriptedBackend:
 
     def plans_from_rows(self, rows: Iterable[dict[str, Any]], *, replace: bool = True) -> dict[str, list[dict[str, Any]]]:
         """Plan each task row: one turn per ground-truth call, then its final answer."""
-        plans = {first_user_text(row): plan_for_row(row) for row in rows}
-        self.set_plans(plans, replace=replace)
-        return plans
+        variants: dict[str, list[list[dict[str, Any]]]] = {}
+        for row in rows:
+            plan = plan_for_row(row)
+            bucket = variants.setdefault(first_user_text(row), [])
+            if plan not in bucket:
+                bucket.append(plan)
+        self._call("POST", "/scripted/plans", {"variants": variants, "replace": replace})
+        return {user: plans[0] for user, plans in variants.items()}
+
+    def configure(self, *, delay_s: float | None = None, respect_max_tokens: bool | None = None) -> None:
+        """``delay_s``: every reply waits that long; ``respect_max_tokens=False``: plans are never cut."""
+        self._call("POST", "/scripted/settings", {"delay_s": delay_s, "respect_max_tokens": respect_max_tokens})
 
     def hold(self, user: str, turn: int) -> None:
         self._call("POST", "/scripted/hold", {"user": user, "turn": turn})
@@ -389,7 +442,7 @@ class ScriptedBackend:
         return self._call("GET", "/scripted/calls")
 
     def calls(self, user: str | None = None) -> list[dict[str, Any]]:
-        """Completed calls ``{user, turn, ts, model}`` in completion order."""
+        """Completed calls ``{user, turn, ts, model, authorization}`` in completion order."""
         return [c for c in self.state()["calls"] if user is None or c["user"] == user]
 
     def wait_for_held(self, user: str, turn: int, timeout: float = 10.0) -> None:

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     ap.add_argument("--data", default=str(REPO / "examples/data/workplace_train.jsonl"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warm-steps", type=int, default=60)
-    ap.add_argument("--warm-lr", type=float, default=2e-3)
+    ap.add_argument("--warm-lr", type=float, default=5e-3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)

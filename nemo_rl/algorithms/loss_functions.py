@@ -41,23 +41,26 @@ def clipped_pg_loss(
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logprobs)
+    on = mask.bool()
     mask = mask.to(logprobs.dtype)
     n_tokens = float(mask.sum())
     denom = n_tokens if normalizer is None else float(normalizer)
     if denom <= 0:
         raise ValueError("clipped_pg_loss needs at least one unmasked token (or a positive normalizer)")
 
-    log_ratio = (logprobs - old_logprobs.detach()) * mask  # masked tokens: ratio 1, no overflow
+    zero = torch.zeros_like(logprobs)
+    # Masked tokens get log-ratio 0 via where(), so garbage (even inf) there cannot leak into loss or grads.
+    log_ratio = torch.where(on, logprobs - old_logprobs.detach(), zero)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_min, 1.0 + clip_max)
     per_token = torch.maximum(unclipped, clipped)
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
-        d = (ref_logprobs.detach() - logprobs) * mask
+        d = torch.where(on, ref_logprobs.detach() - logprobs, zero)
         kl = torch.exp(d) - d - 1.0
         per_token = per_token + kl_coef * kl
-    loss = (per_token * mask).sum() / denom
+    loss = torch.where(on, per_token, zero).sum() / denom
 
     with torch.no_grad():
         m = mask.bool()

@@ -155,7 +155,7 @@ def warm_start(
     rows: Sequence[dict],
     steps: int = 60,
     batch_size: int = 16,
-    lr: float = 2e-3,
+    lr: float = 5e-3,
     seed: int = 0,
     conversations: list[list[dict]] | None = None,
     log_every: int = 0,

@@ -501,9 +501,6 @@ class RolloutRecoveryLedger:
     def _restart_sibling(self, group, sibling, level, pending, summary) -> None:
         gid, g = group.group_id, sibling.generation_index
         attempt = sibling.current_attempt
-        if attempt.status is RolloutAttemptStatus.SEALED:
-            summary.kept_siblings.append(attempt.rollout_id(gid, g))
-            return
         if attempt.status is RolloutAttemptStatus.RESERVED and attempt.gym_attempt == 0:
             return  # never started: dispatch it as planned
         if level.requires_gym_checkpoint and attempt.status in _LIVE:

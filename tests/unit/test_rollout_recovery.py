@@ -366,7 +366,7 @@ class _Run:
         level = list(L)[a % 4]
         gid = f"grp{self.n_groups}"
         self.n_groups += 1
-        self.ledger.reserve_group(gid, f"p{a}", self.n_groups, "src", "agent", level, 1 + b % 3, 1)
+        self.ledger.reserve_group(gid, f"p{a}", self.n_groups, "src", "agent", level, 2 + b % 2, 1)
 
     def _live(self, status):
         return [
@@ -434,7 +434,7 @@ class _Run:
         assert self.ledger.trained_group_ids == self.trained
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_property_no_sealed_sample_lost_or_duplicated(program):
     with tempfile.TemporaryDirectory() as tmp:

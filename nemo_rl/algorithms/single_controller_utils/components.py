@@ -29,8 +29,8 @@ class ScriptedTestGeneration:
 
         self._backend = ScriptedBackend().start()
         self._backend.plans_from_rows(rows)
-        if delay_s:
-            self._backend.set_delay(delay_s)
+        # Fake tokens are bytes, so a row's max_output_tokens would cut a scripted call short.
+        self._backend.configure(delay_s=delay_s, respect_max_tokens=False)
         self.base_url = self._backend.base_url
 
     def refit(self, trainer: Any) -> None:

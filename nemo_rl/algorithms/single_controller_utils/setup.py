@@ -99,7 +99,8 @@ def restart_only_check(
             where.setdefault(name, []).append(instance_id)
     several = len(restart_only) > 1
     described = []
-    for name in sorted(where):
+    agents_first = sorted(where, key=lambda n: (server_types.get(n) != "responses_api_agents", n))
+    for name in agents_first:
         kind = "agent" if server_types.get(name) == "responses_api_agents" else "resources server"
         suffix = f" (on {', '.join(where[name])})" if several else ""
         described.append(f"{kind} {name!r}{suffix}")

@@ -147,7 +147,7 @@ class GenerationServer:
             raise RuntimeError("call start() before generate()")
         if len(prompt_ids) >= self.policy.max_seq_len:
             raise _BadRequest(
-                f"prompt is {len(prompt_ids)} tokens; this model's maximum context length is "
+                f"messages: the prompt is {len(prompt_ids)} tokens; this model's maximum context length is "
                 f"{self.policy.max_seq_len} tokens",
                 "messages",
                 "context_length_exceeded",

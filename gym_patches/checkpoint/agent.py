@@ -1,0 +1,443 @@
+"""Checkpoint participants of Gym agents (DESIGN §3.4).
+
+``AgentSessionParticipant`` parks each running ``/run`` of the session agent at
+a loop boundary and exports its loop state. ``RestartOnlyAgentParticipant``
+serves agents that cannot do that: it only tracks running ``/run`` calls, which
+either block a checkpoint (policy ``block``) or are reported unsaved
+(``best_effort``), so a restart-only agent never stalls a best-effort snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError, StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
+from gym_patches.responses_api_agents.loop import RunRequestError, SimpleAgentLoopState, parse_run_body
+from gym_patches.server_utils import cancel_and_wait, json_error
+from gym_patches.wire_models import Boundary
+
+T = TypeVar("T")
+
+SessionPhase = Literal["admitting", "seeding", "running", "awaiting_model", "holding_reply", "parked"]
+_WAITING_ON_MODEL: frozenset[str] = frozenset({"awaiting_model", "holding_reply"})
+
+
+def session_key(episode: EpisodeId) -> str:
+    """Stable across attempts, so a record names the rollout's session, not the try."""
+    return f"run:{episode.rollout_id}"
+
+
+class AgentSessionRecord(BaseModel):
+    """One parked session as committed to the store and installed on restore."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: EpisodeId
+    session_key: str
+    boundary: Boundary
+    state: SimpleAgentLoopState
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AgentSessionRecord":
+        if self.session_key != session_key(self.episode_id):
+            raise ValueError(f"session_key {self.session_key!r} does not match episode {self.episode_id}")
+        if (self.boundary == "P1") != self.state.pending_tools:
+            raise ValueError(f"boundary {self.boundary} does not fit state.pending_tools={self.state.pending_tools}")
+        if self.boundary == "P1" and not self.state.pending_calls():
+            raise ValueError("boundary P1 needs state.last_model_response with function calls")
+        if self.boundary != "B0" and self.state.step < 1:
+            raise ValueError(f"boundary {self.boundary} needs state.step >= 1")
+        if not isinstance(self.state.seed_row.get("responses_create_params"), dict):
+            raise ValueError("state.seed_row has no responses_create_params")
+        return self
+
+
+def make_record(episode: EpisodeId, boundary: Boundary, state: SimpleAgentLoopState) -> Record:
+    return {
+        "episode_id": episode.model_dump(mode="json"),
+        "session_key": session_key(episode),
+        "boundary": boundary,
+        "state": state.model_dump(mode="json"),
+    }
+
+
+@dataclass(eq=False)
+class _Session:
+    """One running ``/run``. ``state`` is the loop's live state object; the loop
+    only mutates it while ``phase`` is seeding/running, so in every parked phase
+    it equals the state at ``boundary``."""
+
+    episode: EpisodeId
+    phase: SessionPhase = "admitting"
+    park_requested: bool = False
+    boundary: Boundary | None = None
+    state: SimpleAgentLoopState | None = None
+    task: "asyncio.Task[Any] | None" = None
+    retired: bool = False
+
+
+@dataclass(frozen=True)
+class RestoredSession:
+    """An installed record waiting for the ``/run`` of its new attempt."""
+
+    episode: EpisodeId  # the new attempt
+    boundary: Boundary
+    state: SimpleAgentLoopState
+
+
+class Activation:
+    """The loop's handle on its session: boundaries, the model wait, the seed."""
+
+    def __init__(self, participant: "AgentSessionParticipant", session: _Session):
+        self._p = participant
+        self._s = session
+
+    @property
+    def capture_key(self) -> str:
+        return self._s.episode.capture_key
+
+    async def boundary(self, name: Boundary, state: SimpleAgentLoopState) -> None:
+        """Record the boundary; park here (wait for reopen) if a park is requested."""
+        s = self._s
+        s.boundary, s.state = name, state
+        if s.park_requested:
+            self._p._set_phase(s, "parked")
+            await self._p._until_reopened(s)
+        self._p._set_phase(s, "running")
+
+    @contextlib.asynccontextmanager
+    async def awaiting_model(self) -> AsyncIterator[None]:
+        """The model call. While it runs the session counts as parked at its last
+        boundary (B0). A reply that arrives after the agent has reported itself
+        ready is kept but not acted on until reopen, so the place it was counted
+        at stays true; before that, the session goes on and parks at P1."""
+        s = self._s
+        self._p._set_phase(s, "awaiting_model")
+        try:
+            yield
+        except BaseException:
+            self._p._set_phase(s, "running")
+            raise
+        if s.park_requested and self._p._ready_reported:
+            self._p._set_phase(s, "holding_reply")
+            await self._p._until_reopened(s)
+        self._p._set_phase(s, "running")
+
+    @contextlib.asynccontextmanager
+    async def seeding(self) -> AsyncIterator[None]:
+        """Seeds wait while closed; a seed in flight blocks readiness."""
+        s = self._s
+        await self._p._until_reopened(s)
+        self._p._set_phase(s, "seeding")
+        try:
+            yield
+        finally:
+            self._p._set_phase(s, "running")
+
+
+Runner = Callable[..., Awaitable[T]]
+
+
+class AgentSessionParticipant(CheckpointParticipant):
+    """Participant of ``simple_agent``: one session per running ``/run``, parked at a boundary."""
+
+    kind = "agent"
+
+    def __init__(self, agent: Any = None):
+        super().__init__()
+        self.name: str = getattr(agent, "name", None) or "agent"
+        self._sessions: dict[str, _Session] = {}
+        self._restored: dict[str, RestoredSession] = {}
+        self._reopened = asyncio.Event()
+        self._reopened.set()
+        self._ready_reported = False  # this close cycle told someone "ready"
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"restart_only": False}
+
+    # -- running sessions --------------------------------------------------
+    def is_restored(self, capture_key: str) -> bool:
+        return capture_key in self._restored
+
+    async def run_session(self, episode: EpisodeId, runner: Runner[T]) -> T:
+        """Host one ``/run``: ``runner(activation)`` for a fresh episode, or
+        ``runner(activation, boundary, state)`` to continue a restored one."""
+        self.check_attempt(episode)
+        key = episode.capture_key
+        if key in self._sessions:
+            raise RunRequestError(409, "rollout_in_progress", f"{self.name}: a /run for {key} is already running")
+        s = _Session(episode, park_requested=not self.accepting)
+        self._sessions[key] = s
+        s.task = asyncio.create_task(self._drive(s, runner), name=f"agent-run:{key}")
+        self.notify_changed()
+        try:
+            return await s.task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if s.retired and not (me is not None and me.cancelling()):
+                raise StaleAttemptError(f"{key} was retired while running on {self.name}") from None
+            raise
+        finally:
+            if self._sessions.get(key) is s:
+                del self._sessions[key]
+            self.notify_changed()
+
+    async def _drive(self, s: _Session, runner: Runner[T]) -> T:
+        await self._until_reopened(s)  # a /run that arrives while closed waits
+        restored = self._restored.pop(s.episode.capture_key, None)
+        act = Activation(self, s)
+        if restored is None:
+            return await runner(act)
+        s.boundary, s.state = restored.boundary, restored.state
+        self._set_phase(s, "running")
+        return await runner(act, restored.boundary, restored.state)
+
+    def _set_phase(self, s: _Session, phase: SessionPhase) -> None:
+        if s.phase != phase:
+            s.phase = phase
+            self.notify_changed()
+
+    async def _until_reopened(self, s: _Session) -> None:
+        while s.park_requested:
+            await self._reopened.wait()
+
+    # -- admission ---------------------------------------------------------
+    async def close_admission(self, policy: RestartOnlyPolicy) -> None:
+        self.policy = policy
+        self.accepting = False
+        self._ready_reported = False
+        if self._reopened.is_set():
+            self._reopened = asyncio.Event()
+        for s in self._sessions.values():
+            s.park_requested = True
+        self.notify_changed()
+
+    async def open_admission(self) -> None:
+        self.accepting = True
+        self._ready_reported = False
+        for s in self._sessions.values():
+            s.park_requested = False
+        self._reopened.set()
+        self.notify_changed()
+
+    def readiness(self) -> PrepareReport:
+        blockers: list[str] = []
+        sessions = at_boundary = awaiting = 0
+        for key, s in self._sessions.items():
+            if s.phase == "admitting":
+                continue  # has done nothing yet; waits for reopen
+            sessions += 1
+            if s.phase == "parked":
+                at_boundary += 1
+            elif s.phase in _WAITING_ON_MODEL:
+                awaiting += 1
+            else:
+                blockers.append(key)
+        pending = sum(1 for k in self._restored if k not in self._sessions)
+        counts = {"sessions": sessions + pending, "at_boundary": at_boundary + pending, "awaiting_model": awaiting}
+        report = PrepareReport.build(blockers, [], counts)
+        if report.ready and not self.accepting:
+            self._ready_reported = True
+        return report
+
+    # -- lifecycle ---------------------------------------------------------
+    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
+        wanted = None if episodes is None else {e.capture_key for e in episodes}
+        records: list[Record] = []
+        for key in sorted(self._sessions):
+            s = self._sessions[key]
+            if wanted is not None and key not in wanted:
+                continue
+            if s.phase == "admitting":
+                if key in self._restored or wanted is None:
+                    continue  # a restored one is exported below
+                raise CheckpointError(
+                    f"{self.name}: /run {key} arrived while the checkpoint was open and has not started; "
+                    "it has no boundary to save"
+                )
+            if s.phase != "parked" and s.phase not in _WAITING_ON_MODEL:
+                raise CheckpointError(f"{self.name}: session {key} is {s.phase}, not parked at a boundary")
+            if s.state is None or s.boundary is None:
+                raise CheckpointError(f"{self.name}: session {key} has no boundary state")
+            records.append(make_record(s.episode, s.boundary, s.state))
+        for key in sorted(self._restored):
+            if wanted is None or key in wanted:
+                r = self._restored[key]
+                records.append(make_record(r.episode, r.boundary, r.state))
+        return records
+
+    async def install(self, records: list[Record]) -> list[str]:
+        parsed: list[RestoredSession] = []
+        seen: set[str] = set()
+        for index, raw in enumerate(records):
+            try:
+                rec = AgentSessionRecord.model_validate(raw)
+            except ValidationError as exc:
+                where = raw.get("episode_id") if isinstance(raw, dict) else None
+                detail = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or '<record>'}: {e['msg']}" for e in exc.errors()
+                )
+                raise CheckpointError(f"{self.name}: agent record {index} (episode {where}) is invalid: {detail}") from None
+            new = next_attempt(rec.episode_id)
+            key = new.capture_key
+            if key in seen:
+                raise CheckpointError(f"{self.name}: two records for episode {rec.episode_id}")
+            seen.add(key)
+            try:
+                self.check_attempt(new)
+            except StaleAttemptError as exc:
+                raise CheckpointError(f"{self.name}: cannot restore into {key}: {exc.detail}") from None
+            if key in self._sessions:
+                raise CheckpointError(f"{self.name}: cannot restore {key}: a /run for it is already running")
+            parsed.append(RestoredSession(new, rec.boundary, rec.state))
+        for r in parsed:
+            self._restored[r.episode.capture_key] = r
+        self.notify_changed()
+        return [r.episode.capture_key for r in parsed]
+
+    async def retire(self, episodes: list[EpisodeId]) -> list[str]:
+        tasks: list[asyncio.Task[Any]] = []
+        for e in episodes:
+            self.mark_retired(e)
+            for key, r in list(self._restored.items()):
+                if _covers(e, r.episode):
+                    del self._restored[key]
+            for s in self._sessions.values():
+                if _covers(e, s.episode) and s.task is not None and not s.task.done():
+                    s.retired = True
+                    tasks.append(s.task)
+        await cancel_and_wait(tasks)
+        self.notify_changed()
+        return [e.capture_key for e in episodes]
+
+
+def _covers(retired: EpisodeId, other: EpisodeId) -> bool:
+    """Retiring an attempt also retires every earlier attempt of that rollout."""
+    return other.rollout_id == retired.rollout_id and other.attempt <= retired.attempt
+
+
+# -- restart-only agents --------------------------------------------------
+
+
+class RestartOnlyAgentParticipant(CheckpointParticipant):
+    """Participant of an agent that cannot save sessions: tracks each running
+    ``/run`` by capture key. Under ``block`` every one blocks a checkpoint (and
+    new ones are refused); under ``best_effort`` they are reported unsaved and
+    keep running, so the checkpoint is not held up by them."""
+
+    kind = "agent"
+
+    def __init__(self, agent: Any = None):
+        super().__init__()
+        self.name: str = getattr(agent, "name", None) or "agent"
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._retired_tasks: set[asyncio.Task[Any]] = set()
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"restart_only": True}
+
+    @property
+    def tracked(self) -> list[str]:
+        return sorted(self._tasks)
+
+    def admit(self, episode: EpisodeId) -> None:
+        """Refuse retired attempts, duplicates, and (under ``block``) runs while closed."""
+        self.check_attempt(episode)
+        key = episode.capture_key
+        if not self.accepting and self.policy == "block":
+            raise AdmissionClosedError(f"{self.name} is closed for a checkpoint; /run {key} refused")
+        if key in self._tasks:
+            raise RunRequestError(409, "rollout_in_progress", f"{self.name}: a /run for {key} is already running")
+
+    async def track(self, episode: EpisodeId, work: Callable[[], Awaitable[T]]) -> T:
+        """Run ``work`` as the tracked task of ``episode`` (retire cancels it)."""
+        key = episode.capture_key
+        task = asyncio.create_task(work(), name=f"agent-run:{key}")
+        self._tasks[key] = task
+        self.notify_changed()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task in self._retired_tasks and not (me is not None and me.cancelling()):
+                raise StaleAttemptError(f"{key} was retired while running on {self.name}") from None
+            raise
+        finally:
+            self._retired_tasks.discard(task)
+            if self._tasks.get(key) is task:
+                del self._tasks[key]
+            self.notify_changed()
+
+    async def close_admission(self, policy: RestartOnlyPolicy) -> None:
+        self.policy = policy
+        self.accepting = False
+        self.notify_changed()
+
+    async def open_admission(self) -> None:
+        self.accepting = True
+        self.notify_changed()
+
+    def readiness(self) -> PrepareReport:
+        keys = sorted(self._tasks)
+        counts = {"runs": len(keys)}
+        if not self.accepting and self.policy == "best_effort":
+            return PrepareReport.build([], keys, counts)
+        return PrepareReport.build(keys, [], counts)
+
+    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
+        return []  # nothing it runs can be saved
+
+    async def install(self, records: list[Record]) -> list[str]:
+        if records:
+            raise CheckpointError(
+                f"{self.name}: restart-only agent cannot restore sessions ({len(records)} records given)"
+            )
+        return []
+
+    async def retire(self, episodes: list[EpisodeId]) -> list[str]:
+        tasks: list[asyncio.Task[Any]] = []
+        for e in episodes:
+            self.mark_retired(e)
+            for key, task in self._tasks.items():
+                if _covers(e, EpisodeId.from_capture_key(key)) and not task.done():
+                    self._retired_tasks.add(task)
+                    tasks.append(task)
+        await cancel_and_wait(tasks)
+        self.notify_changed()
+        return [e.capture_key for e in episodes]
+
+
+class RestartOnlyTrackingMiddleware:
+    """aiohttp middleware: every ``POST /run`` is admitted and tracked by the
+    ``_ng_rollout_id`` in its body (aiohttp keeps the body for the handler)."""
+
+    __middleware_version__ = 1
+
+    def __init__(self, participant: RestartOnlyAgentParticipant, paths: tuple[str, ...] = ("/run",)):
+        self.participant = participant
+        self.paths = frozenset(paths)
+
+    async def __call__(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if request.method != "POST" or request.path not in self.paths:
+            return await handler(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            return await handler(request)  # the handler names the bad body
+        try:
+            episode, _ = parse_run_body(body)
+            self.participant.admit(episode)
+            return await self.participant.track(episode, lambda: handler(request))
+        except RunRequestError as exc:
+            return json_error(exc.status, exc.code, exc.detail)
+        except CheckpointError as exc:
+            return web.json_response(exc.to_body(), status=exc.status)

@@ -1,0 +1,1 @@
+"""plain_loop_agent: the same loop without boundaries; a restart-only agent."""

@@ -1,0 +1,232 @@
+"""The policy model server as a real process in front of the scripted backend:
+Responses mapping, errors, and the checkpoint gate over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from gym_patches.launch import GymDeployment
+from gym_patches.testing.scripted_backend import ScriptedBackend, fake_logprob
+from gym_patches.utils.processes import free_port
+
+pytestmark = pytest.mark.functional
+
+TOKEN = "model-test-token"
+CONTROL = "/ng-control/v1/checkpoint"
+ADD_TOOL = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+}
+
+
+def gym_config(policy_base_url: str) -> dict:
+    return {
+        "checkpoint": {"enabled": True, "control_auth_token": TOKEN},
+        "policy_base_url": policy_base_url,
+        "policy_model_name": "test-policy",
+        "policy_api_key": "backend-key",
+        "policy_model": {"responses_api_models": {"vllm_model": {"request_timeout_s": 30}}},
+    }
+
+
+@pytest.fixture(scope="module")
+def backend():
+    with ScriptedBackend().start() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def model_url(backend):
+    with GymDeployment.start(gym_config(backend.base_url)) as dep:
+        yield dep.url("policy_model")
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(backend, model_url):
+    backend.reset()
+    yield
+    backend.reset()  # releases anything a failed test left held
+    _resume_if_active(model_url)  # so one failed test does not leave the gate closed for the next
+
+
+def _resume_if_active(model_url: str) -> None:
+    def call(method, op, body=None):
+        req = urllib.request.Request(
+            f"{model_url}{CONTROL}/{op}",
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    status = call("GET", "status")
+    if status["checkpoint_id"] is not None:
+        call("POST", "resume", {"checkpoint_id": status["checkpoint_id"], "deadline_ts": time.time() + 10})
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def post(http, url, body, headers=None):
+    async with http.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def control(http, model_url, op, **body):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    if op == "status":
+        async with http.get(f"{model_url}{CONTROL}/status", headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+    body.setdefault("deadline_ts", time.time() + 20)
+    status, reply = await post(http, f"{model_url}{CONTROL}/{op}", body, headers)
+    assert status == 200, reply
+    return reply
+
+
+async def until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_rollout_call_maps_reply_and_token_ids(backend, model_url, http):
+    user = "What is 2+2?"
+    backend.set_plans({user: [{"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}]}, {"content": "4"}]})
+    url = f"{model_url}/ng-rollout/fr1/v1/responses"
+
+    status, first = await post(http, url, {"input": user, "tools": [ADD_TOOL], "temperature": 0.0})
+    assert status == 200, first
+    assert first["object"] == "response" and first["incomplete_details"] is None
+    (call,) = first["output"]
+    assert call["type"] == "function_call" and call["name"] == "add"
+    assert json.loads(call["arguments"]) == {"a": 2, "b": 2}
+    generated = list(("add" + call["arguments"]).encode())
+    assert call["prompt_token_ids"] == list(f"<user>{user}".encode())
+    assert call["generation_token_ids"] == generated
+    assert call["generation_log_probs"] == [fake_logprob(t) for t in generated]
+    assert call["weight_version"] == 0
+    assert first["usage"]["output_tokens"] == len(generated)
+
+    items = [{"role": "user", "content": user}, call, {"type": "function_call_output", "call_id": call["call_id"], "output": "4"}]
+    status, second = await post(http, url, {"input": items, "tools": [ADD_TOOL]})
+    assert status == 200, second
+    (message,) = second["output"]
+    assert message["content"] == [{"type": "output_text", "text": "4"}]
+    assert message["generation_token_ids"] == list(b"4")
+
+    calls = backend.calls(user)
+    assert [c["turn"] for c in calls] == [0, 1]
+    assert {c["model"] for c in calls} == {"test-policy"}
+    assert {c["authorization"] for c in calls} == {"Bearer backend-key"}
+
+    status, cut = await post(http, f"{model_url}/v1/responses", {"input": user, "max_output_tokens": 2})
+    assert status == 200 and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][-1]["generation_token_ids"] == list(b"ad")
+
+
+async def test_bad_requests_name_the_field(model_url, http):
+    status, reply = await post(http, f"{model_url}/v1/responses", {"input": [{"role": "robot", "content": "x"}]})
+    assert status == 422 and reply["error"]["code"] == "invalid_request"
+    assert "input[0].role" in reply["error"]["detail"]
+    status, reply = await post(http, f"{model_url}/v1/responses", {"tools": []})
+    assert status == 422 and "input" in reply["error"]["detail"]
+    status, reply = await post(http, f"{model_url}/ng-rollout/-bad/v1/responses", {"input": "x"})
+    assert status == 422 and "capture key" in reply["error"]["detail"]
+
+
+def test_unreachable_backend_is_a_502_naming_it():
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with GymDeployment.start(gym_config(dead)) as dep:
+        async def call():
+            async with aiohttp.ClientSession() as session:
+                return await post(session, f"{dep.url('policy_model')}/ng-rollout/x1/v1/responses", {"input": "hi"})
+
+        status, reply = asyncio.run(call())
+    assert status == 502 and reply["error"]["code"] == "backend_error"
+    assert f"{dead}/chat/completions" in reply["error"]["detail"]
+
+
+async def test_prepare_holds_finished_reply_until_resume(backend, model_url, http, tmp_path):
+    user, late_user = "Hold me", "Late comer"
+    backend.set_plans({user: [{"content": "held answer"}], late_user: [{"content": "late answer"}]})
+    backend.hold(user, 0)
+    held = asyncio.create_task(post(http, f"{model_url}/ng-rollout/fh1/v1/responses", {"input": user}))
+    await asyncio.to_thread(backend.wait_for_held, user, 0)
+
+    prepared = await control(http, model_url, "prepare", checkpoint_id="ck-hold")
+    assert prepared["phase"] == "prepared", "a call still generating must not block prepare"
+    assert prepared["report"]["counts"]["inflight"] == 1
+    status = await control(http, model_url, "status")
+    assert status["kind"] == "model" and status["accepting"] is False
+
+    assert backend.release(user, 0)
+    await until(lambda: _count(http, model_url, "held", 1))
+    assert backend.calls(user), "the backend has answered"
+    late = asyncio.create_task(post(http, f"{model_url}/ng-rollout/fh2/v1/responses", {"input": late_user}))
+    await until(lambda: _count(http, model_url, "waiting", 1))
+    await asyncio.sleep(0.3)
+    assert not held.done() and not late.done(), "nothing is delivered while prepared"
+    assert backend.calls(late_user) == [], "a call arriving while closed waits before the backend"
+
+    committed = await control(http, model_url, "commit", checkpoint_id="ck-hold", checkpoint_dir=str(tmp_path / "a"),
+                              episode_ids=[{"rollout_id": "fh1"}])
+    assert committed["episode_ids"] == ["fh1"] and committed["manifest"]["record_count"] == 1
+
+    await control(http, model_url, "resume", checkpoint_id="ck-hold")
+    status_code, reply = await asyncio.wait_for(held, 5)
+    assert status_code == 200 and reply["output"][0]["content"][0]["text"] == "held answer"
+    status_code, reply = await asyncio.wait_for(late, 5)
+    assert status_code == 200 and reply["output"][0]["content"][0]["text"] == "late answer"
+    assert (await control(http, model_url, "status"))["accepting"] is True
+
+    # The delivered reply now counts; restore installs it under the next attempt.
+    await control(http, model_url, "prepare", checkpoint_id="ck-after")
+    await control(http, model_url, "commit", checkpoint_id="ck-after", checkpoint_dir=str(tmp_path / "b"),
+                  episode_ids=[{"rollout_id": "fh1"}])
+    await control(http, model_url, "resume", checkpoint_id="ck-after")
+    records = (tmp_path / "b" / "gym" / "model" / "policy_model").glob("records-*.jsonl")
+    (path,) = list(records)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"episode_id": {"rollout_id": "fh1", "attempt": 0}, "delivered_calls": 1}
+    ]
+    restored = await control(http, model_url, "restore", checkpoint_id="ck-restore", checkpoint_dir=str(tmp_path / "b"),
+                             episode_ids=[{"rollout_id": "fh1"}], source_checkpoint_id="ck-after")
+    assert restored["restored"] == ["fh1-a1"]
+    await control(http, model_url, "resume", checkpoint_id="ck-restore")
+    status_code, reply = await post(http, f"{model_url}/ng-rollout/fh1/v1/responses", {"input": user})
+    assert status_code == 409 and reply["error"]["code"] == "stale_attempt"
+    status_code, reply = await post(http, f"{model_url}/ng-rollout/fh1-a1/v1/responses", {"input": user})
+    assert status_code == 200, reply
+
+
+async def test_retire_cancels_an_inflight_call(backend, model_url, http):
+    user = "Retire me"
+    backend.set_plans({user: [{"content": "never seen"}]})
+    backend.hold(user, 0)
+    call = asyncio.create_task(post(http, f"{model_url}/ng-rollout/fr9/v1/responses", {"input": user}))
+    await asyncio.to_thread(backend.wait_for_held, user, 0)
+    reply = await control(http, model_url, "retire", checkpoint_id="ck-retire", episode_ids=[{"rollout_id": "fr9"}])
+    assert reply["retired"] == ["fr9"]
+    status, body = await asyncio.wait_for(call, 5)
+    assert status == 409 and body["error"]["code"] == "stale_attempt" and "fr9" in body["error"]["detail"]
+    status, body = await post(http, f"{model_url}/ng-rollout/fr9/v1/responses", {"input": user})
+    assert status == 409 and body["error"]["code"] == "stale_attempt"
+    await control(http, model_url, "resume", checkpoint_id="ck-retire")
+
+
+async def _count(http, model_url, name, expected):
+    return (await control(http, model_url, "status"))["report"]["counts"].get(name) == expected

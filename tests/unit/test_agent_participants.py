@@ -1,0 +1,440 @@
+"""Agent checkpoint participants driven by the real loop (checkpoint/agent.py, loop.py).
+
+The model and resources servers are replaced by ``FakeLoopIO`` only to put a
+session exactly where a test needs it (a held model reply, a tool in flight);
+the participant and the loop under test are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from gym_patches.checkpoint.agent import (
+    AgentSessionParticipant,
+    RestartOnlyAgentParticipant,
+    make_record,
+)
+from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError, StaleAttemptError
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.responses_api_agents.loop import (
+    TOKEN_INFO_KEYS,
+    RunRequestError,
+    SimpleAgentLoopState,
+    run_episode,
+)
+
+pytestmark = pytest.mark.timeout(20)
+
+ROW = {
+    "id": "row-1",
+    "responses_create_params": {"input": "book lunch", "tools": [{"type": "function", "name": "lookup"}]},
+}
+
+
+def call_reply(*names: str, rid: str = "r") -> dict[str, Any]:
+    output = [
+        {"type": "function_call", "call_id": f"{rid}-c{i}", "name": n, "arguments": json.dumps({"q": n})}
+        for i, n in enumerate(names)
+    ]
+    output[-1].update(prompt_token_ids=[1, 2], generation_token_ids=[3], generation_log_probs=[-0.5], weight_version=0)
+    return {"id": rid, "object": "response", "model": "m", "output": output,
+            "usage": {"input_tokens": 2, "output_tokens": 1, "total_tokens": 3}}
+
+
+def final_reply(text: str = "Done.", rid: str = "f") -> dict[str, Any]:
+    item = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}],
+            "prompt_token_ids": [1], "generation_token_ids": [4], "generation_log_probs": [-0.1], "weight_version": 0}
+    return {"id": rid, "object": "response", "model": "m", "output": [item],
+            "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}
+
+
+class FakeLoopIO:
+    """In-process stand-in for the model and resources servers. Replies are
+    scripted per capture key; a gate (asyncio.Event) holds a model turn, a tool
+    or a seed until the test opens it."""
+
+    def __init__(self, script: dict[str, list[dict[str, Any]]]):
+        self.script = script
+        self.model_bodies: dict[str, list[dict[str, Any]]] = {}
+        self.tool_calls: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.seeds: list[str] = []
+        self.verified: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+        self.model_gates: dict[tuple[str, int], asyncio.Event] = {}
+        self.tool_gates: dict[str, asyncio.Event] = {}
+        self.seed_gates: dict[str, asyncio.Event] = {}
+
+    def gate_model(self, key: str, turn: int) -> asyncio.Event:
+        return self.model_gates.setdefault((key, turn), asyncio.Event())
+
+    def gate_tool(self, name: str) -> asyncio.Event:
+        return self.tool_gates.setdefault(name, asyncio.Event())
+
+    def gate_seed(self, key: str) -> asyncio.Event:
+        return self.seed_gates.setdefault(key, asyncio.Event())
+
+    async def seed(self, row: dict[str, Any], capture_key: str) -> dict[str, str]:
+        self.seeds.append(capture_key)
+        gate = self.seed_gates.get(capture_key)
+        if gate is not None:
+            await gate.wait()
+        return {"ng_session": f"s-{capture_key}"}
+
+    async def call_model(self, capture_key: str, body: dict[str, Any]) -> dict[str, Any]:
+        bodies = self.model_bodies.setdefault(capture_key, [])
+        bodies.append(body)
+        turn = len(bodies)
+        gate = self.model_gates.get((capture_key, turn))
+        if gate is not None:
+            await gate.wait()
+        return self.script[EpisodeId.from_capture_key(capture_key).rollout_id][turn - 1]
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], cookies: dict[str, str]) -> str:
+        self.tool_calls.append((name, arguments, cookies))
+        gate = self.tool_gates.get(name)
+        if gate is not None:
+            await gate.wait()
+        return f"ok:{name}"
+
+    async def verify(self, row: dict[str, Any], output: list[dict[str, Any]], cookies: dict[str, str]) -> float:
+        self.verified.append((row, output))
+        return 1.0 if output and output[-1].get("type") == "message" else 0.0
+
+
+async def until(cond, timeout: float = 3.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.002)
+
+
+def start(p: AgentSessionParticipant, io: FakeLoopIO, key: str, max_steps: int = 6) -> asyncio.Task:
+    episode = EpisodeId.from_capture_key(key)
+
+    async def runner(activation=None, restored_from=None, restored_state=None):
+        return await run_episode(io, ROW, capture_key=key, max_steps=max_steps, activation=activation,
+                                 restored_from=restored_from, restored_state=restored_state)
+
+    return asyncio.create_task(p.run_session(episode, runner))
+
+
+def phase(p: AgentSessionParticipant, key: str) -> str | None:
+    s = p._sessions.get(key)
+    return None if s is None else s.phase
+
+
+# -- the loop ---------------------------------------------------------------
+
+
+async def test_loop_runs_tools_and_verifies():
+    io = FakeLoopIO({"r1": [call_reply("lookup", "book"), final_reply()]})
+    reply = await run_episode(io, ROW, capture_key="r1", max_steps=6)
+    assert reply.termination_reason == "final_answer" and reply.reward == 1.0
+    assert reply.num_model_calls == 2 and reply.restored_from is None
+    types = [i["type"] for i in reply.response["output"]]
+    assert types == ["function_call", "function_call", "function_call_output", "function_call_output", "message"]
+    assert reply.response["output"][1]["generation_token_ids"] == [3]  # token info kept for training
+    assert [c[0] for c in io.tool_calls] == ["lookup", "book"]
+    assert io.tool_calls[0][2] == {"ng_session": "s-r1"}
+    second = io.model_bodies["r1"][1]["input"]
+    assert second[0] == {"type": "message", "role": "user", "content": "book lunch"}
+    assert [i["type"] for i in second[1:]] == types[:4]
+    assert not any(k in item for item in second for k in TOKEN_INFO_KEYS)  # never sent back as input
+    assert io.model_bodies["r1"][0]["tools"] == ROW["responses_create_params"]["tools"]
+
+
+async def test_loop_stops_at_max_steps_and_on_incomplete():
+    io = FakeLoopIO({"r1": [call_reply("a"), call_reply("b"), final_reply()]})
+    reply = await run_episode(io, ROW, capture_key="r1", max_steps=2)
+    assert reply.termination_reason == "max_steps" and reply.num_model_calls == 2
+    assert reply.response["output"][-1]["type"] == "function_call_output"
+    cut = final_reply()
+    cut["incomplete_details"] = {"reason": "max_output_tokens"}
+    io = FakeLoopIO({"r2": [cut]})
+    reply = await run_episode(io, ROW, capture_key="r2", max_steps=6)
+    assert reply.termination_reason == "incomplete" and reply.num_model_calls == 1
+
+
+async def test_loop_turns_bad_calls_into_outputs_without_calling_tools():
+    bad = call_reply("lookup")
+    bad["output"][0]["arguments"] = "{not json"
+    reserved = call_reply("verify")
+    io = FakeLoopIO({"r1": [bad, reserved, final_reply()]})
+    reply = await run_episode(io, ROW, capture_key="r1", max_steps=6)
+    outs = [i["output"] for i in reply.response["output"] if i["type"] == "function_call_output"]
+    assert outs[0].startswith("Error: arguments of lookup are not valid JSON")
+    assert outs[1].startswith("Error: unknown tool 'verify'")
+    assert io.tool_calls == [] and len(io.verified) == 1
+
+
+# -- AgentSessionParticipant ----------------------------------------------------
+
+
+async def test_session_waiting_on_model_counts_as_parked_at_B0():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [call_reply("lookup"), final_reply()]})
+    gate = io.gate_model("r1", 2)
+    run = start(p, io, "r1")
+    await until(lambda: phase(p, "r1") == "awaiting_model" and len(io.model_bodies.get("r1", [])) == 2)
+    await p.close_admission("block")
+    report = p.readiness()
+    assert report.ready and report.blockers == []
+    assert report.counts == {"sessions": 1, "at_boundary": 0, "awaiting_model": 1}
+    [record] = await p.export(None)
+    assert record["episode_id"] == {"rollout_id": "r1", "attempt": 0}
+    assert record["boundary"] == "B0" and record["session_key"] == "run:r1"
+    state = record["state"]
+    assert state["step"] == 1 and state["pending_tools"] is False
+    assert [i["type"] for i in state["new_outputs"]] == ["function_call", "function_call_output"]
+    assert state["resources_cookies"] == {"ng_session": "s-r1"} and state["seed_row"] == ROW
+    await p.open_admission()
+    gate.set()
+    reply = await run
+    assert reply.termination_reason == "final_answer" and reply.reward == 1.0
+    assert p.readiness().counts["sessions"] == 0
+
+
+async def test_reply_after_ready_is_kept_but_session_stays_at_B0_until_reopen():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [call_reply("lookup"), call_reply("book"), final_reply()]})
+    gate = io.gate_model("r1", 2)
+    run = start(p, io, "r1")
+    await until(lambda: len(io.model_bodies.get("r1", [])) == 2)
+    await p.close_admission("block")
+    assert p.readiness().ready  # counted at B0
+    gate.set()  # the reply arrives while the park is requested
+    await until(lambda: phase(p, "r1") == "holding_reply")
+    await asyncio.sleep(0.02)
+    assert [c[0] for c in io.tool_calls] == ["lookup"]  # turn 2's tool did not run
+    assert p.readiness().ready
+    [record] = await p.export([EpisodeId(rollout_id="r1")])
+    assert record["boundary"] == "B0" and record["state"]["step"] == 1
+    await p.open_admission()
+    reply = await run
+    assert [c[0] for c in io.tool_calls] == ["lookup", "book"]
+    assert reply.num_model_calls == 3 and len(io.model_bodies["r1"]) == 3  # the kept reply was used
+
+
+async def test_running_tools_block_then_park_at_P2_and_reply_before_ready_parks_at_P1():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"ra": [call_reply("lookup", rid="a1"), final_reply()],
+                     "rb": [call_reply("slow", rid="b1"), final_reply()]})
+    model_gate = io.gate_model("ra", 1)
+    tool_gate = io.gate_tool("slow")
+    run_a, run_b = start(p, io, "ra"), start(p, io, "rb")
+    await until(lambda: phase(p, "ra") == "awaiting_model" and ("slow", {"q": "slow"}, {"ng_session": "s-rb"}) in io.tool_calls)
+    await p.close_admission("block")
+    report = p.readiness()
+    assert not report.ready and report.blockers == ["rb"] and report.blocker_count == 1
+    model_gate.set()  # ra's reply arrives before the agent was ready: it goes on to P1
+    await until(lambda: phase(p, "ra") == "parked")
+    assert [c[0] for c in io.tool_calls] == ["slow"]  # ra's tools stay pending
+    assert not p.readiness().ready
+    tool_gate.set()
+    await until(lambda: phase(p, "rb") == "parked")
+    report = p.readiness()
+    assert report.ready and report.counts == {"sessions": 2, "at_boundary": 2, "awaiting_model": 0}
+    records = {r["episode_id"]["rollout_id"]: r for r in await p.export(None)}
+    a, b = records["ra"], records["rb"]
+    assert a["boundary"] == "P1" and a["state"]["pending_tools"] is True and a["state"]["step"] == 1
+    assert [i["type"] for i in a["state"]["new_outputs"]] == ["function_call"]
+    assert a["state"]["last_model_response"]["id"] == "a1"
+    assert b["boundary"] == "P2" and b["state"]["pending_tools"] is False
+    assert [i["type"] for i in b["state"]["new_outputs"]] == ["function_call", "function_call_output"]
+    await p.open_admission()
+    assert (await run_a).reward == 1.0 and (await run_b).reward == 1.0
+
+
+async def test_seed_in_flight_blocks_and_runs_arriving_while_closed_wait():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [final_reply()], "r2": [final_reply()]})
+    seed_gate = io.gate_seed("r1")
+    run1 = start(p, io, "r1")
+    await until(lambda: io.seeds == ["r1"])
+    await p.close_admission("best_effort")
+    assert p.readiness().blockers == ["r1"]
+    run2 = start(p, io, "r2")
+    await asyncio.sleep(0.02)
+    assert io.seeds == ["r1"] and phase(p, "r2") == "admitting"  # waits for reopen before seeding
+    seed_gate.set()
+    await until(lambda: phase(p, "r1") == "parked")
+    report = p.readiness()
+    assert report.ready and report.counts["sessions"] == 1  # r2 has not started
+    [record] = await p.export(None)
+    assert record["boundary"] == "B0" and record["state"]["step"] == 0
+    assert record["state"]["resources_cookies"] == {"ng_session": "s-r1"} and io.model_bodies == {}
+    with pytest.raises(CheckpointError, match="has not started"):
+        await p.export([EpisodeId(rollout_id="r2")])
+    await p.open_admission()
+    assert (await run1).reward == 1.0 and (await run2).reward == 1.0
+    assert io.seeds == ["r1", "r2"]
+
+
+async def test_export_skips_episodes_it_does_not_host():
+    p = AgentSessionParticipant()
+    await p.close_admission("block")
+    assert await p.export([EpisodeId(rollout_id="elsewhere")]) == []
+    assert await p.export(None) == []
+
+
+async def test_install_continues_from_P1_and_B0_without_seeding():
+    script = {"rp": [call_reply("lookup", rid="p1"), final_reply()],
+              "rb": [call_reply("lookup", rid="b1"), final_reply()]}
+    p = AgentSessionParticipant()
+    io = FakeLoopIO(script)
+    gate_p = io.gate_model("rp", 1)
+    slow = io.gate_tool("lookup")
+    runs = {k: start(p, io, k) for k in script}
+    # rp waits on its first reply; rb runs its first tool
+    await until(lambda: len(io.tool_calls) == 1 and phase(p, "rp") == "awaiting_model")
+    await p.close_admission("block")
+    gate_p.set()  # rp's reply arrives before ready (rb's tool still runs): rp parks at P1
+    await until(lambda: phase(p, "rp") == "parked")
+    slow.set()
+    await until(lambda: p.readiness().ready)
+    records = {r["episode_id"]["rollout_id"]: r for r in await p.export(None)}
+    assert records["rp"]["boundary"] == "P1" and records["rb"]["boundary"] == "P2"
+    await p.open_admission()
+    await p.retire([EpisodeId(rollout_id=k) for k in script])
+    for run in runs.values():
+        with pytest.raises(StaleAttemptError):
+            await run
+
+    fresh = AgentSessionParticipant()
+    io2 = FakeLoopIO({"rp": [final_reply()], "rb": [final_reply()]})  # turns after the boundary
+    keys = await fresh.install(list(records.values()))
+    assert sorted(keys) == ["rb-a1", "rp-a1"] and fresh.is_restored("rp-a1")
+    assert fresh.readiness().counts == {"sessions": 2, "at_boundary": 2, "awaiting_model": 0}
+    reply_p = await start(fresh, io2, "rp-a1")
+    assert reply_p.restored_from == "P1" and reply_p.rollout_id == "rp-a1"
+    assert io2.seeds == []  # never seeded again
+    assert io2.tool_calls[0] == ("lookup", {"q": "lookup"}, {"ng_session": "s-rp"})  # pending tool ran first, saved cookie
+    assert len(io2.model_bodies["rp-a1"]) == 1  # only the final turn was asked for
+    assert [i["type"] for i in reply_p.response["output"]] == ["function_call", "function_call_output", "message"]
+    assert reply_p.num_model_calls == 2
+    reply_b = await start(fresh, io2, "rb-a1")
+    assert reply_b.restored_from == "P2" and reply_b.reward == 1.0
+    sent = io2.model_bodies["rb-a1"][0]["input"]
+    assert [i.get("type") for i in sent[1:]] == ["function_call", "function_call_output"]
+    assert not fresh.is_restored("rb-a1")
+
+
+def _state(**kw) -> SimpleAgentLoopState:
+    return SimpleAgentLoopState(seed_row=ROW, resources_cookies={"ng_session": "s"}, **kw)
+
+
+async def test_install_is_all_or_nothing_and_validates_records():
+    p = AgentSessionParticipant()
+    ok = make_record(EpisodeId(rollout_id="r1"), "B0", _state())
+    p1_without_calls = make_record(EpisodeId(rollout_id="r2"), "P1", _state(step=1, pending_tools=True))
+    with pytest.raises(CheckpointError, match="record 1"):
+        await p.install([ok, p1_without_calls])
+    assert not p.is_restored("r1-a1")
+    mismatch = make_record(EpisodeId(rollout_id="r3"), "P2", _state(step=1, pending_tools=True))
+    extra = dict(ok, surprise=1)
+    for bad in (mismatch, extra, {"episode_id": {"rollout_id": "x"}}, dict(ok, session_key="run:other")):
+        with pytest.raises(CheckpointError):
+            await p.install([bad])
+    with pytest.raises(CheckpointError, match="two records"):
+        await p.install([ok, ok])
+    assert await p.install([]) == []
+    assert await p.install([ok]) == ["r1-a1"]
+
+
+async def test_retire_cancels_the_run_refuses_the_attempt_and_drops_restored_state():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [call_reply("lookup"), final_reply()]})
+    io.gate_model("r1", 1)
+    run = start(p, io, "r1")
+    await until(lambda: phase(p, "r1") == "awaiting_model")
+    assert await p.retire([EpisodeId(rollout_id="r1")]) == ["r1"]
+    with pytest.raises(StaleAttemptError):
+        await run
+    with pytest.raises(StaleAttemptError):
+        await start(p, io, "r1")
+    await p.install([make_record(EpisodeId(rollout_id="r2"), "B0", _state())])
+    await p.retire([EpisodeId(rollout_id="r2", attempt=1)])
+    assert not p.is_restored("r2-a1")
+    with pytest.raises(CheckpointError, match="retired"):
+        await p.install([make_record(EpisodeId(rollout_id="r2"), "B0", _state())])
+    assert p.status_extra() == {"restart_only": False}
+
+
+async def test_duplicate_run_is_refused():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [final_reply()]})
+    gate = io.gate_model("r1", 1)
+    run = start(p, io, "r1")
+    await until(lambda: phase(p, "r1") == "awaiting_model")
+    with pytest.raises(RunRequestError) as err:
+        await start(p, io, "r1")
+    assert err.value.status == 409 and err.value.code == "rollout_in_progress"
+    gate.set()
+    assert (await run).reward == 1.0
+
+
+# -- RestartOnlyAgentParticipant ----------------------------------------------
+
+
+async def _tracked(p: RestartOnlyAgentParticipant, key: str, gate: asyncio.Event) -> asyncio.Task:
+    episode = EpisodeId.from_capture_key(key)
+    p.admit(episode)
+
+    async def work():
+        await gate.wait()
+        return key
+
+    task = asyncio.create_task(p.track(episode, work))
+    await until(lambda: key in p.tracked)
+    return task
+
+
+async def test_restart_only_block_reports_blockers_and_refuses_new_runs():
+    p = RestartOnlyAgentParticipant()
+    gate = asyncio.Event()
+    run = await _tracked(p, "r1", gate)
+    await p.close_admission("block")
+    report = p.readiness()
+    assert not report.ready and report.blockers == ["r1"] and report.unsaved == []
+    with pytest.raises(AdmissionClosedError):
+        p.admit(EpisodeId(rollout_id="r2"))
+    await p.open_admission()
+    gate.set()
+    assert await run == "r1"
+    assert p.readiness().ready and p.tracked == []
+
+
+async def test_restart_only_best_effort_is_ready_with_unsaved_and_keeps_running():
+    p = RestartOnlyAgentParticipant()
+    gate = asyncio.Event()
+    run1 = await _tracked(p, "r1", gate)
+    await p.close_admission("best_effort")
+    report = p.readiness()
+    assert report.ready and report.blockers == [] and report.unsaved == ["r1"]
+    run2 = await _tracked(p, "r2-a1", gate)  # admitted while closed, tracked as unsaved
+    assert p.readiness().unsaved == ["r1", "r2-a1"]
+    assert await p.export(None) == []
+    gate.set()  # runs go on while closed
+    assert await run1 == "r1" and await run2 == "r2-a1"
+    assert p.readiness().unsaved == []
+    assert p.status_extra() == {"restart_only": True}
+
+
+async def test_restart_only_install_and_retire():
+    p = RestartOnlyAgentParticipant()
+    assert await p.install([]) == []
+    with pytest.raises(CheckpointError, match="cannot restore sessions") as err:
+        await p.install([make_record(EpisodeId(rollout_id="r1"), "B0", _state())])
+    assert err.value.code == "invalid_checkpoint_state"
+    run = await _tracked(p, "r1", asyncio.Event())
+    assert await p.retire([EpisodeId(rollout_id="r1")]) == ["r1"]
+    with pytest.raises(StaleAttemptError):
+        await run
+    with pytest.raises(StaleAttemptError):
+        p.admit(EpisodeId(rollout_id="r1"))
+    p.admit(EpisodeId(rollout_id="r1", attempt=1))  # the next attempt is welcome

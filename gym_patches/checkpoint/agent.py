@@ -242,7 +242,7 @@ class AgentSessionParticipant(CheckpointParticipant):
                 awaiting += 1
             else:
                 blockers.append(key)
-        pending = sum(1 for k in self._restored if k not in self._sessions)
+        pending = len(self._restored)  # installed, /run not started yet (a waiting one is skipped above)
         counts = {"sessions": sessions + pending, "at_boundary": at_boundary + pending, "awaiting_model": awaiting}
         report = PrepareReport.build(blockers, [], counts)
         if report.ready and not self.accepting:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.config import ServerRef
 from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase, json_error
@@ -38,6 +39,8 @@ from gym_patches.wire_models import (
     VerifyReply,
     message_item,
 )
+
+logger = logging.getLogger(__name__)
 
 # Token information the model server attaches to the last output item; kept in
 # the rollout's output for training, not sent back to the model as input.
@@ -250,9 +253,13 @@ class ServerLoopIO:
         except ServerCallError as exc:
             raise LoopError(str(exc)) from None
 
-    def _fail(self, server: str, path: str, resp: Any) -> LoopError:
+    def _fail(self, server: str, path: str, resp: Any) -> Exception:
         shown = resp.body if resp.body is not None else resp.text[:500]
-        return LoopError(f"Gym server {server!r} {path} returned {resp.status}: {shown}")
+        detail = f"Gym server {server!r} {path} returned {resp.status}: {shown}"
+        error = resp.body.get("error") if isinstance(resp.body, dict) else None
+        if isinstance(error, dict) and error.get("code") == "stale_attempt":
+            return StaleAttemptError(detail)  # the episode was retired there: so is this run
+        return LoopError(detail)
 
     async def seed(self, row: dict[str, Any], capture_key: str) -> dict[str, str]:
         path = "/seed_session"
@@ -419,4 +426,7 @@ class LoopAgentServer(GymServer):
             return web.json_response(exc.to_body(), status=exc.status)
         except LoopError as exc:
             return json_error(502, "upstream_error", f"{self.name}: {exc}")
+        except Exception as exc:  # a bug here must still answer in the one error shape
+            logger.exception("agent %s: /run failed", self.name)
+            return json_error(500, "internal_error", f"{self.name}: /run failed: {type(exc).__name__}: {exc}")
         return web.json_response(reply.model_dump(mode="json"))

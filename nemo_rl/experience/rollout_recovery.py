@@ -413,6 +413,15 @@ class RolloutRecoveryLedger:
         group.status = PromptGroupStatus.TRAINED
         self.trained_group_ids.append(group_id)
 
+    def attempt_status(self, rollout_id: str) -> RolloutAttemptStatus | None:
+        """Status of a current attempt in a generating group; None if the id is
+        unknown, superseded, or its group is already complete."""
+        try:
+            _, _, attempt = self._current(rollout_id)
+        except LedgerError:
+            return None
+        return attempt.status
+
     def sealed_rollout_ids(self) -> set[str]:
         """Capture keys of every sealed current attempt (what the data plane must hold)."""
         return {
@@ -501,6 +510,9 @@ class RolloutRecoveryLedger:
     def _restart_sibling(self, group, sibling, level, pending, summary) -> None:
         gid, g = group.group_id, sibling.generation_index
         attempt = sibling.current_attempt
+        if attempt.status is RolloutAttemptStatus.SEALED:
+            summary.kept_siblings.append(attempt.rollout_id(gid, g))
+            return
         if attempt.status is RolloutAttemptStatus.RESERVED and attempt.gym_attempt == 0:
             return  # never started: dispatch it as planned
         if level.requires_gym_checkpoint and attempt.status in _LIVE:

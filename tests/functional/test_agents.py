@@ -162,6 +162,8 @@ async def test_plain_loop_agent_run_reaches_reward_1(gym: Gym):
     assert st["restart_only"] is True and st["report"]["blockers"] == []
     _, st = await gym.control("simple", "status")
     assert st["restart_only"] is False and st["kind"] == "agent"
+    assert gym.dep.server("plain").checkpoint_mode == "restart-only"
+    assert gym.dep.server("simple").checkpoint_mode == "saves"
 
 
 async def test_bad_run_requests_are_named(gym: Gym):

@@ -346,6 +346,26 @@ async def test_install_is_all_or_nothing_and_validates_records():
     assert await p.install([ok]) == ["r1-a1"]
 
 
+async def test_restored_session_is_saved_again_until_its_run_starts():
+    p = AgentSessionParticipant()
+    state = _state(step=1, new_outputs=[{"type": "function_call", "call_id": "c", "name": "lookup", "arguments": "{}"},
+                                        {"type": "function_call_output", "call_id": "c", "output": "ok"}])
+    assert await p.install([make_record(EpisodeId(rollout_id="r1"), "P2", state)]) == ["r1-a1"]
+    await p.close_admission("block")
+    io = FakeLoopIO({"r1": [final_reply()]})
+    run = start(p, io, "r1-a1")  # arrives while closed: waits, keeps its restored state
+    await until(lambda: phase(p, "r1-a1") == "admitting")
+    report = p.readiness()
+    assert report.ready and report.counts == {"sessions": 1, "at_boundary": 1, "awaiting_model": 0}
+    [record] = await p.export([EpisodeId(rollout_id="r1", attempt=1)])
+    assert record["episode_id"] == {"rollout_id": "r1", "attempt": 1} and record["boundary"] == "P2"
+    assert record["state"] == state.model_dump(mode="json")
+    await p.open_admission()
+    reply = await run
+    assert reply.restored_from == "P2" and reply.reward == 1.0 and io.seeds == []
+    assert [i["type"] for i in reply.response["output"]] == ["function_call", "function_call_output", "message"]
+
+
 async def test_retire_cancels_the_run_refuses_the_attempt_and_drops_restored_state():
     p = AgentSessionParticipant()
     io = FakeLoopIO({"r1": [call_reply("lookup"), final_reply()]})

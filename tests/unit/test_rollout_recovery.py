@@ -455,3 +455,15 @@ def test_property_no_sealed_sample_lost_or_duplicated(program):
         assert sorted(run.trained) == sorted(f"grp{i}" for i in range(run.n_groups))
         for gid, ids in run.trained_samples.items():
             assert len(ids) == len(set(ids))
+
+
+def test_attempt_status_for_current_and_superseded_ids():
+    ledger = RolloutRecoveryLedger()
+    _reserve(ledger, n=2)
+    r0, r1 = _dispatch_all(ledger)
+    assert ledger.attempt_status(r0) is S.DISPATCHED
+    retry = ledger.mark_failed(r0)
+    assert ledger.attempt_status(r0) is None  # superseded
+    assert ledger.attempt_status(retry) is S.RESERVED
+    assert ledger.attempt_status("not-a-rollout") is None
+    assert ledger.attempt_status(r1 + "-a1") is None  # wrong Gym attempt

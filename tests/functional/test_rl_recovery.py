@@ -1,0 +1,162 @@
+"""RL-level recovery, end to end: real run_grpo processes, real Ray, real Gym servers.
+
+Generation is the scripted test backend (plays each row's demonstration) and
+the trainer records every batch it is given, so these tests isolate recovery
+from learning.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.functional.rl_run import (
+    RunDirs,
+    env_for,
+    processes_with_marker,
+    run_grpo,
+    run_until_then_kill,
+    wait_for_no_processes,
+)
+
+pytestmark = pytest.mark.functional
+
+MIXED = ["--config", "examples/configs/grpo_mixed_turn.yaml"]
+WORKPLACE = ["--config", "examples/configs/grpo_workplace_turn.yaml"]
+SCRIPTED = ["policy.model_name=scripted-test-backend"]
+
+
+@pytest.fixture
+def dirs(tmp_path) -> RunDirs:
+    return RunDirs(tmp_path)
+
+
+def test_mixed_config_as_shipped_fails_before_any_rollout(dirs):
+    started = time.monotonic()
+    proc = run_grpo(MIXED + dirs.overrides(), env=env_for())
+    elapsed = time.monotonic() - started
+    print(f"\nmixed config as shipped: launch to error in {elapsed:.1f}s")
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "rollout_recovery.target_level=turn" in err
+    assert "rollout_recovery.allow_restart_only_gym_servers=true" in err
+    assert "agent 'workplace_restart_only_agent'" in err
+    assert "resources server 'python_sandbox'" in err
+    # the servers that can save are not named
+    assert "'workplace_simple_agent'" not in err and "'sandbox_simple_agent'" not in err
+    assert not dirs.records("metrics.jsonl") and not dirs.records("snapshots.jsonl")
+    assert not dirs.ckpt.exists() or not any(dirs.ckpt.iterdir())
+
+
+@pytest.mark.parametrize("level", ["sibling", "prompt_group"])
+def test_setting_true_needs_a_turn_level_target(dirs, level):
+    proc = run_grpo(
+        MIXED + dirs.overrides()
+        + [f"rollout_recovery.target_level={level}", "rollout_recovery.allow_restart_only_gym_servers=true"],
+        env=env_for(),
+    )
+    assert proc.returncode == 2
+    assert "rollout_recovery.allow_restart_only_gym_servers" in proc.stderr
+    assert not dirs.logs.exists()
+
+
+def test_workplace_with_setting_true_warns_it_should_be_false(dirs):
+    proc = run_grpo(
+        WORKPLACE + SCRIPTED + dirs.overrides()
+        + ["rollout_recovery.allow_restart_only_gym_servers=true", "grpo.max_num_steps=1", "grpo.num_prompts_per_step=2"],
+        env=env_for(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UserWarning" in proc.stderr
+    assert "every Gym agent and resources server saves its rollouts; set it to false" in proc.stderr
+    assert len(dirs.records("metrics.jsonl")) == 1
+
+
+def test_best_effort_trains_and_commits_snapshots_with_unsaved_rollouts(dirs):
+    proc = run_grpo(
+        MIXED + SCRIPTED + dirs.overrides()
+        + ["rollout_recovery.allow_restart_only_gym_servers=true", "grpo.max_num_steps=2",
+           "rollout_checkpointing.snapshot_attempt_interval_s=0.4"],
+        env=env_for(delay_s=0.25),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("UserWarning")]
+    assert warning and "'workplace_restart_only_agent'" in warning[0] and "'python_sandbox'" in warning[0]
+    snaps = dirs.records("snapshots.jsonl")
+    committed = [s for s in snaps if s["committed"]]
+    assert committed, snaps
+    assert any(s["unsaved"] > 0 for s in committed)
+    assert any(s["saved"] > 0 for s in committed)
+    assert all(s["reason"] == "committed" for s in snaps)
+    metrics = dirs.records("metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["reward_mean"] == 1.0 for m in metrics)  # the scripted backend plays the demonstrations
+
+
+def test_sigkill_after_snapshot_then_rerun_restores(dirs):
+    marker = uuid.uuid4().hex
+    env = env_for(delay_s=0.3, extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = MIXED + SCRIPTED + dirs.overrides() + [
+        "rollout_recovery.allow_restart_only_gym_servers=true",
+        "grpo.max_num_steps=3",
+        "rollout_checkpointing.snapshot_attempt_interval_s=0.4",
+    ]
+
+    def snapshot_with_saved_and_unsaved_in_step_1() -> bool:
+        return any(
+            s["committed"] and s["saved"] > 0 and s["unsaved"] > 0 and s["step"] == 1
+            for s in dirs.records("snapshots.jsonl")
+        )
+
+    run_until_then_kill(args, env=env, until=snapshot_with_saved_and_unsaved_in_step_1)
+    assert wait_for_no_processes(marker) == [], "processes of the killed run outlived it"
+    committed = [s for s in dirs.records("snapshots.jsonl") if s["committed"]]
+    newest = committed[-1]
+
+    proc = run_grpo(args, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert processes_with_marker(marker) == []
+
+    restore = dirs.restore_json()
+    assert restore["trainer_step"] == newest["step"] == 1
+    assert restore["snapshot"] == newest["path"]
+    assert restore["restored_turn"] > 0
+    assert restore["restarted_from_prompt"] > 0
+    assert restore["restored_turn"] == len(restore["restored_rollout_ids"])
+    assert all(k.endswith("-a1") for k in restore["restored_rollout_ids"])
+
+    # The lineage the final trainer checkpoint holds: every group once, nothing lost or duplicated.
+    import json
+
+    final = json.loads((dirs.ckpt / "step_3" / "recording_trainer.json").read_text())
+    groups = [g for b in final["batches"] for g in b["groups"]]
+    assert len(groups) == len(set(groups)) == 3 * 4
+    rollouts = [r for b in final["batches"] for r in b["rollout_ids"]]
+    assert len(rollouts) == len(set(rollouts)) == 3 * 4 * 4
+    trained = set(rollouts)
+    # saved rollouts continued at attempt+1; unsaved ones restarted from the prompt; sealed siblings kept
+    assert set(restore["restored_rollout_ids"]) <= trained
+    assert set(restore["restarted_rollout_ids"]) <= trained
+    assert set(restore["kept_rollout_ids"]) <= trained
+    assert all(r == 1.0 for b in final["batches"] for r in b["rewards"].values())
+
+
+def test_stall_under_block_fails_after_max_consecutive_failures(dirs):
+    proc = run_grpo(
+        MIXED + SCRIPTED + dirs.overrides() + [
+            "grpo.max_num_steps=2",
+            "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
+            "rollout_checkpointing.max_consecutive_failures=3",
+            "rollout_recovery.gym_prepare_timeout_s=0.5",
+        ],
+        env=env_for(delay_s=0.6, extra={"NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK": "1"}),
+    )
+    assert proc.returncode != 0
+    assert "3 consecutive rollout snapshots failed" in proc.stderr
+    assert "workplace_restart_only_agent" in proc.stderr or "python_sandbox" in proc.stderr
+    snaps = dirs.records("snapshots.jsonl")
+    assert len(snaps) == 3 and not any(s["committed"] for s in snaps)
+    assert all(s["reason"] == "gym_unavailable" for s in snaps)
+    assert all(set(s["blocking_servers"]) & {"workplace_restart_only_agent", "python_sandbox"} for s in snaps)

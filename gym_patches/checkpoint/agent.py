@@ -231,10 +231,15 @@ class AgentSessionParticipant(CheckpointParticipant):
 
     def readiness(self) -> PrepareReport:
         blockers: list[str] = []
+        unsaved: list[str] = []
         sessions = at_boundary = awaiting = 0
         for key, s in self._sessions.items():
             if s.phase == "admitting":
-                continue  # has done nothing yet; waits for reopen
+                # Arrived while closed and has done nothing: nothing to save, so after a
+                # crash it restarts from its prompt. Saying so keeps it out of commit scopes.
+                if key not in self._restored:
+                    unsaved.append(key)
+                continue
             sessions += 1
             if s.phase == "parked":
                 at_boundary += 1
@@ -244,7 +249,7 @@ class AgentSessionParticipant(CheckpointParticipant):
                 blockers.append(key)
         pending = len(self._restored)  # installed, /run not started yet (a waiting one is skipped above)
         counts = {"sessions": sessions + pending, "at_boundary": at_boundary + pending, "awaiting_model": awaiting}
-        report = PrepareReport.build(blockers, [], counts)
+        report = PrepareReport.build(blockers, unsaved, counts)
         if report.ready and not self.accepting:
             self._ready_reported = True
         return report

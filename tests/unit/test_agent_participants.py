@@ -265,6 +265,7 @@ async def test_seed_in_flight_blocks_and_runs_arriving_while_closed_wait():
     await until(lambda: phase(p, "r1") == "parked")
     report = p.readiness()
     assert report.ready and report.counts["sessions"] == 1  # r2 has not started
+    assert report.unsaved == ["r2"]  # nothing to save: it restarts from its prompt after a crash
     [record] = await p.export(None)
     assert record["boundary"] == "B0" and record["state"]["step"] == 0
     assert record["state"]["resources_cookies"] == {"ng_session": "s-r1"} and io.model_bodies == {}
@@ -357,6 +358,7 @@ async def test_restored_session_is_saved_again_until_its_run_starts():
     await until(lambda: phase(p, "r1-a1") == "admitting")
     report = p.readiness()
     assert report.ready and report.counts == {"sessions": 1, "at_boundary": 1, "awaiting_model": 0}
+    assert report.unsaved == []  # its restored state is still saved
     [record] = await p.export([EpisodeId(rollout_id="r1", attempt=1)])
     assert record["episode_id"] == {"rollout_id": "r1", "attempt": 1} and record["boundary"] == "P2"
     assert record["state"] == state.model_dump(mode="json")

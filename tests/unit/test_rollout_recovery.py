@@ -434,7 +434,7 @@ class _Run:
         assert self.ledger.trained_group_ids == self.trained
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_property_no_sealed_sample_lost_or_duplicated(program):
     with tempfile.TemporaryDirectory() as tmp:

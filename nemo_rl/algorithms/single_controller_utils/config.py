@@ -227,8 +227,10 @@ class MasterConfig(_Section):
 
 
 # ----- embedded default ----------------------------------------------------
-# The Gym deployment of the default run. Server instance names plus Gym global
-# keys, exactly as a Gym YAML would hold them; edit here.
+# The Gym deployment of the default run (Workplace + simple_agent, all servers
+# save sessions). Paths resolve against the repo root; the inline dict holds
+# server instance names plus Gym global keys, laid over the files. Edit here.
+DEFAULT_NEMO_GYM_CONFIG_PATHS: list[str] = ["examples/gym_configs/workplace.yaml"]
 DEFAULT_NEMO_GYM_CONFIG: dict[str, Any] = {
     "default_host": "127.0.0.1",
 }
@@ -245,7 +247,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "env": {
         "should_use_nemo_gym": True,
         "nemo_gym": {
-            "config_paths": [],
+            "config_paths": DEFAULT_NEMO_GYM_CONFIG_PATHS,
             "config": DEFAULT_NEMO_GYM_CONFIG,
             "shards": [{"name": DEFAULT_GYM_SHARD, "replicas": 1}],
             "spinup_timeout_s": 120.0,

@@ -243,7 +243,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "device": "cpu",
         "generation": {"backend": "torch", "max_new_tokens": 32},
     },
-    "data": {"train_data_path": "examples/data/workplace_train.jsonl", "val_data_path": None},
+    "data": {
+        "train_data_path": "examples/data/workplace_train.jsonl",
+        "val_data_path": "examples/data/workplace_val.jsonl",
+    },
     "env": {
         "should_use_nemo_gym": True,
         "nemo_gym": {

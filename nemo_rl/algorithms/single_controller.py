@@ -225,11 +225,7 @@ class SingleController:
             self._tasks.pop(rollout_id, None)
 
     def ledger_status(self, rollout_id: str) -> RolloutAttemptStatus | None:
-        try:
-            _, _, attempt = self.ledger._current(rollout_id)
-        except Exception:  # noqa: BLE001 - unknown or superseded id
-            return None
-        return attempt.status
+        return self.ledger.attempt_status(rollout_id)
 
     async def _cancel_rollouts(self) -> None:
         tasks = list(self._tasks.values())
@@ -314,6 +310,10 @@ class SingleController:
             "kept_siblings": 0,
         }
         if point.snapshot.path is None:
+            # Anything the trainer state still counts as in flight restarts from its prompt.
+            summary = self.ledger.prepare_for_restart(set())
+            record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
+                          kept_siblings=len(summary.kept_siblings))
             print(f"Resuming from trainer checkpoint step {point.step} (no valid rollout snapshot).", flush=True)
             self.records.restore(record)
             return

@@ -66,22 +66,22 @@ class GymDeployment:
     @classmethod
     def start(
         cls,
-        config: GymGlobalConfig | dict[str, Any] | str | Path,
+        config: GymGlobalConfig | dict[str, Any] | str | Path | list[str | Path],
         *,
         log_dir: str | Path | None = None,
         startup_timeout_s: float = 60.0,
     ) -> "GymDeployment":
-        if isinstance(config, (str, Path)):
+        if isinstance(config, (str, Path, list)):
             config = load_gym_config(config)
         elif isinstance(config, dict):
             config = parse_gym_config(config)
         config = _assign_ports(config)
         from gym_patches.server_main import server_class
 
-        modes = {
-            name: server_class(i.server_type, i.implementation).checkpoint_mode_label()
-            for name, i in config.instances.items()
-        }
+        classes = {name: server_class(i.server_type, i.implementation) for name, i in config.instances.items()}
+        for name, server_cls in classes.items():
+            server_cls.validate_instance_config(config.instances[name])  # a bad key fails here, not in a child
+        modes = {name: server_cls.checkpoint_mode_label() for name, server_cls in classes.items()}
         logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="gym-logs-"))
         logs.mkdir(parents=True, exist_ok=True)
         dep = cls(config, logs)

@@ -182,15 +182,20 @@ class GymServer:
         self.instance = instance
         self.name = instance.name
         self.global_config = global_config
+        self.config = self.validate_instance_config(instance)
+        self.client = ServerClient(global_config)
+        self.participant: CheckpointParticipant | None = None
+
+    @classmethod
+    def validate_instance_config(cls, instance: ServerInstanceConfig) -> ServerConfigBase:
+        """Parse an instance's implementation config; errors name the full key."""
         try:
-            self.config = self.config_model(**instance.config)
+            return cls.config_model(**instance.config)
         except ValidationError as exc:
             detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
             raise GymConfigError(
                 f"{instance.name}.{instance.server_type}.{instance.implementation}: {detail}"
             ) from None
-        self.client = ServerClient(global_config)
-        self.participant: CheckpointParticipant | None = None
 
     # -- for subclasses ----------------------------------------------------
     def setup_routes(self, app: web.Application) -> None:

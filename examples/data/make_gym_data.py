@@ -191,7 +191,7 @@ def _row(row_id: str, source: str, agent: str, system: str, user: str, tools: li
 
 
 def workplace_rows(n: int, split: str, *, agent: str = WORKPLACE_AGENT, seed: int = DEFAULT_SEED,
-                   max_output_tokens: int = 48) -> list[dict]:
+                   max_output_tokens: int = 96) -> list[dict]:
     """``n`` workplace rows; templates cycle so each appears about equally often."""
     rng = random.Random(f"{seed}:workplace:{split}")
     rows = []
@@ -208,7 +208,7 @@ def workplace_rows(n: int, split: str, *, agent: str = WORKPLACE_AGENT, seed: in
 
 # python sandbox ----------------------------------------------------------------
 def sandbox_rows(n: int, split: str, *, agent: str = SANDBOX_AGENT, seed: int = DEFAULT_SEED,
-                 max_output_tokens: int = 48) -> list[dict]:
+                 max_output_tokens: int = 96) -> list[dict]:
     """``n`` sandbox rows: print a hidden value, then compute ``answer`` from it."""
     rng = random.Random(f"{seed}:sandbox:{split}")
     rows = []
@@ -276,7 +276,7 @@ SIZES = {"workplace_train": 256, "workplace_val": 32, "sandbox_train": 64, "sand
 
 def generate(out_dir: Path, *, seed: int = DEFAULT_SEED, workplace_agent: str = WORKPLACE_AGENT,
              restart_only_agent: str = RESTART_ONLY_AGENT, sandbox_agent: str = SANDBOX_AGENT,
-             max_output_tokens: int = 48, sizes: dict[str, int] | None = None) -> list[Path]:
+             max_output_tokens: int = 96, sizes: dict[str, int] | None = None) -> list[Path]:
     """Write all six files into ``out_dir``; returns their paths."""
     sizes = {**SIZES, **(sizes or {})}
     unknown = sorted(set(sizes) - set(SIZES))
@@ -309,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--restart-only-agent", default=RESTART_ONLY_AGENT,
                    help="second agent that half the mixed workplace rows use")
     p.add_argument("--sandbox-agent", default=SANDBOX_AGENT)
-    p.add_argument("--max-output-tokens", type=int, default=48)
+    p.add_argument("--max-output-tokens", type=int, default=96)
     for key, n in SIZES.items():
         p.add_argument(f"--n-{key.replace('_', '-')}", type=int, default=n, dest=f"n_{key}")
     args = p.parse_args(argv)

@@ -93,7 +93,6 @@ class GRPOTrainer:
     ):
         self.policy_cfg, self.loss_cfg, self.grpo_cfg = policy_cfg, loss_cfg, grpo_cfg
         self.tokenizer = tokenizer
-        torch.manual_seed(grpo_cfg.seed)
         self.policy = policy if policy is not None else build_policy(policy_cfg, tokenizer.vocab_size)
         if self.policy.vocab_size != tokenizer.vocab_size:
             raise ValueError(

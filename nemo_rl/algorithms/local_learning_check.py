@@ -6,7 +6,7 @@ episodes of a step decoded turn by turn in one batch; otherwise it is the same
 data path as the real job (chat template, parse_completion, RolloutSample,
 GRPOTrainer.train_step).
 
-    python -m nemo_rl.algorithms.local_learning_check --steps 30 --warm-steps 60
+    python -m nemo_rl.algorithms.local_learning_check --steps 30 --eval-gens 1
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(REPO / "examples/data/workplace_train.jsonl"))
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warm-steps", type=int, default=60)
+    ap.add_argument("--warm-steps", type=int, default=800)
     ap.add_argument("--warm-lr", type=float, default=5e-3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gens", type=int, default=8)
@@ -88,6 +88,10 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--eval-gens", type=int, default=0, help="also measure warm-start success on N x rows")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kl", type=float, default=0.0)
+    ap.add_argument("--label-smoothing", type=float, default=0.025)
+    ap.add_argument("--save-warm", default="", help="save the warm-started weights here")
+    ap.add_argument("--load-warm", default="", help="skip the warm start; load weights saved by --save-warm")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -95,13 +99,20 @@ def main(argv=None) -> None:
     rows = [r for r in load_rows(Path(args.data)) if "people" in (r.get("seed") or {})]
     t0 = time.perf_counter()
     convs = simulate_rows(rows)
-    tok = build_tokenizer(rows)
+    tok = build_tokenizer(rows, conversations=convs)
     pcfg = PolicyConfig(device="auto", learning_rate=args.lr, hidden_size=args.hidden, num_layers=args.layers,
                         generation=GenerationConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens))
-    trainer = GRPOTrainer(pcfg, LossConfig(), GRPOConfig(seed=args.seed), tok)
-    ws = warm_start(trainer.policy, tok, rows, steps=args.warm_steps, lr=args.warm_lr, seed=args.seed,
-                    conversations=convs)
-    print(f"vocab {tok.vocab_size}, warm start {ws['warm_start_s']:.1f}s loss {ws['warm_start_loss']:.3f}")
+    trainer = GRPOTrainer(pcfg, LossConfig(reference_policy_kl_penalty=args.kl), GRPOConfig(seed=args.seed), tok)
+    if args.load_warm:
+        trainer.policy.load_state_dict(torch.load(args.load_warm, map_location=trainer.device, weights_only=True))
+        print(f"vocab {tok.vocab_size}, loaded warm start from {args.load_warm}", flush=True)
+    else:
+        ws = warm_start(trainer.policy, tok, rows, steps=args.warm_steps, lr=args.warm_lr, seed=args.seed,
+                        label_smoothing=args.label_smoothing, conversations=convs)
+        print(f"vocab {tok.vocab_size}, warm start {ws['warm_start_s']:.1f}s loss {ws['warm_start_loss']:.3f}", flush=True)
+        if args.save_warm:
+            torch.save(trainer.state_dict_for_refit(), args.save_warm)
+    trainer.reset_reference()
     gen = torch.Generator(device=trainer.device).manual_seed(args.seed)
     rng = random.Random(args.seed)
     if args.eval_gens:
@@ -109,7 +120,7 @@ def main(argv=None) -> None:
         s = run_workplace_rollouts(trainer.policy, tok, rows, args.eval_gens, args.temperature,
                                    args.max_new_tokens, args.max_turns, 0, -1, gen)
         print(f"warm-start success {sum(x.reward for x in s) / len(s):.3f} over {len(s)} episodes "
-              f"({time.perf_counter() - t:.1f}s)")
+              f"({time.perf_counter() - t:.1f}s)", flush=True)
     rewards = []
     for step in range(args.steps):
         t = time.perf_counter()

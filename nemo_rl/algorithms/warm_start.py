@@ -20,16 +20,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from nemo_rl.models.chat_format import render_with_mask
 from nemo_rl.models.tokenizer import Tokenizer
-
-# What a row's demonstration needs: (row) -> list of tool outputs, one per ground_truth call.
-ToolSimulator = Callable[[dict], list[str]]
-
 
 def row_task_source(row: dict) -> str:
     """``task_source`` if present, else inferred from the row's seed shape."""
@@ -53,23 +50,42 @@ def _simulate_workplace(row: dict) -> list[str]:
     return outs
 
 
-async def _simulate_sandbox_async(row: dict) -> list[str]:
+async def _simulate_sandbox_async(rows: list[dict], concurrency: int = 8) -> list[list[str]]:
     from gym_patches.resources_servers.python_sandbox import call_sandbox_tool, seed_sandbox
 
-    session = await seed_sandbox(row)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(row: dict) -> list[str]:
+        async with gate:
+            session = await seed_sandbox(row)
+            try:
+                return [await call_sandbox_tool(session, c["name"], c["arguments"]) for c in row["ground_truth"]]
+            finally:
+                await session.close()
+
+    return list(await asyncio.gather(*(one(r) for r in rows)))
+
+
+def _run_async(coro_fn, *args):
+    """``asyncio.run`` that also works when the caller is already inside an event loop."""
     try:
-        return [await call_sandbox_tool(session, c["name"], c["arguments"]) for c in row["ground_truth"]]
-    finally:
-        await session.close()
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_fn(*args))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(coro_fn(*args))).result()
 
 
-def _simulate_sandbox(row: dict) -> list[str]:
-    return asyncio.run(_simulate_sandbox_async(row))
+def _simulate_sandbox_many(rows: list[dict]) -> list[list[str]]:
+    """One live interpreter per row (a few at a time), exactly like the sandbox server's sessions."""
+    return _run_async(_simulate_sandbox_async, rows)
 
 
-SIMULATORS: dict[str, ToolSimulator] = {
-    "workplace": _simulate_workplace,
-    "python_sandbox": _simulate_sandbox,
+# task_source -> simulator over a list of rows (one list of tool outputs per row)
+BatchSimulator = Callable[[list[dict]], list[list[str]]]
+SIMULATORS: dict[str, BatchSimulator] = {
+    "workplace": lambda rows: [_simulate_workplace(r) for r in rows],
+    "python_sandbox": _simulate_sandbox_many,
 }
 
 
@@ -104,17 +120,21 @@ def demo_messages(row: dict, tool_outputs: Sequence[str]) -> list[dict]:
     return msgs
 
 
-def simulate_rows(rows: Iterable[dict], simulators: dict[str, ToolSimulator] | None = None) -> list[list[dict]]:
-    """Demonstration conversations for ``rows`` (tool outputs simulated per task source)."""
+def simulate_rows(rows: Iterable[dict], simulators: dict[str, BatchSimulator] | None = None) -> list[list[dict]]:
+    """Demonstration conversations for ``rows``, in order (tool outputs simulated per task source)."""
     sims = {**SIMULATORS, **(simulators or {})}
-    convs = []
+    rows = [_check_row(r, i) for i, r in enumerate(rows)]
+    by_source: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
-        row = _check_row(row, i)
         src = row_task_source(row)
         if src not in sims:
             raise ValueError(f"rows[{i}] has task_source {src!r}; no tool simulator for it (have {sorted(sims)})")
-        convs.append(demo_messages(row, sims[src](row)))
-    return convs
+        by_source.setdefault(src, []).append(i)
+    outputs: dict[int, list[str]] = {}
+    for src, idx in by_source.items():
+        for i, outs in zip(idx, sims[src]([rows[i] for i in idx]), strict=True):
+            outputs[i] = outs
+    return [demo_messages(row, outputs[i]) for i, row in enumerate(rows)]
 
 
 def corpus_texts(conversations: Iterable[list[dict]]) -> list[str]:
@@ -129,10 +149,15 @@ def corpus_texts(conversations: Iterable[list[dict]]) -> list[str]:
     return texts
 
 
-def build_tokenizer(rows: Iterable[dict], max_pieces: int = 4000, extra_texts: Iterable[str] = ()) -> Tokenizer:
-    """A tokenizer whose pieces come from the rows' demonstrations (and their tool schemas' names)."""
+def build_tokenizer(rows: Iterable[dict], max_pieces: int = 4000, extra_texts: Iterable[str] = (),
+                    conversations: list[list[dict]] | None = None) -> Tokenizer:
+    """A tokenizer whose pieces come from the rows' demonstrations (and their tool schemas' names).
+
+    Pass ``conversations`` (from ``simulate_rows(rows)``) to skip simulating again.
+    """
     rows = list(rows)
-    texts = corpus_texts(simulate_rows(rows)) + list(extra_texts)
+    convs = conversations if conversations is not None else simulate_rows(rows)
+    texts = corpus_texts(convs) + list(extra_texts)
     for row in rows:
         for tool in row["responses_create_params"].get("tools") or []:
             texts.append(tool.get("name") or tool.get("function", {}).get("name", ""))
@@ -153,10 +178,11 @@ def warm_start(
     policy,
     tokenizer: Tokenizer,
     rows: Sequence[dict],
-    steps: int = 60,
+    steps: int = 800,
     batch_size: int = 16,
     lr: float = 5e-3,
     seed: int = 0,
+    label_smoothing: float = 0.025,
     conversations: list[list[dict]] | None = None,
     log_every: int = 0,
     log: Callable[[str], None] = print,
@@ -168,6 +194,8 @@ def warm_start(
     """
     if steps < 0 or batch_size < 1:
         raise ValueError(f"warm_start needs steps >= 0 and batch_size >= 1, got {steps}/{batch_size}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     t0 = time.perf_counter()
     convs = conversations if conversations is not None else simulate_rows(rows)
     if not convs:
@@ -186,8 +214,11 @@ def warm_start(
     loss_v = float("nan")
     for step in range(steps):
         ids, mask = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_id, policy.device)
-        lp = policy.sequence_logprobs(ids)
-        loss = -(lp * mask).sum() / mask.sum()
+        logp = torch.log_softmax(policy(ids)[:, :-1].float(), dim=-1)
+        nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        if label_smoothing > 0:  # keep some mass on every token: exploration left for RL
+            nll = (1 - label_smoothing) * nll - label_smoothing * logp.mean(-1)
+        loss = (nll * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

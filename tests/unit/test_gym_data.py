@@ -79,7 +79,7 @@ def test_row_shape(name):
         assert set(row) == ROW_KEYS | {answer_key}, row["id"]
         params = row["responses_create_params"]
         assert params["tools"] == (WORKPLACE_TOOLS if source == "workplace" else SANDBOX_TOOLS)
-        assert params["temperature"] == 1.0 and params["max_output_tokens"] == 48
+        assert params["temperature"] == 1.0 and params["max_output_tokens"] == 96
         system, user = params["input"]
         assert system["role"] == "system" and user["role"] == "user"
         assert system["content"].count(".") == 1 and len(system["content"]) <= 60

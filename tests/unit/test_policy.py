@@ -205,10 +205,30 @@ def test_warm_start_learns_the_demonstrations():
     assert last["warm_start_loss"] < 0.6 * first["warm_start_loss"]
 
 
+SANDBOX = DATA.with_name("sandbox_train.jsonl")
+
+
+@pytest.mark.skipif(not SANDBOX.exists(), reason="examples/data not generated")
+def test_sandbox_demonstrations_come_from_a_live_interpreter():
+    rows = [json.loads(l) for l in SANDBOX.read_text().splitlines()[:2]]
+    convs = simulate_rows(rows)
+    tool_msgs = [m["content"] for m in convs[0] if m["role"] == "tool"]
+    assert len(tool_msgs) == len(rows[0]["ground_truth"])
+    code = rows[0]["ground_truth"][0]["arguments"]["code"]
+    setup = rows[0]["seed"]["setup"]
+    ns: dict = {}
+    exec(setup, ns)  # what the interpreter printed must be what this code prints
+    expected = str(eval(code[len("print("):-1], ns)) + "\n" if code.startswith("print(") else None
+    if expected is not None:
+        assert tool_msgs[0] == expected
+
+
 def test_warm_start_rejects_bad_rows(policy):
     tok = _tok()
     with pytest.raises(ValueError, match="ground_truth"):
         warm_start(policy, tok, [{"responses_create_params": {"input": []}}], steps=1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        warm_start(policy, tok, [], steps=1, label_smoothing=1.0)
     with pytest.raises(ValueError, match="task_source 'mystery'"):
         warm_start(policy, tok, [{"task_source": "mystery", "responses_create_params": {"input": []},
                                    "ground_truth": []}], steps=1)

@@ -236,12 +236,14 @@ DEFAULT_NEMO_GYM_CONFIG: dict[str, Any] = {
 }
 
 DEFAULT_CONFIG: dict[str, Any] = {
-    "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 3, "seed": 42},
+    # 32 rollouts per step for 30 steps: enough group signal for GRPO to lift reward
+    # on 2 CPU cores in a few minutes (tuned with nemo_rl/algorithms/local_learning_check.py).
+    "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": 30, "seed": 42},
     "loss_fn": {},
     "policy": {
         "model_name": "tiny-causal-lm",
         "device": "cpu",
-        "generation": {"backend": "torch", "max_new_tokens": 32},
+        "generation": {"backend": "torch", "max_new_tokens": 96},
     },
     "data": {
         "train_data_path": "examples/data/workplace_train.jsonl",

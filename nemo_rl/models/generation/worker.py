@@ -71,6 +71,11 @@ class GenerationServer:
         torch.set_num_threads(1)
         self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.from_dict(tokenizer)
+        if self.cfg.generation.backend != "torch":
+            raise ValueError(
+                f"policy.generation.backend={self.cfg.generation.backend!r}: this worker is the torch backend; "
+                "the tiny policy has no vLLM implementation"
+            )
         self.model_name = model_name or self.cfg.model_name
         self.policy = build_policy(self.cfg, self.tokenizer.vocab_size).eval()
         for p in self.policy.parameters():
@@ -101,7 +106,7 @@ class GenerationServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        real_port = site._server.sockets[0].getsockname()[1]
+        real_port = self._runner.addresses[0][1]
         self.base_url = f"http://{host}:{real_port}/v1"
         return self.base_url
 

@@ -106,8 +106,7 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, log=
     if ws.steps > 0:
         log(f"Warm start: {ws.steps} supervised steps on the rows' demonstrations...")
         metrics = warm_start(trainer.policy, tokenizer, rows, steps=ws.steps, batch_size=ws.batch_size,
-                             lr=ws.learning_rate, seed=config.grpo.seed)
+                             lr=ws.learning_rate, seed=config.grpo.seed, label_smoothing=ws.label_smoothing)
         log(f"Warm start done: loss {metrics['warm_start_loss']:.3f} in {metrics['warm_start_s']:.1f}s")
-        trainer.reset_optimizer_after_warm_start() if hasattr(trainer, "reset_optimizer_after_warm_start") else None
     generation = RayGenerationBackend(config, tokenizer, trainer.state_dict_bytes(), port)
     return GRPOTrainerAdapter(trainer), generation

@@ -37,13 +37,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from nemo_rl.utils.fault_injection import check_crash_env
+
+    try:
+        check_crash_env()  # test-only crash hook: a malformed value fails here, not silently later
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     from nemo_rl.algorithms.single_controller_utils.runner import run
 
     # Test-only: lets the RL-level stall regression test reach the snapshot loop.
     skip_check = os.environ.get("NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK") == "1"
+    from gym_patches.config import GymConfigError
+
     try:
         return run(config, launched_at=launched, skip_restart_only_check=skip_check)
+    except GymConfigError as exc:  # a bad key in the Gym config: a config error like the RL ones
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

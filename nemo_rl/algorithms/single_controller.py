@@ -28,6 +28,8 @@ from nemo_rl.algorithms.single_controller_utils.snapshot import (
     CONTROLLER_STATE_FILE,
     GYM_CHECKPOINT_FILE,
     RolloutSnapshotter,
+    required_snapshot_files,
+    resolve_restorable_snapshot,
 )
 from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymRolloutError, NemoGymShardSet
@@ -38,6 +40,7 @@ from nemo_rl.experience.rollout_recovery import (
     RolloutRecoveryLedger,
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
+from nemo_rl.utils.fault_injection import crash_point
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
     ensure_bootstrap_anchor,
@@ -110,6 +113,7 @@ class SingleController:
                 samples = [s for g in groups for s in self.data_plane.group_samples(g)]
                 t1 = time.monotonic()
                 metrics = self.trainer.train_step(samples)
+                crash_point("train")  # test-only: batch consumed, step not checkpointed
                 train_s = time.monotonic() - t1
                 for g in groups:
                     self.ledger.mark_group_trained(g)
@@ -212,11 +216,14 @@ class SingleController:
             if not exc.infra:
                 self._fatal = exc
                 return
-            logger.warning("rollout %s failed on %s (%s); retrying from the prompt", rollout_id, exc.server, exc)
+            reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
+            logger.warning("rollout %s failed on %s (%s); retrying from the prompt", rollout_id, exc.server, reason)
             try:
                 self.ledger.mark_failed(rollout_id)
             except Exception as fatal:  # retries exhausted: stop the run, naming the server
-                self._fatal = RuntimeError(f"Gym server {exc.server!r} on {instance} keeps failing: {fatal}")
+                self._fatal = RuntimeError(
+                    f"Gym server {exc.server!r} on {instance} keeps failing: {fatal}; last error: {reason}"
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the main loop, never swallowed
@@ -292,6 +299,9 @@ class SingleController:
         if point is None:
             ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
             return
+        # A turn-level run needs gym_checkpoint.json in the snapshot; one without it is skipped, not half-used.
+        point = point._replace(snapshot=resolve_restorable_snapshot(
+            point.anchor, required_snapshot_files(self.coordinator is not None)))
         if point.step > 0:
             extra = self.trainer.load(point.anchor)
             self.step = self.anchor_step = int(extra["step"])
@@ -326,7 +336,7 @@ class SingleController:
         self.data_plane = DataPlaneStore.load(snap, state["data_plane"]["sha256"], state["data_plane"]["count"])
         restored: set[tuple[str, str, int]] = set()
         gym_file = snap / GYM_CHECKPOINT_FILE
-        if self.coordinator is not None and gym_file.exists():
+        if self.coordinator is not None:
             gym = json.loads(gym_file.read_text())
             exported = {iid: by_server for iid, by_server in gym["instances"].items() if any(by_server.values())}
             if exported:
@@ -337,6 +347,7 @@ class SingleController:
                     for key in keys:
                         e = EpisodeId.from_capture_key(key)
                         restored.add((iid, e.rollout_id, e.attempt - 1))
+        crash_point("restore")  # test-only: Gym restored, ledger not applied
         summary = self.ledger.prepare_for_restart(restored)
         self.data_plane.discard(summary.discarded_rollout_ids)
         record.update(

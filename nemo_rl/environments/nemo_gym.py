@@ -9,16 +9,17 @@ all of them.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable
 
 import ray
 
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import RestartOnlyPolicy
-from gym_patches.config import parse_gym_config
+from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, RunReply
@@ -27,6 +28,7 @@ from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointCommitSummary,
     GymCheckpointInstance,
     GymCheckpointPrepareSummary,
+    GymCheckpointUnavailable,
 )
 
 
@@ -52,19 +54,49 @@ class GymCheckpointParked(GymRolloutError):
 def build_gym_actor_config(
     gym_config: dict[str, Any], *, policy_base_url: str, control_auth_token: str, checkpointing: bool
 ) -> dict[str, Any]:
-    """The Gym config one replica runs: RL injects the policy URL and checkpoint block."""
+    """The Gym config one replica runs: RL injects the policy URL and checkpoint block.
+
+    Only ``checkpoint.lease_grace_seconds`` is the user's to set (RL owns
+    ``enabled`` and the token). Every error names the Gym key, and every
+    server's implementation config is checked here, in the driver, before any
+    process starts.
+    """
     cfg = dict(gym_config)
     cfg["policy_base_url"] = policy_base_url
     cfg["head_server"] = {"host": "127.0.0.1", "port": 0}
     cfg["checkpoint"] = {
         "enabled": bool(checkpointing),
         "control_auth_token": control_auth_token,
-        "lease_grace_seconds": float(gym_config.get("checkpoint", {}).get("lease_grace_seconds", 600.0))
-        if isinstance(gym_config.get("checkpoint"), dict)
-        else 600.0,
+        "lease_grace_seconds": _lease_grace_seconds(gym_config.get("checkpoint")),
     }
-    parse_gym_config(cfg)  # fail here, in the driver, with the key named
+    parsed = parse_gym_config(cfg)  # fail here, in the driver, with the key named
+    from gym_patches.server_main import server_class
+
+    for name, inst in parsed.instances.items():
+        server_class(inst.server_type, inst.implementation).validate_instance_config(parsed.instances[name])
     return cfg
+
+
+_RL_OWNED_CHECKPOINT_KEYS = ("enabled", "control_auth_token")
+
+
+def _lease_grace_seconds(block: Any) -> float:
+    if block is None:
+        return 600.0
+    if not isinstance(block, dict):
+        raise GymConfigError(f"Gym config key 'checkpoint' must be a mapping, got {type(block).__name__}")
+    unknown = sorted(set(block) - {"lease_grace_seconds", *_RL_OWNED_CHECKPOINT_KEYS})
+    if unknown:
+        raise GymConfigError(
+            f"Gym config key(s) {', '.join(f'checkpoint.{k}' for k in unknown)} do not exist; under RL only "
+            "checkpoint.lease_grace_seconds may be set (RL sets checkpoint.enabled and the control token)"
+        )
+    value = block.get("lease_grace_seconds", 600.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise GymConfigError(
+            f"Gym config key checkpoint.lease_grace_seconds must be a positive number of seconds, got {value!r}"
+        )
+    return float(value)
 
 
 @ray.remote(max_restarts=0, num_cpus=0)
@@ -118,11 +150,10 @@ class NemoGym:
         try:
             resp = await self.client.post(agent, "/run", json=body, timeout_s=self.rollout_timeout_s)
         except ServerCallError as exc:
-            raise GymRolloutError(str(exc), rollout_id=rollout_id, server=agent, infra=True) from None
+            raise self._infra_error(str(exc), rollout_id, agent) from None
         except TimeoutError:
-            raise GymRolloutError(
-                f"Gym agent {agent!r} /run timed out after {self.rollout_timeout_s}s",
-                rollout_id=rollout_id, server=agent, infra=True,
+            raise self._infra_error(
+                f"Gym agent {agent!r} /run timed out after {self.rollout_timeout_s}s", rollout_id, agent
             ) from None
         if resp.status == 200:
             return RunReply.model_validate(resp.body).model_dump()
@@ -130,33 +161,68 @@ class NemoGym:
         message = f"Gym agent {agent!r} /run for {rollout_id} returned {resp.status}: {resp.text[:300]}"
         if code == "admission_closed":
             raise GymCheckpointParked(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
-        raise GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=resp.status >= 500, code=code)
+        if resp.status >= 500:
+            raise self._infra_error(message, rollout_id, agent, code)
+        raise GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
+
+    def _infra_error(self, message: str, rollout_id: str, agent: str, code: str | None = None) -> GymRolloutError:
+        """A failed ``/run``; if a server process of this deployment has exited, name it (it will not come back)."""
+        dead = self.dead_servers()
+        if not dead:
+            return GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=True, code=code)
+        names = ", ".join(repr(name) for name in dead)
+        return GymRolloutError(
+            f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {message}",
+            rollout_id=rollout_id, server=dead[0], infra=True, code="server_dead",
+        )
+
+    def dead_servers(self) -> list[str]:
+        """Servers of this deployment whose process has exited."""
+        if self.deployment is None:
+            return []
+        return sorted(name for name, ok in self.deployment.alive().items() if not ok)
 
     # -- checkpoint calls (thin: the adapter does the work) -----------------------
     async def checkpoint_prepare(
         self, checkpoint_id: str, deadline_ts: float, restart_only_policy: RestartOnlyPolicy
     ) -> GymCheckpointPrepareSummary:
-        return await self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy)
+        return await self._named(self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy))
 
     async def checkpoint_renew(self, checkpoint_id: str, deadline_ts: float) -> None:
-        await self._adapter().renew(checkpoint_id, deadline_ts)
+        await self._named(self._adapter().renew(checkpoint_id, deadline_ts))
 
     async def checkpoint_retire(self, checkpoint_id: str, deadline_ts: float, episodes: list[EpisodeId]) -> None:
-        await self._adapter().retire(checkpoint_id, deadline_ts, episodes)
+        await self._named(self._adapter().retire(checkpoint_id, deadline_ts, episodes))
 
     async def checkpoint_commit(
         self, checkpoint_id: str, deadline_ts: float, root: str, episodes: list[EpisodeId]
     ) -> GymCheckpointCommitSummary:
-        return await self._adapter().commit(checkpoint_id, deadline_ts, root, episodes)
+        return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes))
 
     async def checkpoint_restore(
         self, restore_id: str, deadline_ts: float, root: str, exported_by_server: dict[str, list[str]],
         source_checkpoint_id: str,
     ) -> list[str]:
-        return await self._adapter().restore(restore_id, deadline_ts, root, exported_by_server, source_checkpoint_id)
+        return await self._named(
+            self._adapter().restore(restore_id, deadline_ts, root, exported_by_server, source_checkpoint_id)
+        )
 
     async def checkpoint_resume(self, checkpoint_id: str, deadline_ts: float) -> None:
-        await self._adapter().resume(checkpoint_id, deadline_ts)
+        await self._named(self._adapter().resume(checkpoint_id, deadline_ts))
+
+    async def _named(self, call: Awaitable[Any]) -> Any:
+        """A checkpoint call; if it failed because a server process is gone, say which one."""
+        try:
+            return await call
+        except GymCheckpointUnavailable as exc:
+            dead = self.dead_servers()
+            if not dead:
+                raise
+            names = ", ".join(repr(name) for name in dead)
+            raise GymCheckpointUnavailable(
+                f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {exc}",
+                server=dead[0], code="server_dead", status=exc.status,
+            ) from None
 
     def _adapter(self) -> GymCheckpointAdapter:
         if self.adapter is None:

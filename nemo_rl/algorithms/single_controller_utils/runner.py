@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,18 +25,102 @@ from nemo_rl.algorithms.single_controller_utils.components import (
     reserve_policy_url,
 )
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
-from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, init_ray
+from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
 
 
 def _warn_to_stderr(message, category, filename, lineno, file=None, line=None) -> None:
-    import sys
-
     print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
+
+
+RUN_ID_ENV = "NEMO_RL_RUN_ID"
+# The reaper: sleeps until the kernel tells it the driver died (parent-death signal), then SIGKILLs
+# every process of the run. argv: the run id, the driver pid, the driver's process group if the driver
+# led it (else 0).
+_REAPER_CODE = """
+import os, signal, sys, time
+needle = ("%s=" + sys.argv[1]).encode()
+driver, group = int(sys.argv[2]), int(sys.argv[3])
+def members():
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open("/proc/" + entry + "/environ", "rb") as f:
+                    if needle in f.read().split(b"\\0"):
+                        yield int(entry)
+            except OSError:
+                pass
+def reap(*_):
+    for _ in range(50):  # until nothing of the run is left (a starting process may appear late)
+        if group:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                pass
+        pids = list(members())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.2)
+    os._exit(0)
+signal.signal(signal.SIGTERM, reap)
+if os.getppid() != driver:  # the driver died before the parent-death signal was armed
+    reap()
+while True:
+    time.sleep(3600)
+""" % RUN_ID_ENV
+
+
+class _RunReaper:
+    """Takes every process of the run down if the driver dies abruptly (SIGKILL, OOM kill, crash).
+
+    Ray's GCS and raylet die with the driver and Gym servers with their Ray
+    worker, but some Ray processes outlive it for up to a minute, holding ports:
+    the dashboard and runtime-env agents wait for a GCS that is gone, and workers
+    that were starting (in their own sessions) wait for their raylet. The
+    reaper, in its own session so that a kill of the run's process group does
+    not take it along, kills every process that carries this run's
+    ``NEMO_RL_RUN_ID`` (Ray workers, the generation worker, Gym servers inherit
+    it) and, when the driver leads its own process group (a shell job, or
+    ``start_new_session``), that group (Ray's agents are in it but do not get
+    the variable). A normal exit disarms it first.
+    """
+
+    def __init__(self, proc: subprocess.Popen | None):
+        self.proc = proc
+
+    @classmethod
+    def start(cls) -> "_RunReaper":
+        os.environ[RUN_ID_ENV] = uuid.uuid4().hex
+        if not sys.platform.startswith("linux"):
+            return cls(None)
+        group = os.getpgid(0) if os.getpgid(0) == os.getpid() else 0
+
+        def arm() -> None:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _REAPER_CODE, os.environ[RUN_ID_ENV], str(os.getpid()), str(group)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=arm, start_new_session=True,
+        )
+        return cls(proc)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL: the reaper must not reap on a normal exit
+            self.proc.wait()
 
 
 def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_only_check: bool = False) -> int:
     launched_at = launched_at or time.monotonic()
+    check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
     warnings.showwarning = _warn_to_stderr
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -39,12 +128,23 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
     rows = load_jsonl(config.data.train_data_path)
     scripted = config.policy.model_name == SCRIPTED_TEST_BACKEND
 
+    reaper = _RunReaper.start()
+    try:
+        summary = _run(config, launched_at, log_dir, rows, scripted, skip_restart_only_check)
+    finally:
+        reaper.stop()
+    _report(config, summary)
+    return 0
+
+
+def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]], scripted: bool,
+         skip_restart_only_check: bool) -> dict[str, Any]:
     init_ray(config)
     generation = None
     shard_set = None
     try:
         if scripted:
-            generation = ScriptedTestGeneration(rows, delay_s=float(__import__("os").environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")))
+            generation = ScriptedTestGeneration(rows, delay_s=float(os.environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")))
             policy_url, port = generation.base_url, 0
         else:
             policy_url, port = reserve_policy_url(config)
@@ -66,8 +166,7 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
         if generation is not None:
             generation.stop()
         ray.shutdown()
-    _report(config, summary)
-    return 0
+    return summary
 
 
 async def _run_controller(config, shard_set, trainer, generation, rows) -> dict[str, Any]:

@@ -77,6 +77,22 @@ def shard_gym_config(env: NemoGymEnvConfig, shard: ShardConfig) -> dict[str, Any
     return _deep_merge(merged, shard.config)
 
 
+def check_gym_configs(config: MasterConfig) -> None:
+    """Validate every shard's Gym config (keys and server configs) before Ray or any process starts."""
+    env = config.env.nemo_gym
+    for shard in env.shards:
+        try:
+            build_gym_actor_config(
+                shard_gym_config(env, shard),
+                policy_base_url="http://127.0.0.1:1/v1",  # placeholder: only the shape is checked here
+                control_auth_token="config-check-only",
+                checkpointing=config.rollout_recovery.turn_checkpointing_enabled,
+            )
+        except GymConfigError as exc:
+            where = "Gym config (env.nemo_gym" + (f", shard {shard.name!r})" if len(env.shards) > 1 else ")")
+            raise GymConfigError(f"{where}: {exc}") from None
+
+
 def _check_target_level(config: MasterConfig) -> None:
     if config.rollout_recovery.target_level == RecoveryTargetLevel.PREFIX:
         raise ValueError(

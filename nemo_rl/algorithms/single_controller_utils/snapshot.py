@@ -21,7 +21,19 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     is_transient_gym_checkpoint_failure,
 )
 from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus
-from nemo_rl.utils.snapshot_store import commit_snapshot, prepare_snapshot_paths, write_json_atomic
+from nemo_rl.utils.fault_injection import crash_point
+from nemo_rl.utils.snapshot_store import (
+    MANIFEST_NAME,
+    SnapshotSelection,
+    SnapshotStoreError,
+    commit_snapshot,
+    prepare_snapshot_paths,
+    resolve_latest_snapshot,
+    snapshot_sequence,
+    snapshots_root,
+    verify_directory,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from nemo_rl.algorithms.single_controller import SingleController
@@ -29,6 +41,52 @@ if TYPE_CHECKING:
 GYM_CHECKPOINT_SCHEMA_VERSION = 2
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
+
+
+def required_snapshot_files(turn_checkpointing: bool) -> tuple[str, ...]:
+    """What every usable snapshot holds: the controller state, plus Gym's index when turns are saved."""
+    return (CONTROLLER_STATE_FILE, GYM_CHECKPOINT_FILE) if turn_checkpointing else (CONTROLLER_STATE_FILE,)
+
+
+def resolve_restorable_snapshot(anchor: str | Path, required: tuple[str, ...]) -> SnapshotSelection:
+    """The newest snapshot that verifies *and* lists every ``required`` file; the rest are skipped.
+
+    A snapshot sealed without ``gym_checkpoint.json`` would otherwise restore
+    every saved rollout from its prompt without a word, so it is reported and
+    an older complete one is used instead.
+    """
+    selection = resolve_latest_snapshot(anchor)
+    skipped = list(selection.skipped)
+    path, manifest = selection.path, selection.manifest
+    while path is not None and manifest is not None:
+        missing = [name for name in required if name not in manifest.files]
+        if not missing:
+            return SnapshotSelection(path, skipped, manifest)
+        why = "every snapshot needs it" if missing[0] == CONTROLLER_STATE_FILE else "turn-level restore needs it"
+        skipped.append((path, f"{path / missing[0]}: missing (not listed in {path / MANIFEST_NAME}; {why})"))
+        path, manifest = _next_older_valid(Path(anchor), snapshot_sequence(path.name) or 0, skipped)
+    return SnapshotSelection(None, skipped)
+
+
+def _next_older_valid(anchor: Path, below: int, skipped: list[tuple[Path, str]]):
+    """The newest snapshot with a sequence below ``below`` that verifies (adds the bad ones to ``skipped``)."""
+    known = {p for p, _ in skipped}
+    older = []
+    for path in snapshots_root(anchor).iterdir():
+        seq = snapshot_sequence(path.name)
+        if seq is not None and seq < below and path.is_dir() and not path.name.startswith(".") and path not in known:
+            older.append((seq, path))
+    for seq, path in sorted(older, reverse=True):
+        try:
+            manifest = verify_directory(path, "rollout_snapshot")
+        except SnapshotStoreError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        if manifest.sequence != seq:
+            skipped.append((path, f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name"))
+            continue
+        return path, manifest
+    return None, None
 
 
 class GymOwnershipError(RuntimeError):
@@ -123,6 +181,7 @@ class RolloutSnapshotter:
 
     async def _commit_and_publish(self, prepared) -> SnapshotOutcome:
         c = self.c
+        crash_point("prepare", c.step)  # test-only: Gym is prepared, nothing committed
         iids = c.coordinator.instance_ids
         unsaved = {iid: prepared.unsaved_keys(iid) for iid in iids}
         inventory = c.ledger.gym_checkpoint_inventory(iids)
@@ -133,6 +192,7 @@ class RolloutSnapshotter:
         tmp, final = prepare_snapshot_paths(c.anchor_dir())
         try:
             commits = await c.coordinator.commit(prepared, str(tmp), scope)
+            crash_point("commit", c.step)  # test-only: Gym records written, snapshot not published
             exported = {iid: set(commits[iid].agent_exported) for iid in iids}
             await self._drain(scope, exported, prepared.deadline_ts)
             # Exclusive cut: no awaits from here until the directory is published.
@@ -155,6 +215,7 @@ class RolloutSnapshotter:
                 },
             )
             c.write_controller_state(tmp)
+            crash_point("publish", c.step)  # test-only: tmp dir written, not sealed or renamed
             commit_snapshot(tmp, final, c.config.rollout_checkpointing.keep_latest_k,
                             metadata={"checkpoint_id": prepared.checkpoint_id, "step": c.step})
         except BaseException:

@@ -35,9 +35,19 @@ def server_class(server_type: str, implementation: str) -> type[GymServer]:
     return cls
 
 
+REDACTED = "<redacted>"
+
+
 def build_head_app(config: GymGlobalConfig) -> web.Application:
-    """The head server publishes the resolved config and the instance list."""
-    text = config.to_yaml()
+    """The head server publishes the resolved config and the instance list.
+
+    The control token is redacted: anyone on loopback can read this route, and
+    servers get their config (token included) from their environment instead.
+    """
+    public = config.model_copy(deep=True)
+    if public.checkpoint.control_auth_token:
+        public.checkpoint.control_auth_token = REDACTED
+    text = public.to_yaml()
 
     async def global_config(_: web.Request) -> web.Response:
         return web.Response(text=text, content_type="application/yaml")

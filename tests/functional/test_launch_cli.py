@@ -93,3 +93,15 @@ def test_launch_names_an_unknown_server_key_before_starting_anything(tmp_path):
     assert proc.returncode == 1
     assert "pm.responses_api_models.vllm_model: return_token_id_informaton: Extra inputs are not permitted" in proc.stderr
     assert not (tmp_path / "logs").exists()  # no process was started
+
+
+def test_head_server_does_not_publish_the_control_token(tmp_path):
+    import urllib.request
+
+    from gym_patches.launch import GymDeployment
+
+    cfg = {"checkpoint": {"enabled": True, "control_auth_token": "s3cret-token-value"},
+           "pm": {"responses_api_models": {"vllm_model": {}}}}
+    with GymDeployment.start(cfg, log_dir=tmp_path) as dep:
+        text = urllib.request.urlopen(dep.head_url + "/global_config_dict_yaml", timeout=10).read().decode()
+    assert "s3cret-token-value" not in text and "<redacted>" in text

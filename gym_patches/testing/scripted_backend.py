@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import os
 import signal
 import subprocess
@@ -131,12 +132,17 @@ class ScriptedState:
         return event is not None
 
 
+_WORD = re.compile(r"[A-Za-z0-9@._-]+")
+
+
 def _evidence(plan: list[ScriptedTurn], turn: int, tool_text: str) -> int:
     """How many of the turn's string arguments the conversation's tool outputs mention."""
     if turn >= len(plan):
         return 0
     values = [v for c in plan[turn].tool_calls or [] for v in c.arguments.values() if isinstance(v, str)]
-    return sum(1 for v in values if v and v in tool_text)
+    seen = set(_WORD.findall(tool_text))
+    # Whole values (emails, ids) count most; single words (numbers in code) break the remaining ties.
+    return sum(100 for v in values if v and v in tool_text) + sum(1 for v in values for w in _WORD.findall(v) if w in seen)
 
 
 def _error(status: int, code: str, detail: str) -> web.Response:

@@ -1,0 +1,158 @@
+"""Benchmark instrumentation for RL runs started by the recovery benchmark.
+
+Python imports ``sitecustomize`` at startup from the first ``sys.path`` entry
+that has one; the benchmark puts this directory on ``PYTHONPATH`` of the
+``run_grpo.py`` processes it starts (Ray workers and Gym servers inherit it).
+It only observes; with neither variable below set it does nothing.
+
+- ``BENCH_AUDIT_DIR``: in the Gym policy model server process
+  (``NEMO_GYM_CONFIG_PATH`` = ``BENCH_AUDIT_MODEL``, default ``policy_model``),
+  append one JSON line per finished generation to
+  ``<dir>/model-<pid>.jsonl``: capture key, turn index (assistant messages
+  already in the request), generated tokens, HTTP status, wall time. Lines are
+  flushed as written, so a SIGKILL loses none that were written.
+- ``BENCH_TIMING_FILE``: append ``{event, start, end, pid, ok}`` lines for
+  ``ray.init``, ``_spinup_gym`` (driver) and ``GymDeployment.start`` (the Gym
+  actor), plus one ``process_start`` line per process running ``run_grpo.py``.
+
+Patches are applied right after the target module is first imported (a
+``sys.meta_path`` finder), so processes that never import it pay nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import json
+import os
+import sys
+import time
+
+_STARTED = time.time()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``hooks[name](module)`` once, right after ``name`` is executed."""
+
+    def __init__(self, hooks):
+        self.hooks = dict(hooks)
+
+    def find_spec(self, fullname, path, target=None):
+        hook = self.hooks.get(fullname)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return None
+        del self.hooks[fullname]
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            try:
+                hook(module)
+            except Exception as exc:  # instrumentation must never break the process
+                print(f"bench instrumentation: hook for {fullname} failed: {exc!r}", file=sys.stderr)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _append(path, record):
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+# -- model audit ---------------------------------------------------------------------------
+def _audit_model(audit_dir):
+    def hook(module):
+        os.makedirs(audit_dir, exist_ok=True)
+        path = os.path.join(audit_dir, f"model-{os.getpid()}.jsonl")
+        cls = module.VLLMModelServer
+        original = cls._generate
+
+        @functools.wraps(original)
+        async def _generate(self, ticket, chat_body):
+            resp = await original(self, ticket, chat_body)
+            try:
+                messages = chat_body.get("messages") or []
+                turn = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+                tokens = 0
+                if resp.status == 200 and resp.body:
+                    body = json.loads(resp.body)
+                    for item in body.get("output") or []:
+                        ids = item.get("generation_token_ids") if isinstance(item, dict) else None
+                        if isinstance(ids, list):
+                            tokens += len(ids)
+                _append(path, {"key": ticket.capture_key, "turn": turn, "tokens": tokens,
+                               "status": resp.status, "t": time.time()})
+            except Exception as exc:
+                print(f"bench instrumentation: audit failed: {exc!r}", file=sys.stderr)
+            return resp
+
+        cls._generate = _generate
+
+    return hook
+
+
+# -- setup timing --------------------------------------------------------------------------
+def _timed(path, event, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start, ok = time.time(), False
+        try:
+            result = fn(*args, **kwargs)
+            ok = True
+            return result
+        finally:
+            _append(path, {"event": event, "start": start, "end": time.time(), "pid": os.getpid(), "ok": ok})
+    return wrapper
+
+
+def _timing_hooks(path):
+    def ray_hook(module):
+        module.init = _timed(path, "ray_init", module.init)
+
+    def setup_hook(module):
+        module._spinup_gym = _timed(path, "spinup_gym", module._spinup_gym)
+
+    def launch_hook(module):
+        cls = module.GymDeployment
+        original = cls.start.__func__
+        cls.start = classmethod(_timed(path, "gym_deployment_start", original))
+
+    return {"ray": ray_hook, "nemo_rl.algorithms.single_controller_utils.setup": setup_hook,
+            "gym_patches.launch": launch_hook}
+
+
+def _install():
+    hooks = {}
+    audit_dir = os.environ.get("BENCH_AUDIT_DIR")
+    if audit_dir and os.environ.get("NEMO_GYM_CONFIG_PATH") == os.environ.get("BENCH_AUDIT_MODEL", "policy_model"):
+        hooks["gym_patches.responses_api_models.vllm_model.app"] = _audit_model(audit_dir)
+    timing = os.environ.get("BENCH_TIMING_FILE")
+    if timing:
+        hooks.update(_timing_hooks(timing))
+        if any(a.endswith("run_grpo.py") for a in sys.argv[:1]):
+            _append(timing, {"event": "process_start", "start": _STARTED, "end": _STARTED, "pid": os.getpid(),
+                             "ok": True})
+    if hooks:
+        sys.meta_path.insert(0, _AfterImport(hooks))
+
+
+try:
+    _install()
+except Exception as _exc:  # never break interpreter startup
+    print(f"bench instrumentation disabled: {_exc!r}", file=sys.stderr)

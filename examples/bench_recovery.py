@@ -1,0 +1,265 @@
+"""Measure turn-level rollout recovery on this machine.
+
+    python examples/bench_recovery.py            # full run (about 20 minutes on 2 cores)
+    python examples/bench_recovery.py --quick    # small N, few repeats (under 3 minutes)
+    python examples/bench_recovery.py --only snapshot_cost,stall --out /tmp/bench
+
+Measurements (see docs/benchmarks.md for the method behind each):
+  snapshot_cost  1. snapshot pause, prepare/commit/publish time and bytes versus rollouts in flight
+  stall          2. K snapshot attempts with a restart-only agent: block versus best_effort
+  work_lost      3. model calls and tokens regenerated after a SIGKILL, per recovery level and setup
+  alternative    4. the rejected "resume, retire blockers, prepare again" versus best effort
+  overhead       5. rollouts per minute with snapshots every T seconds versus none
+  setup_check    6. seconds from launch to the setup error of the mixed config as shipped
+
+Prints progress lines and one markdown table per measurement, writes
+``<out>/recovery.json``, ``<out>/recovery.md`` and ``<out>/<measurement>.png``.
+Every server and run it starts is stopped before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from bench import alternative, overhead, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
+from bench.common import SharedGym, machine_info, make_log  # noqa: E402
+from bench.plots import plot  # noqa: E402
+from bench.presets import PRESETS  # noqa: E402
+
+MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check)}
+ORDER = list(MODULES)
+SHARED = {"stall", "alternative", "overhead"}  # these use one deployment between them
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small N and few repeats (under 3 minutes)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="full (default), quick or tiny")
+    p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(ORDER)}")
+    p.add_argument("--out", default="bench_results", help="where recovery.json, recovery.md and the PNGs go")
+    p.add_argument("--workdir", default=None, help="scratch space (default: a temp dir, removed at the end)")
+    p.add_argument("--keep-workdir", action="store_true", help="keep run logs and checkpoints")
+    p.add_argument("--sizes", default=None, help="override snapshot_cost sizes, e.g. 8,64,512")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="measure nothing: re-derive the verdicts and redraw tables and plots from a recovery.json")
+    return p.parse_args(argv)
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured, and which tracked files differed from it (read-only git calls)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
+    return {"head": git("rev-parse", "--short", "HEAD").strip() or None, "modified_tracked_files": changed}
+
+
+def fsync_latency_ms(directory: Path, samples: int = 20) -> float:
+    """Median time to write and fsync 4 KiB in ``directory`` (context for the tables)."""
+    times = []
+    for i in range(samples):
+        path = directory / f".fsync-probe-{i}"
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - t)
+        path.unlink()
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def goal_lines(results: dict[str, Any]) -> list[str]:
+    def yes(v: Any) -> str:
+        return "not measured" if v is None else ("met" if v else "NOT met")
+
+    lines = []
+    if "snapshot_cost" in results:
+        g = results["snapshot_cost"]["goal"]
+        disk = g.get("disk", {})
+        shm = g.get("tmpfs", {})
+        detail = ""
+        if disk.get("excess_ms_median") is not None:
+            detail = (f" (disk: median {disk['excess_ms_median']:.0f} ms over the tool, worst "
+                      f"{disk['excess_ms_max']:.0f} ms")
+            if shm.get("excess_ms_median") is not None:
+                detail += (f"; tmpfs: median {shm['excess_ms_median']:.0f} ms, worst {shm['excess_ms_max']:.0f} ms, "
+                           f"{yes(shm.get('met'))}")
+            detail += ")"
+        lines.append(f"1. pause at N={g['at_n']} within {g['pause_within_ms_of_longest_tool']:g} ms of the longest "
+                     f"tool call in flight: {yes(g.get('pause_met'))}{detail}")
+        slopes = ", ".join(f"{k} {v:.2f}" for k, v in (g.get("pause_loglog_slope") or {}).items() if v is not None)
+        steps = g.get("every_step_within_linear") or {}
+        worse = [k for k, v in steps.items() if v is False]
+        lines.append(f"1. growth no worse than linear: {yes(g.get('linear_met'))} (log-log slope of the pause: {slopes}"
+                     + (f"; a step grew faster than N on {', '.join(worse)}" if worse else "") + ")")
+    if "stall" in results:
+        g = results["stall"]["goal"]
+        lines.append(f"2. block commits 0 snapshots: {yes(g['block_commits_none'])}; "
+                     f"best effort commits all: {yes(g['best_effort_commits_all'])}")
+    if "work_lost" in results:
+        g = results["work_lost"]["goal"]
+        lines.append(f"3. a saved rollout regenerates at most the one model call in flight: {yes(g['met'])} "
+                     f"(worst: {g['max_regenerated_before_snapshot_end']} over {g['restored_rollouts']} restored "
+                     f"rollouts; including work done after the snapshot: {g['max_regenerated_including_after_snapshot']})")
+    if "alternative" in results:
+        c = results["alternative"]["comparison"]
+        ratio = c["best_effort_over_alternative"]
+        shown = "∞" if ratio == float("inf") else (f"{ratio:.1f}x" if ratio else "n/a")
+        lines.append(f"4. best effort / rejected alternative, rollouts per minute: {shown}")
+    if "overhead" in results:
+        g = results["overhead"]["goal"]
+        extra = ""
+        if g.get("tmpfs_overhead_pct_median") is not None:
+            extra = f"; snapshots on tmpfs: {g['tmpfs_overhead_pct_median']:.1f}%, {yes(g.get('tmpfs_met'))}"
+        if g.get("reference_spread_pct") is not None:
+            extra += f"; the no-snapshot reference itself varies by {g['reference_spread_pct']:.1f}% between repeats"
+        lines.append(f"5. overhead at most {g['max_overhead_pct_at_10_turns']:g}% at T = 10 turns: {yes(g.get('met'))} "
+                     f"(median {g.get('overhead_pct_median', float('nan')):.1f}%{extra})")
+    if "setup_check" in results:
+        rows = {r["part"]: r["seconds"]["median"] for r in results["setup_check"]["rows"]}
+        lines.append(f"6. mixed config as shipped fails after {rows['to_error_s']:.1f}s (process exits after "
+                     f"{rows['total_s']:.1f}s); Ray start {rows['ray_init_s']:.1f}s, Gym start "
+                     f"{rows['gym_start_s']:.1f}s; error names every restart-only server: "
+                     f"{yes(results['setup_check']['goal']['error_names_every_restart_only_server'])}")
+    return lines
+
+
+def describe_machine(m: dict[str, Any]) -> str:
+    return (f"{m.get('cpus')} CPUs, {m.get('memory_gib')} GiB RAM, Python {m.get('python')}, {m.get('platform')}; "
+            f"write+fsync of 4 KiB in the scratch dir: {m.get('fsync_4k_ms_workdir')} ms")
+
+
+def render_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    out = [f"# Recovery benchmark ({meta['preset']})", "",
+           f"Command: `{meta['command']}`  ", f"Machine: {describe_machine(meta['machine'])}  ",
+           f"Code: commit {meta['git']['head']}"
+           + (f" with local changes to {len(meta['git']['modified_tracked_files'])} tracked file(s)"
+              if meta["git"]["modified_tracked_files"] else "") + "  ",
+           f"Total time: {meta['seconds'] / 60:.1f} min", ""]
+    for name in ORDER:
+        if name in results:
+            res = results[name]
+            out += [f"## {res['title']}", "", MODULES[name].table(res), "", f"![{name}]({name}.png)", ""]
+    out += ["## Goals", ""] + [f"- {line}" for line in goal_lines(results)] + [""]
+    return "\n".join(out)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and obj in (float("inf"), float("-inf")):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def render(path: Path, out: Path) -> int:
+    """Tables, plots and verdicts again from the measurements stored in ``path``."""
+    data = json.loads(path.read_text())
+    results, meta = data["results"], data["meta"]
+    if "snapshot_cost" in results:
+        r = results["snapshot_cost"]
+        g = r["goal"]
+        r["goal"] = snapshot_cost.goal_of(r["rows"], r["fits"], r["config"]["storages"], g["at_n"],
+                                          g["pause_within_ms_of_longest_tool"])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, res in results.items():
+        plot(name, res, out)
+    (out / "recovery.json").write_text(json.dumps(_json_safe({"meta": meta, "results": results}), indent=1) + "\n")
+    (out / "recovery.md").write_text(render_markdown(results, meta))
+    print("Goals:\n" + "\n".join(f"  {line}" for line in goal_lines(results)), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.render:
+        return render(Path(args.render).resolve(), Path(args.out).resolve())
+    preset_name = args.preset or ("quick" if args.quick else "full")
+    preset = {k: dict(v) for k, v in PRESETS[preset_name].items()}
+    if args.sizes:
+        preset["snapshot_cost"]["sizes"] = [int(x) for x in args.sizes.split(",")]
+    chosen = [n for n in ORDER if not args.only or n in {s.strip() for s in args.only.split(",")}]
+    unknown = {s.strip() for s in args.only.split(",") if s.strip()} - set(ORDER) if args.only else set()
+    if unknown:
+        print(f"error: unknown measurement(s) {sorted(unknown)}; choose from {ORDER}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = make_log("bench")
+    started = time.monotonic()
+    meta: dict[str, Any] = {
+        "preset": preset_name,
+        "command": " ".join(["python", "examples/bench_recovery.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(), "parameters": preset, "workdir": str(workdir),
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": git_state(),
+    }
+    meta["machine"]["fsync_4k_ms_workdir"] = round(fsync_latency_ms(workdir), 2)
+    log(f"{preset_name} run of {', '.join(chosen)}; scratch in {workdir}; fsync of 4 KiB takes "
+        f"{meta['machine']['fsync_4k_ms_workdir']:.1f} ms there")
+    results: dict[str, Any] = {}
+    shared: SharedGym | None = None
+    try:
+        for name in chosen:
+            module = MODULES[name]
+            params = dict(preset[name])
+            if name in SHARED:
+                if shared is None:
+                    log("starting the shared Gym deployment (model, Workplace, simple_agent, plain_loop_agent)")
+                    shared = SharedGym(workdir).__enter__()
+                params["env"] = shared
+            elif shared is not None:
+                shared.__exit__(None, None, None)
+                shared = None
+            t0 = time.monotonic()
+            load_before = os.getloadavg()
+            log(f"--- {module.TITLE} (load average {load_before[0]:.2f})")
+            res = module.measure(workdir=workdir, log=make_log(name), **params)
+            res["seconds"] = time.monotonic() - t0
+            res["loadavg_1m"] = {"before": load_before[0], "after": os.getloadavg()[0]}
+            results[name] = res
+            png = plot(name, res, out)
+            print("\n" + module.TITLE + "\n\n" + module.table(res) + "\n", flush=True)
+            log(f"{name} done in {res['seconds']:.0f}s; plot {png}")
+            _write(out, results, meta, started)
+    finally:
+        if shared is not None:
+            shared.__exit__(None, None, None)
+        if not args.keep_workdir and not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    _write(out, results, meta, started)
+    print("Goals:\n" + "\n".join(f"  {line}" for line in goal_lines(results)), flush=True)
+    log(f"all done in {(time.monotonic() - started) / 60:.1f} min: {out / 'recovery.json'}, {out / 'recovery.md'}")
+    return 0
+
+
+def _write(out: Path, results: dict[str, Any], meta: dict[str, Any], started: float) -> None:
+    meta["seconds"] = time.monotonic() - started
+    (out / "recovery.json").write_text(json.dumps(_json_safe({"meta": meta, "results": results}), indent=1) + "\n")
+    (out / "recovery.md").write_text(render_markdown(results, meta))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -160,3 +160,10 @@ def test_stall_under_block_fails_after_max_consecutive_failures(dirs):
     assert len(snaps) == 3 and not any(s["committed"] for s in snaps)
     assert all(s["reason"] == "gym_unavailable" for s in snaps)
     assert all(set(s["blocking_servers"]) & {"workplace_restart_only_agent", "python_sandbox"} for s in snaps)
+
+
+def test_prefix_target_fails_at_setup_saying_why(dirs):
+    proc = run_grpo(WORKPLACE + SCRIPTED + dirs.overrides() + ["rollout_recovery.target_level=prefix"], env=env_for())
+    assert proc.returncode == 1
+    assert "rollout_recovery.target_level=prefix needs generation cuts" in proc.stderr
+    assert not dirs.records("metrics.jsonl")

@@ -46,7 +46,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gym_patches.utils.processes import processes_with_env, wait_until_gone  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "run_grpo.py"
@@ -129,27 +133,12 @@ class RunResult:
 
 
 def processes_with_marker(marker: str) -> list[int]:
-    """PIDs whose environment carries ``NEMO_RL_TEST_RUN_ID=<marker>``."""
-    needle = f"{MARKER_ENV}={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    """PIDs whose environment carries ``NEMO_RL_TEST_RUN_ID=<marker>`` (every process a run started)."""
+    return processes_with_env(MARKER_ENV, marker)
 
 
 def wait_for_no_processes(marker: str, timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = processes_with_marker(marker)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+    return wait_until_gone(MARKER_ENV, marker, timeout_s)
 
 
 class Runner:

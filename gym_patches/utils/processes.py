@@ -22,3 +22,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """PIDs (other than this one) whose environment has ``name=value``: every process a run started."""
+    import os
+    from pathlib import Path
+
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until_gone(name: str, value: str, timeout_s: float = 30.0) -> list[int]:
+    """Wait until no process carries ``name=value``; return those still left at the timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = processes_with_env(name, value)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)

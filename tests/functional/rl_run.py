@@ -10,7 +10,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
 from typing import Callable
+
+from gym_patches.utils.processes import processes_with_env, wait_until_gone
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "run_grpo.py"
@@ -79,23 +82,8 @@ def run_until_then_kill(args: list[str], *, env: dict, until: Callable[[], bool]
 
 def processes_with_marker(marker: str) -> list[int]:
     """PIDs whose environment carries ``NEMO_RL_TEST_RUN_ID=<marker>`` (every process a run started)."""
-    needle = f"NEMO_RL_TEST_RUN_ID={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return processes_with_env("NEMO_RL_TEST_RUN_ID", marker)
 
 
 def wait_for_no_processes(marker: str, timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = processes_with_marker(marker)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+    return wait_until_gone("NEMO_RL_TEST_RUN_ID", marker, timeout_s)

@@ -20,6 +20,12 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointOperationError,
     is_transient_gym_checkpoint_failure,
 )
+from nemo_rl.algorithms.single_controller_utils.snapshot_cut import (
+    GymOwnershipError,  # noqa: F401 - re-exported: the error a bad cut raises
+    check_cut,
+    cut_counts,
+    plan_cut,
+)
 from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus
 from nemo_rl.utils.fault_injection import crash_point
 from nemo_rl.utils.snapshot_store import (
@@ -89,20 +95,25 @@ def _next_older_valid(anchor: Path, below: int, skipped: list[tuple[Path, str]])
     return None, None
 
 
-class GymOwnershipError(RuntimeError):
-    """Gym and the ledger disagree about who holds a rollout: a bug, never retried."""
-
-
 @dataclass
 class SnapshotOutcome:
+    """One snapshot attempt as ``snapshots.jsonl`` records it.
+
+    ``committed`` becomes true the moment the directory is published and never
+    goes back: an error after the publish is recorded next to it
+    (``post_publish_error``), it does not un-commit a snapshot a restart uses.
+    """
+
     checkpoint_id: str
-    committed: bool
-    reason: str
+    committed: bool = False
+    reason: str = ""
     saved: int = 0
-    unsaved: int = 0
+    unsaved: int = 0  # turn-level rollouts on restart-only servers (restart from the prompt)
+    not_admitted: int = 0  # turn-level rollouts Gym had refused while closed (restart from the prompt)
     pause_s: float = 0.0
     path: str | None = None
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    post_publish_error: str | None = None
 
 
 class RolloutSnapshotter:
@@ -114,34 +125,32 @@ class RolloutSnapshotter:
 
     async def attempt(self) -> SnapshotOutcome:
         c = self.c
-        cid = f"rollout-{uuid.uuid4().hex[:12]}"
+        outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}")
         started = time.monotonic()
-        outcome = SnapshotOutcome(cid, committed=False, reason="")
         c.dispatch_open.clear()
         try:
-            await self._retire_dropped(cid)
-            async with c.coordinator.prepared(cid) as prepared:
-                outcome = await self._commit_and_publish(prepared)
+            await self._retire_dropped(outcome.checkpoint_id)
+            async with c.coordinator.prepared(outcome.checkpoint_id) as prepared:
+                await self._commit_and_publish(prepared, outcome)
             outcome.reason = "committed"
             self.consecutive_failures = 0
-        except GymCheckpointNotReady as exc:
-            outcome.reason, outcome.blockers = "gym_unavailable", exc.blockers
-            self._failed(exc)
-        except (GymCheckpointOperationError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):
-                outcome.reason = "timeout"
-            elif is_transient_gym_checkpoint_failure(exc):
-                outcome.reason = "gym_unavailable"
-            else:
-                outcome.reason = "invariant_error"
+        except BaseException as exc:
+            if outcome.committed:
+                # Published: the snapshot stands. Record what failed after it, then let fatal errors stop the run.
+                outcome.reason = "committed"
+                outcome.post_publish_error = f"{type(exc).__name__}: {exc}"
+                self.consecutive_failures = 0
+                if isinstance(exc, Exception) and (
+                    isinstance(exc, (TimeoutError, OSError)) or is_transient_gym_checkpoint_failure(exc)
+                ):
+                    return outcome
                 raise
+            outcome.reason = self._classify(exc)
+            if outcome.reason == "invariant_error" or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, GymCheckpointNotReady):
+                outcome.blockers = exc.blockers
             self._failed(exc)
-        except OSError as exc:
-            outcome.reason = "io_error"
-            self._failed(exc)
-        except Exception:
-            outcome.reason = "invariant_error"
-            raise
         finally:
             c.dispatch_open.set()
             outcome.pause_s = time.monotonic() - started
@@ -152,12 +161,29 @@ class RolloutSnapshotter:
                     reason=outcome.reason,
                     saved=outcome.saved,
                     unsaved=outcome.unsaved,
+                    not_admitted=outcome.not_admitted,
                     pause_s=outcome.pause_s,
                     step=c.step,
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
+                    **({"post_publish_error": outcome.post_publish_error} if outcome.post_publish_error else {}),
                 )
         return outcome
+
+    @staticmethod
+    def _classify(exc: BaseException) -> str:
+        """The ``reason`` of a failed attempt; ``invariant_error`` stops the run."""
+        if isinstance(exc, GymCheckpointNotReady):
+            return "gym_unavailable"
+        if isinstance(exc, TimeoutError):
+            return "timeout"
+        if isinstance(exc, GymCheckpointOperationError):
+            return "gym_unavailable" if is_transient_gym_checkpoint_failure(exc) else "invariant_error"
+        if isinstance(exc, OSError):
+            return "io_error"
+        if isinstance(exc, asyncio.CancelledError):
+            return ""  # the run is stopping: not an attempt worth a record
+        return "invariant_error"
 
     def _failed(self, exc: BaseException) -> None:
         self.consecutive_failures += 1
@@ -179,30 +205,30 @@ class RolloutSnapshotter:
             remaining = [e for e in c.pending_retirements.get(iid, []) if e not in eps]
             c.pending_retirements[iid] = remaining
 
-    async def _commit_and_publish(self, prepared) -> SnapshotOutcome:
+    async def _commit_and_publish(self, prepared, outcome: SnapshotOutcome) -> None:
         c = self.c
         crash_point("prepare", c.step)  # test-only: Gym is prepared, nothing committed
-        iids = c.coordinator.instance_ids
-        unsaved = {iid: prepared.unsaved_keys(iid) for iid in iids}
-        inventory = c.ledger.gym_checkpoint_inventory(iids)
-        scope = {
-            iid: [e for e in eps if e.capture_key not in unsaved[iid] and e.capture_key not in c.not_in_gym]
-            for iid, eps in inventory.items()
-        }
+        plan = plan_cut(
+            c.ledger,
+            c.coordinator.instance_ids,
+            {iid: prepared.unsaved_keys(iid) for iid in c.coordinator.instance_ids},
+            c.not_in_gym,
+        )
         tmp, final = prepare_snapshot_paths(c.anchor_dir())
         try:
-            commits = await c.coordinator.commit(prepared, str(tmp), scope)
+            commits = await c.coordinator.commit(prepared, str(tmp), plan.scope)
             crash_point("commit", c.step)  # test-only: Gym records written, snapshot not published
-            exported = {iid: set(commits[iid].agent_exported) for iid in iids}
-            await self._drain(scope, exported, prepared.deadline_ts)
+            exported = {iid: set(commits[iid].agent_exported) for iid in plan.instance_ids}
+            await self._drain(plan.scope, exported, prepared.deadline_ts)
             # Exclusive cut: no awaits from here until the directory is published.
-            self._check_ownership(exported, unsaved)
+            check_cut(c.ledger, plan, exported)
+            counts = cut_counts(c.ledger, plan, exported)
             kept = {
                 iid: {
                     server: sorted(set(keys) & exported[iid])
                     for server, keys in commits[iid].exported_by_server.items()
                 }
-                for iid in iids
+                for iid in plan.instance_ids
             }
             write_json_atomic(
                 tmp / GYM_CHECKPOINT_FILE,
@@ -210,8 +236,8 @@ class RolloutSnapshotter:
                     "schema_version": GYM_CHECKPOINT_SCHEMA_VERSION,
                     "checkpoint_id": prepared.checkpoint_id,
                     "instances": kept,
-                    "turn_level": {iid: sorted(exported[iid]) for iid in iids},
-                    "unsaved": {iid: sorted(unsaved[iid]) for iid in iids},
+                    "turn_level": {iid: sorted(exported[iid]) for iid in plan.instance_ids},
+                    "unsaved": {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids},
                 },
             )
             c.write_controller_state(tmp)
@@ -223,12 +249,8 @@ class RolloutSnapshotter:
 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        saved = sum(len(v) for v in exported.values())
-        live_unsaved = sum(
-            1 for iid in iids for e in c.ledger.gym_checkpoint_inventory([iid])[iid]
-            if e.capture_key in unsaved[iid] or e.capture_key in c.not_in_gym
-        )
-        return SnapshotOutcome(prepared.checkpoint_id, True, "committed", saved, live_unsaved, 0.0, str(final))
+        outcome.committed, outcome.path = True, str(final)
+        outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
 
     async def _drain(self, scope: dict[str, list[EpisodeId]], exported: dict[str, set[str]], deadline_ts: float) -> None:
         """Wait for replies already on the wire: in scope, not exported, must seal (or fail)."""
@@ -242,14 +264,3 @@ class RolloutSnapshotter:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"drain: {len(pending)} rollouts neither exported nor finished: {sorted(pending)[:5]}")
             await asyncio.sleep(0.05)
-
-    def _check_ownership(self, exported: dict[str, set[str]], unsaved: dict[str, set[str]]) -> None:
-        c = self.c
-        for iid in c.coordinator.instance_ids:
-            owned = {e.capture_key for e in c.ledger.owned_live_episodes(iid)}
-            stray = owned - exported[iid] - unsaved[iid] - c.not_in_gym
-            if stray:
-                raise GymOwnershipError(
-                    f"Gym instance {iid}: rollouts owned by the ledger were neither saved nor reported unsaved "
-                    f"by Gym: {sorted(stray)[:10]}"
-                )

@@ -1,0 +1,98 @@
+"""The bookkeeping of one rollout snapshot, as pure functions of the ledger and Gym's answers.
+
+A snapshot spans every Gym instance (``<shard>/replica-<i>``) at once. These
+functions hold no I/O, so the snapshotter and the model-based tests run the
+very same code:
+
+- ``plan_cut``: after prepare, what each instance is asked to commit (its
+  turn-level rollouts minus those Gym reported unsaved or never admitted);
+- ``check_cut``: after commit and drain, under the exclusive cut, every
+  rollout the ledger still expects Gym to hold was either exported or reported
+  unsaved (else ``GymOwnershipError``);
+- ``cut_counts``: what the run record says about the cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from gym_patches.checkpoint.identity import EpisodeId
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+
+
+class GymOwnershipError(RuntimeError):
+    """Gym and the ledger disagree about who holds a rollout: a bug, never retried."""
+
+
+@dataclass(frozen=True)
+class CutPlan:
+    """What one snapshot asks of Gym, per instance."""
+
+    instance_ids: tuple[str, ...]
+    scope: dict[str, list[EpisodeId]]  # committed per instance
+    unsaved: dict[str, frozenset[str]]  # keys Gym said it cannot save (restart-only servers)
+    not_admitted: frozenset[str]  # keys RL dispatched that Gym refused (not in Gym at all)
+
+
+@dataclass(frozen=True)
+class CutCounts:
+    """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, not yet in Gym."""
+
+    saved: int
+    unsaved: int
+    not_admitted: int
+
+
+def plan_cut(
+    ledger: RolloutRecoveryLedger,
+    instance_ids: Iterable[str],
+    gym_unsaved: Mapping[str, Iterable[str]],
+    not_admitted: Iterable[str] = (),
+) -> CutPlan:
+    """The commit scope of every instance, from one inventory of the whole ledger."""
+    iids = tuple(sorted(instance_ids))
+    unsaved = {iid: frozenset(gym_unsaved.get(iid, ())) for iid in iids}
+    refused = frozenset(not_admitted)
+    inventory = ledger.gym_checkpoint_inventory(iids)
+    scope = {
+        iid: [e for e in inventory[iid] if e.capture_key not in unsaved[iid] and e.capture_key not in refused]
+        for iid in iids
+    }
+    return CutPlan(iids, scope, unsaved, refused)
+
+
+def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> None:
+    """Owned minus exported must be unsaved (or never admitted) on every instance."""
+    problems = []
+    for iid in plan.instance_ids:
+        done = set(exported.get(iid, ()))
+        outside = done - {e.capture_key for e in plan.scope[iid]}
+        if outside:
+            problems.append(f"Gym instance {iid} exported rollouts outside its commit scope: {sorted(outside)[:10]}")
+        owned = {e.capture_key for e in ledger.owned_live_episodes(iid)}
+        stray = owned - done - plan.unsaved[iid] - plan.not_admitted
+        if stray:
+            problems.append(
+                f"Gym instance {iid}: rollouts owned by the ledger were neither saved nor reported unsaved "
+                f"by Gym: {sorted(stray)[:10]}"
+            )
+    if problems:
+        raise GymOwnershipError("; ".join(problems))
+
+
+def cut_counts(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> CutCounts:
+    """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed)."""
+    inventory = ledger.gym_checkpoint_inventory(plan.instance_ids)
+    saved = unsaved = not_admitted = 0
+    for iid in plan.instance_ids:
+        done = set(exported.get(iid, ()))
+        for episode in inventory[iid]:
+            key = episode.capture_key
+            if key in done:
+                saved += 1
+            elif key in plan.not_admitted:
+                not_admitted += 1
+            elif key in plan.unsaved[iid]:
+                unsaved += 1
+    return CutCounts(saved, unsaved, not_admitted)

@@ -52,6 +52,8 @@ SERVER_TYPE_KIND: dict[str, ParticipantKind] = {
 # Callers before callees: a retired run stops before the calls it would make.
 RETIRE_ORDER: tuple[tuple[ParticipantKind, ...], ...] = (("agent",), ("model", "resources"))
 CALL_TIMEOUT_SLACK_S = 5.0
+# Undoing a failed restore gets a fresh deadline: servers refuse a deadline already past.
+UNDO_DEADLINE_S = 30.0
 
 _T = TypeVar("_T")
 _R = TypeVar("_R", bound=BaseModel)
@@ -86,6 +88,9 @@ class ControlClient:
         self.session = session
         self._headers = {"Authorization": f"Bearer {auth_token}"}
         self._clock = clock
+
+    def now(self) -> float:
+        return self._clock()
 
     def timeout_for(self, deadline_ts: float) -> float:
         return max(0.0, deadline_ts - self._clock()) + CALL_TIMEOUT_SLACK_S
@@ -219,19 +224,39 @@ async def prepare(
     checkpoint_id: str,
     deadline_ts: float,
     restart_only_policy: RestartOnlyPolicy = "block",
+    *,
+    policy_overrides: Mapping[str, RestartOnlyPolicy] | None = None,
 ) -> PrepareResult:
     """Prepare stage by stage; stop at the first stage with an unprepared reply.
 
+    ``policy_overrides`` gives some servers their own policy (e.g. ``best_effort``
+    for a restart-only server whose rollouts the caller will not keep at turn
+    level anyway); every other server gets ``restart_only_policy``.
     A server error raises (``CoordinationError``); either way the caller must
     ``resume`` this id, since the stages already asked stay closed until then.
     """
-    req = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, restart_only_policy=restart_only_policy)
+    overrides = dict(policy_overrides or {})
+    unknown = sorted(set(overrides) - set(participants.names))
+    if unknown:
+        raise ValueError(f"policy_overrides names servers that are not participants: {unknown}")
+    requests = {
+        p.name: PrepareRequest(
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            restart_only_policy=overrides.get(p.name, restart_only_policy),
+        )
+        for p in participants
+    }
     result = PrepareResult(prepared=True)
     for kind in PREPARE_ORDER:
         stage = participants.by_kind(kind)
         if not stage:
             continue
-        replies = await _fan_out(participants, stage, "prepare", req, PrepareReply)
+        control = participants.control
+        replies = await _gather_all("prepare", {
+            p.name: _typed(control.post(p.name, p.url, "prepare", requests[p.name]), p.name, PrepareReply)
+            for p in stage
+        })
         for name, reply in replies.items():
             result.replies[name] = reply
             if reply.report.unsaved:
@@ -298,12 +323,13 @@ async def restore(
     except Exception as exc:
         logger.warning("restore of %s failed (%s); retiring its next attempts and resuming", checkpoint_id, exc)
         everything = {e.capture_key: e for scope in scopes.values() for e in scope}
+        undo_deadline = max(deadline_ts, control.now() + UNDO_DEADLINE_S)
         if everything:
             with _suppress_logged("retire after failed restore"):
-                await retire(participants, checkpoint_id, deadline_ts,
+                await retire(participants, checkpoint_id, undo_deadline,
                              [next_attempt(e) for e in everything.values()], best_effort=True)
         with _suppress_logged("resume after failed restore"):
-            await resume(participants, checkpoint_id, deadline_ts)
+            await resume(participants, checkpoint_id, undo_deadline)
         raise
 
 

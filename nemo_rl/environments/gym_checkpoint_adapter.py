@@ -132,10 +132,17 @@ class GymCheckpointAdapter:
         return sorted(p.name for p in self._participants if _is_restart_only(p.name, p.status))
 
     async def prepare(
-        self, checkpoint_id: str, deadline_ts: float, restart_only_policy: RestartOnlyPolicy = "block"
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        restart_only_policy: RestartOnlyPolicy = "block",
+        policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
     ) -> GymCheckpointPrepareSummary:
+        """``policy_overrides``: per-server policies (restart-only servers no turn-level rollout uses)."""
         try:
-            result = await coordination.prepare(self.participants, checkpoint_id, deadline_ts, restart_only_policy)
+            result = await coordination.prepare(
+                self.participants, checkpoint_id, deadline_ts, restart_only_policy, policy_overrides=policy_overrides
+            )
         except CoordinationError as exc:
             raise _unavailable(exc) from None
         return GymCheckpointPrepareSummary(result.prepared, dict(result.blockers), dict(result.unsaved))

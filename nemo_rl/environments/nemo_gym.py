@@ -184,9 +184,15 @@ class NemoGym:
 
     # -- checkpoint calls (thin: the adapter does the work) -----------------------
     async def checkpoint_prepare(
-        self, checkpoint_id: str, deadline_ts: float, restart_only_policy: RestartOnlyPolicy
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        restart_only_policy: RestartOnlyPolicy,
+        policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
     ) -> GymCheckpointPrepareSummary:
-        return await self._named(self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy))
+        return await self._named(
+            self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy, policy_overrides)
+        )
 
     async def checkpoint_renew(self, checkpoint_id: str, deadline_ts: float) -> None:
         await self._named(self._adapter().renew(checkpoint_id, deadline_ts))
@@ -257,6 +263,8 @@ class NemoGymShardSet:
     instances: dict[str, GymCheckpointInstance]
     agent_shards: dict[str, str] = field(default_factory=dict)  # agent name -> shard
     restart_only_servers: dict[str, list[str]] = field(default_factory=dict)  # instance id -> names
+    # instance id -> server -> prepare policy, for restart-only servers no turn-level rollout passes through
+    prepare_policy_overrides: dict[str, dict[str, RestartOnlyPolicy]] = field(default_factory=dict)
     _cycle: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property

@@ -152,18 +152,33 @@ def test_allow_restart_only_rejected_without_gym_saves(level):
     assert "rollout_recovery.target_level" in msg
 
 
-@pytest.mark.parametrize("level", ["turn", "prefix"])
-def test_allow_restart_only_accepted_with_gym_saves(level):
+def test_allow_restart_only_accepted_with_gym_saves():
     cfg = load_config(
-        None, [f"rollout_recovery.target_level={level}", "rollout_recovery.allow_restart_only_gym_servers=true"]
+        None, ["rollout_recovery.target_level=turn", "rollout_recovery.allow_restart_only_gym_servers=true"]
     )
     assert cfg.rollout_recovery.allow_restart_only_gym_servers
     assert cfg.rollout_recovery.turn_checkpointing_enabled
 
 
+@pytest.mark.parametrize("level", ["sibling", "prompt_group"])
+def test_allow_restart_only_message_names_turn_only(level):
+    with pytest.raises(ConfigError) as exc:
+        load_config(
+            None, [f"rollout_recovery.target_level={level}", "rollout_recovery.allow_restart_only_gym_servers=true"]
+        )
+    msg = str(exc.value)
+    assert "target_level is turn" in msg and "prefix" not in msg
+
+
+def test_prefix_target_is_rejected_when_the_config_is_validated():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["rollout_recovery.target_level=prefix"])
+    msg = str(exc.value)
+    assert "rollout_recovery.target_level" in msg and "generation cuts" in msg and "target_level=turn" in msg
+
+
 def test_turn_checkpointing_enabled_per_level():
-    assert {lvl.value for lvl in L if RolloutRecoveryConfig(target_level=lvl).turn_checkpointing_enabled} == {
-        "prefix",
+    assert {lvl.value for lvl in L if lvl is not L.PREFIX and RolloutRecoveryConfig(target_level=lvl).turn_checkpointing_enabled} == {
         "turn",
     }
 
@@ -237,7 +252,7 @@ def test_missing_required_and_bad_file(tmp_path):
 
 
 def test_round_trip_through_dict_and_yaml():
-    cfg = load_config(None, ["rollout_recovery.target_level=prefix"])
+    cfg = load_config(None, ["rollout_recovery.target_level=sibling"])
     again = MasterConfig.model_validate(cfg.to_dict())
     assert again == cfg
-    assert "target_level: prefix" in cfg.to_yaml()
+    assert "target_level: sibling" in cfg.to_yaml()

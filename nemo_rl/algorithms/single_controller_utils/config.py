@@ -143,6 +143,16 @@ class RolloutRecoveryConfig(_Section):
                 )
         return data
 
+    @field_validator("target_level")
+    @classmethod
+    def _implemented(cls, level: RecoveryTargetLevel) -> RecoveryTargetLevel:
+        if level is RecoveryTargetLevel.PREFIX:
+            raise ValueError(
+                "rollout_recovery.target_level=prefix needs generation cuts (continuing a model call from its "
+                "decoded tokens), which this project does not implement yet; use target_level=turn"
+            )
+        return level
+
     @field_validator("task_source_target_level_overrides", "agent_target_level_overrides")
     @classmethod
     def _coarser_only(cls, overrides: dict, info: ValidationInfo) -> dict:
@@ -165,8 +175,8 @@ class RolloutRecoveryConfig(_Section):
         if allow and base is not None and not base.requires_gym_checkpoint:
             raise ValueError(
                 "rollout_recovery.allow_restart_only_gym_servers=true only applies when "
-                f"rollout_recovery.target_level is turn or prefix (it is {base.value}); "
-                "remove the setting or raise the level"
+                f"rollout_recovery.target_level is turn (it is {base.value}); "
+                "remove the setting or set rollout_recovery.target_level=turn"
             )
         return allow
 

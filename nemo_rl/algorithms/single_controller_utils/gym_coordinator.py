@@ -140,7 +140,12 @@ class GymCheckpointCoordinator:
         try:
             summaries = await self._collect(
                 "prepare",
-                {iid: h.checkpoint_prepare.remote(checkpoint_id, deadline, self.policy) for iid, h in self._handles().items()},
+                {
+                    iid: h.checkpoint_prepare.remote(
+                        checkpoint_id, deadline, self.policy, self.shard_set.prepare_policy_overrides.get(iid)
+                    )
+                    for iid, h in self._handles().items()
+                },
                 deadline,
             )
             not_ready = {iid: s.blockers for iid, s in summaries.items() if not s.prepared}

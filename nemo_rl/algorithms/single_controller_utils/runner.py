@@ -149,7 +149,8 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         else:
             policy_url, port = reserve_policy_url(config)
         shard_set = _spinup_gym(
-            config, policy_base_url=policy_url, log_dir=log_dir, skip_restart_only_check=skip_restart_only_check
+            config, policy_base_url=policy_url, log_dir=log_dir, rows=rows,
+            skip_restart_only_check=skip_restart_only_check,
         )
         print(f"Gym ready in {time.monotonic() - launched_at:.1f}s: "
               f"{sum(len(h) for h in shard_set.handles.values())} replica(s)", flush=True)

@@ -20,9 +20,13 @@ import yaml
 
 from gym_patches.config import GymConfigError, parse_gym_config
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig, NemoGymEnvConfig, ShardConfig
+from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
+    coarser_level_override,
+    prepare_policy_overrides,
+    turn_level_users,
+)
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.nemo_gym import NemoGym, NemoGymShardSet, build_gym_actor_config
-from nemo_rl.experience.rollout_recovery import RecoveryTargetLevel
 
 logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -93,44 +97,53 @@ def check_gym_configs(config: MasterConfig) -> None:
             raise GymConfigError(f"{where}: {exc}") from None
 
 
-def _check_target_level(config: MasterConfig) -> None:
-    if config.rollout_recovery.target_level == RecoveryTargetLevel.PREFIX:
-        raise ValueError(
-            "rollout_recovery.target_level=prefix needs generation cuts (continuing a model call from its "
-            "decoded tokens), which this project does not implement yet; use target_level=turn"
-        )
-
-
 def restart_only_check(
-    config: MasterConfig, restart_only: dict[str, list[str]], server_types: dict[str, str]
+    config: MasterConfig,
+    restart_only: dict[str, list[str]],
+    server_types: dict[str, str],
+    turn_users: dict[str, dict[str, list[str]]] | None = None,
 ) -> None:
-    """Raise or warn per ``rollout_recovery.allow_restart_only_gym_servers`` (DESIGN §1)."""
+    """Raise or warn per ``rollout_recovery.allow_restart_only_gym_servers`` (DESIGN §1).
+
+    ``turn_users[instance][server]`` lists the agents whose turn-level rollouts
+    pass through ``server`` there; a restart-only server missing from it serves
+    only coarser levels and is not named. ``None``: every server counts.
+    """
     recovery = config.rollout_recovery
     if not recovery.turn_checkpointing_enabled:
         return
-    # server name -> instances it is restart-only on
+    # server name -> instances where it is restart-only and carries turn-level rollouts
     where: dict[str, list[str]] = {}
+    agents_to_move: set[str] = set()
     for instance_id, names in sorted(restart_only.items()):
+        users = None if turn_users is None else turn_users.get(instance_id, {})
         for name in names:
+            if users is not None and name not in users:
+                continue
             where.setdefault(name, []).append(instance_id)
-    several = len(restart_only) > 1
+            agents_to_move.update(users[name] if users is not None else ())
     described = []
     agents_first = sorted(where, key=lambda n: (server_types.get(n) != "responses_api_agents", n))
     for name in agents_first:
         kind = "agent" if server_types.get(name) == "responses_api_agents" else "resources server"
-        suffix = f" (on {', '.join(where[name])})" if several else ""
-        described.append(f"{kind} {name!r}{suffix}")
+        described.append(f"{kind} {name!r} (on {', '.join(where[name])})")
     level = recovery.target_level.value
     if not recovery.allow_restart_only_gym_servers:
         if described:
+            third = (
+                f", or (3) give the agents whose rollouts use them a coarser level, e.g. "
+                f"{coarser_level_override(recovery, sorted(agents_to_move))} (their rollouts restart from the "
+                "prompt after a crash, finished siblings kept; restart-only servers they use then never block)"
+                if agents_to_move else ""
+            )
             raise ValueError(
-                f"rollout_recovery.target_level={level} needs every Gym agent and resources server to save "
-                f"its rollouts, but these are restart-only: {'; '.join(described)}. Every turn-level snapshot "
-                "would stall waiting for them. Fix one of: (1) add checkpoint support to them (agents: "
-                "checkpoint_sessions_supported = True with session export/restore; resources servers: "
-                "checkpoint_mode 'exported' or 'stateless'), or (2) set "
+                f"rollout_recovery.target_level={level} needs every Gym agent and resources server that serves a "
+                f"turn-level rollout to save its rollouts, but these are restart-only: {'; '.join(described)}. "
+                "Every turn-level snapshot would stall waiting for them. Fix one of: (1) add checkpoint support to "
+                "them (agents: checkpoint_sessions_supported = True with session export/restore; resources servers: "
+                "checkpoint_mode 'exported' or 'stateless'), (2) set "
                 "rollout_recovery.allow_restart_only_gym_servers=true to snapshot best-effort (their rollouts "
-                "restart from the prompt after a crash; the others keep turn recovery)."
+                f"restart from the prompt after a crash; the others keep turn recovery){third}."
             )
         return
     if described:
@@ -142,9 +155,9 @@ def restart_only_check(
         )
     else:
         warnings.warn(
-            "rollout_recovery.allow_restart_only_gym_servers=true, but every Gym agent and resources server "
-            "saves its rollouts; set it to false so a restart-only server added later fails setup instead of "
-            "silently losing turn recovery",
+            "rollout_recovery.allow_restart_only_gym_servers=true, but every Gym agent and resources server that "
+            "serves a turn-level rollout saves its rollouts; set it to false so a restart-only server added later "
+            "fails setup instead of silently losing turn recovery",
             UserWarning,
             stacklevel=2,
         )
@@ -155,14 +168,17 @@ def _spinup_gym(
     *,
     policy_base_url: str,
     log_dir: str | Path,
+    rows: list[dict[str, Any]] | None = None,
     control_auth_token: str | None = None,
     skip_restart_only_check: bool = False,
 ) -> NemoGymShardSet:
     """Start one ``NemoGym`` actor per shard replica, discover restart-only servers, check.
 
-    ``skip_restart_only_check`` is a test-only switch (the RL-level stall regression).
+    ``rows`` (the training data) decide each agent's recovery level through the
+    per-agent and per-task-source overrides; without them every agent has
+    ``target_level``. ``skip_restart_only_check`` is a test-only switch (the
+    RL-level stall regression).
     """
-    _check_target_level(config)
     env = config.env.nemo_gym
     turn = config.rollout_recovery.turn_checkpointing_enabled
     token = control_auth_token or secrets.token_urlsafe(24)
@@ -170,6 +186,7 @@ def _spinup_gym(
     instances: dict[str, GymCheckpointInstance] = {}
     agent_shards: dict[str, str] = {}
     server_types: dict[str, str] = {}
+    shard_turn_users: dict[str, dict[str, list[str]]] = {}  # shard -> server -> turn-level agents using it
     shard_set = NemoGymShardSet(handles=handles, instances=instances, agent_shards=agent_shards)
     try:
         for shard in env.shards:
@@ -180,6 +197,12 @@ def _spinup_gym(
                 checkpointing=turn,
             )
             parsed = parse_gym_config(gym_cfg)
+            agent_resources = {
+                name: ((inst.config.get("resources_server") or {}).get("name") or None)
+                for name, inst in parsed.instances.items()
+                if inst.server_type == "responses_api_agents"
+            }
+            shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], agent_resources)
             for name, inst in parsed.instances.items():
                 server_types[name] = inst.server_type
                 if inst.server_type == "responses_api_agents":
@@ -201,9 +224,14 @@ def _spinup_gym(
                 env.spinup_timeout_s,
             )
             shard_set.restart_only_servers = {iid: sorted(n) for iid, n in names.items()}
+            turn_users = {iid: shard_turn_users[inst.shard_name] for iid, inst in instances.items()}
+            shard_set.prepare_policy_overrides = {
+                iid: prepare_policy_overrides(shard_set.restart_only_servers[iid], turn_users[iid])
+                for iid in shard_set.restart_only_servers
+            }
             logger.info("Gym checkpoint participants discovered in %.2fs", time.monotonic() - started)
             if not skip_restart_only_check:
-                restart_only_check(config, shard_set.restart_only_servers, server_types)
+                restart_only_check(config, shard_set.restart_only_servers, server_types, turn_users)
     except BaseException:
         shard_set.shutdown()
         raise

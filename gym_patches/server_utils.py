@@ -20,6 +20,10 @@ from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
 
 
+# Largest request body any Gym server reads (aiohttp's client_max_size).
+MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
+
+
 class ServerConfigBase(BaseModel):
     """Base of every implementation's config block (unknown keys are errors)."""
 
@@ -223,7 +227,7 @@ class GymServer:
     def build_app(self) -> web.Application:
         if self.global_config.checkpoint.enabled:
             self.participant = self.make_participant()
-        app = web.Application(middlewares=self.middlewares(), client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=self.middlewares(), client_max_size=MAX_REQUEST_BODY_BYTES)
         app.router.add_get("/health", self._health)
         self.setup_routes(app)
         if self.participant is not None:

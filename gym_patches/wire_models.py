@@ -4,6 +4,7 @@ allows many shapes; the models validate the envelope and the fields we read."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,20 +29,52 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
 
 
+class InputTokensDetails(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    reasoning_tokens: int = 0
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
     output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
     total_tokens: int = 0
 
 
+ResponseStatus = Literal["completed", "incomplete", "failed", "in_progress", "cancelled", "queued"]
+
+
 class ResponsesReply(BaseModel):
+    """A Responses API ``response`` object. The model server fills every field the
+    schema requires; readers (the agents) accept replies that omit the optional ones."""
+
     model_config = ConfigDict(extra="allow")
 
     id: str
     object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: ResponseStatus = "completed"
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
     model: str
     output: list[Item]
-    incomplete_details: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_p: float | None = None
     usage: ResponseUsage = Field(default_factory=ResponseUsage)
 
 

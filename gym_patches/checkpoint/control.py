@@ -4,6 +4,13 @@ The participant knows how to close, report, export and install; this module
 owns everything around it: bearer auth, phases, fencing of old checkpoint
 ids, idempotent retries, the lease that reopens a server whose controller
 died, and writing/reading the store.
+
+Status codes follow one rule (``gym_patches.checkpoint.errors``): 409 when the
+request is well formed but the checkpoint state refuses it; 422
+``invalid_request`` when the request itself is wrong (bad body or field, or a
+``deadline_ts`` that is not in the future on any route but ``resume``); 413
+``payload_too_large`` for a body over ``max_body_bytes``; 401 without the
+token; 500 when a participant fails unexpectedly. A 4xx never changes state.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ RESUMED_IDS_KEPT = 64
 STORED_RESULTS_KEPT = 256
 _NON_IDLE: frozenset[str] = frozenset({"preparing", "prepared", "committed", "restored"})
 _INTERNAL_ERROR = "internal_error"  # 500: a participant raised something that is not a CheckpointError
+# Above the largest valid request (MAX_EPISODES_PER_REQUEST ids of the longest form, ~25 MB),
+# below the server's 64 MiB aiohttp cap.
+MAX_CONTROL_BODY_BYTES = 32 * 1024 * 1024
+_BODY_CHUNK = 256 * 1024
 
 
 def _keys(episodes: list[EpisodeId] | None) -> tuple[str, ...] | None:
@@ -79,6 +90,7 @@ class ParticipantControlPlane:
         auth_token: str,
         lease_grace_seconds: float = 600.0,
         clock: Callable[[], float] = time.time,
+        max_body_bytes: int = MAX_CONTROL_BODY_BYTES,
     ):
         if not isinstance(participant, CheckpointParticipant):
             raise TypeError(f"participant must be a CheckpointParticipant, got {type(participant).__name__}")
@@ -88,8 +100,11 @@ class ParticipantControlPlane:
             raise ValueError(f"checkpoint control of {instance!r} needs a non-empty auth_token")
         if not math.isfinite(lease_grace_seconds) or lease_grace_seconds < 0:
             raise ValueError(f"lease_grace_seconds must be finite and >= 0, got {lease_grace_seconds!r}")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
         self.participant = participant
         self.instance = instance
+        self._max_body = max_body_bytes
         self._token = auth_token.encode("utf-8")
         self._grace = float(lease_grace_seconds)
         self._clock = clock
@@ -212,6 +227,8 @@ class ParticipantControlPlane:
                 return self._unauthorized(request)
             try:
                 req = await self._parse(request, op, model)
+                if op != "resume":
+                    self._check_deadline(op, req.deadline_ts)
                 return web.json_response(await handler(req))
             except CheckpointError as exc:
                 return self._error(exc)
@@ -225,9 +242,36 @@ class ParticipantControlPlane:
         route.__name__ = f"checkpoint_{op}"
         return route
 
-    @staticmethod
-    async def _parse(request: web.Request, op: str, model: type[BaseModel]) -> Any:
-        raw = await request.read()
+    def _check_deadline(self, op: str, deadline_ts: float) -> None:
+        """A deadline already past would open a lease that has expired: refuse it.
+        ``resume`` is exempt: reopening is always safe, also after a missed deadline."""
+        late = self._clock() - deadline_ts
+        if late >= 0:
+            raise CheckpointError(
+                f"{op}: invalid request: deadline_ts: must be in the future "
+                f"(it passed {late:.3f}s ago by this server's clock)",
+                code="invalid_request",
+            )
+
+    async def _read_body(self, request: web.Request, op: str) -> bytes:
+        """The body, or 413 past ``max_body_bytes`` (read in chunks, never whole)."""
+        cap = self._max_body
+        too_large = CheckpointError(f"{op}: request body is over the {cap}-byte limit", code="payload_too_large")
+        if request.content_length is not None and request.content_length > cap:
+            raise too_large  # aiohttp discards the unread rest before closing
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await request.content.read(_BODY_CHUNK)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > cap:
+                raise too_large
+            chunks.append(chunk)
+
+    async def _parse(self, request: web.Request, op: str, model: type[BaseModel]) -> Any:
+        raw = await self._read_body(request, op)
         try:
             data = json.loads(raw) if raw else None
         except (ValueError, UnicodeDecodeError):

@@ -1,12 +1,30 @@
-"""Checkpoint error codes; every control-route error is ``{"error": {code, detail}}``."""
+"""Checkpoint error codes; every control-route error is ``{"error": {code, detail}}``.
+
+The status-code rule (docs/design.md, "Control routes"):
+
+- 409: the request is well formed, but the server's checkpoint state refuses it
+  now (another checkpoint is active, wrong phase, an id already resumed, ...).
+- 422 ``invalid_request``: the request itself is wrong and can never succeed as
+  sent: the body is not a JSON object, a field is missing, extra, of the wrong
+  type or out of range, or ``deadline_ts`` is not in the future (every route
+  but ``resume``). The detail names the field.
+- 422 ``invalid_checkpoint_state``: the checkpoint files the request names are
+  missing, torn, or cannot be installed.
+- 400 ``rollout_id_required``, 401 ``unauthorized``, 413 ``payload_too_large``
+  (body over the cap), 500 ``internal_error`` (a participant bug; the server
+  keeps serving).
+
+No 4xx changes the phase or any record.
+"""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-# code -> HTTP status (409 unless noted, DESIGN §3.3)
+# code -> HTTP status: 409 for state conflicts, the others as listed above.
 ERROR_STATUS: dict[str, int] = {
     "unauthorized": 401,
+    "payload_too_large": 413,
     "invalid_request": 422,
     "rollout_id_required": 400,
     "stale_checkpoint": 409,
@@ -18,6 +36,7 @@ ERROR_STATUS: dict[str, int] = {
     "restart_in_scope": 409,
     "activation_out_of_order": 409,
     "invalid_checkpoint_state": 422,
+    "internal_error": 500,
 }
 
 

@@ -125,7 +125,7 @@ async def test_rollout_call_maps_reply_and_token_ids(backend, model_url, http):
     status, second = await post(http, url, {"input": items, "tools": [ADD_TOOL]})
     assert status == 200, second
     (message,) = second["output"]
-    assert message["content"] == [{"type": "output_text", "text": "4"}]
+    assert message["content"] == [{"type": "output_text", "text": "4", "annotations": []}]
     assert message["generation_token_ids"] == list(b"4")
 
     calls = backend.calls(user)
@@ -138,14 +138,43 @@ async def test_rollout_call_maps_reply_and_token_ids(backend, model_url, http):
     assert cut["output"][-1]["generation_token_ids"] == list(b"ad")
 
 
-async def test_bad_requests_name_the_field(model_url, http):
+def assert_openai_error(reply, *, code, param=None, fragment=""):
+    """The OpenAI error shape: exactly message, type, param, code."""
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}, reply
+    assert error["code"] == code and error["param"] == param, reply
+    assert isinstance(error["type"], str) and fragment in error["message"], reply
+
+
+async def test_bad_requests_are_400_naming_the_field(model_url, http):
     status, reply = await post(http, f"{model_url}/v1/responses", {"input": [{"role": "robot", "content": "x"}]})
-    assert status == 422 and reply["error"]["code"] == "invalid_request"
-    assert "input[0].role" in reply["error"]["detail"]
+    assert status == 400
+    assert_openai_error(reply, code="invalid_request", param="input[0].role", fragment="input[0].role")
+    assert reply["error"]["type"] == "invalid_request_error"
     status, reply = await post(http, f"{model_url}/v1/responses", {"tools": []})
-    assert status == 422 and "input" in reply["error"]["detail"]
+    assert status == 400
+    assert_openai_error(reply, code="invalid_request", param="input", fragment="input")
+    status, reply = await post(http, f"{model_url}/v1/responses", {"input": "x", "max_output_tokens": 0})
+    assert status == 400
+    assert_openai_error(reply, code="invalid_request", param="max_output_tokens")
     status, reply = await post(http, f"{model_url}/ng-rollout/-bad/v1/responses", {"input": "x"})
-    assert status == 422 and "capture key" in reply["error"]["detail"]
+    assert status == 400
+    assert_openai_error(reply, code="invalid_request", fragment="capture key")
+    async with http.post(f"{model_url}/v1/responses", data=b"{not json", headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400 and r.headers["x-should-retry"] == "false"
+        assert_openai_error(await r.json(), code="invalid_request", fragment="not valid JSON")
+
+
+async def test_oversized_body_is_413_in_the_openai_shape(model_url, http):
+    from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES
+
+    big = b'{"input": "' + b"x" * MAX_REQUEST_BODY_BYTES + b'"}'
+    async with http.post(f"{model_url}/v1/responses", data=big, headers={"Content-Type": "application/json"}) as r:
+        status, reply = r.status, await r.json()
+    assert status == 413
+    assert_openai_error(reply, code="payload_too_large", fragment=str(MAX_REQUEST_BODY_BYTES))
+    status, reply = await post(http, f"{model_url}/v1/responses", {"input": "still serving"})
+    assert status == 200, reply
 
 
 def test_unreachable_backend_is_a_502_naming_it():
@@ -156,8 +185,9 @@ def test_unreachable_backend_is_a_502_naming_it():
                 return await post(session, f"{dep.url('policy_model')}/ng-rollout/x1/v1/responses", {"input": "hi"})
 
         status, reply = asyncio.run(call())
-    assert status == 502 and reply["error"]["code"] == "backend_error"
-    assert f"{dead}/chat/completions" in reply["error"]["detail"]
+    assert status == 502
+    assert_openai_error(reply, code="backend_error", fragment=f"{dead}/chat/completions")
+    assert reply["error"]["type"] == "server_error"
 
 
 async def test_prepare_holds_finished_reply_until_resume(backend, model_url, http, tmp_path):
@@ -222,7 +252,7 @@ async def test_retire_cancels_an_inflight_call(backend, model_url, http):
     reply = await control(http, model_url, "retire", checkpoint_id="ck-retire", episode_ids=[{"rollout_id": "fr9"}])
     assert reply["retired"] == ["fr9"]
     status, body = await asyncio.wait_for(call, 5)
-    assert status == 409 and body["error"]["code"] == "stale_attempt" and "fr9" in body["error"]["detail"]
+    assert status == 409 and body["error"]["code"] == "stale_attempt" and "fr9" in body["error"]["message"]
     status, body = await post(http, f"{model_url}/ng-rollout/fr9/v1/responses", {"input": user})
     assert status == 409 and body["error"]["code"] == "stale_attempt"
     await control(http, model_url, "resume", checkpoint_id="ck-retire")

@@ -147,10 +147,14 @@ def test_reply_with_text_and_tool_calls_round_trips_to_one_assistant_message():
     ResponsesReply.model_validate(reply)
     assert reply["id"] == "resp_1" and reply["object"] == "response" and reply["model"] == "backend-model"
     assert reply["incomplete_details"] is None
-    assert reply["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}
+    assert reply["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                              "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
+                              "total_tokens": 10}
     out = reply["output"]
     assert [i["type"] for i in out] == ["message", "function_call", "function_call"]
-    assert out[0]["content"] == [{"type": "output_text", "text": "Checking."}]
+    assert out[0]["content"] == [{"type": "output_text", "text": "Checking.", "annotations": []}]
+    assert out[0]["id"].startswith("msg_") and out[0]["status"] == "completed"
+    assert out[1]["id"].startswith("fc_") and out[1]["id"] != out[2]["id"] and out[1]["status"] == "completed"
     assert out[1]["call_id"] == "call_0" and json.loads(out[2]["arguments"]) == {"name": "y"}
     # Token info rides on the LAST item only.
     assert {k: out[-1][k] for k in TOKENS} == TOKENS
@@ -164,10 +168,13 @@ def test_reply_with_text_and_tool_calls_round_trips_to_one_assistant_message():
 
 def test_final_text_length_and_token_options():
     final = chat_to_responses(chat_reply("42", **TOKENS), model="m")
-    assert final["output"] == [{"type": "message", "role": "assistant",
-                                "content": [{"type": "output_text", "text": "42"}], **TOKENS}]
+    (item,) = final["output"]
+    assert item == {"id": item["id"], "type": "message", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": "42", "annotations": []}], **TOKENS}
+    assert final["status"] == "completed"
     cut = chat_to_responses(chat_reply("4", finish="length"), model="m")
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["status"] == "incomplete" and cut["output"][0]["status"] == "incomplete"
     empty = chat_to_responses(chat_reply(None, **TOKENS), model="m")
     assert empty["output"][0]["content"][0]["text"] == "" and empty["output"][0]["weight_version"] == 3
     stripped = chat_to_responses(chat_reply("42", **TOKENS), model="m", keep_token_ids=False)
@@ -193,3 +200,68 @@ def test_final_text_length_and_token_options():
 def test_bad_backend_replies_are_reported(reply, fragment):
     with pytest.raises(BackendReplyError, match=fragment):
         chat_to_responses(reply, model="m")
+
+
+# -- the reply against the openai client's own schema ------------------------------------------------
+openai_responses = pytest.importorskip("openai.types.responses")
+
+
+@pytest.mark.parametrize(
+    "chat, request_fields",
+    [
+        (chat_reply("42", **TOKENS), {"input": "q"}),
+        (chat_reply(None, [("lookup", {"name": "x"})], finish="tool_calls", **TOKENS),
+         {"input": "q", "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+          "instructions": "Be brief.", "temperature": 0.5, "top_p": 0.9, "max_output_tokens": 8,
+          "metadata": {"run": "a"}}),
+        (chat_reply("Checking.", [("lookup", {"name": "x"})], finish="length"),
+         {"input": "q", "tools": [{"type": "function", "name": "lookup"}],
+          "tool_choice": {"type": "function", "name": "lookup"}}),
+    ],
+)
+def test_replies_validate_against_the_openai_response_type(chat, request_fields):
+    request = ResponsesRequest(**request_fields)
+    reply = chat_to_responses(chat, model="m", request=request, created_at=1_700_000_000)
+    parsed = openai_responses.Response.model_validate(reply)  # strict about required fields
+    assert parsed.created_at == 1_700_000_000 and parsed.id == reply["id"]
+    assert all(item.id for item in parsed.output)
+    assert parsed.usage is not None and parsed.usage.input_tokens_details.cached_tokens == 0
+    assert parsed.usage.output_tokens_details.reasoning_tokens == 0
+    choice = parsed.tool_choice
+    assert (choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)) == request_fields.get(
+        "tool_choice", "auto")
+    assert parsed.parallel_tool_calls is request_fields.get("parallel_tool_calls", True)
+    assert [t.name for t in parsed.tools] == [t["name"] for t in request_fields.get("tools", [])]
+    assert parsed.instructions == request_fields.get("instructions")
+    assert parsed.temperature == request_fields.get("temperature") and parsed.top_p == request_fields.get("top_p")
+    assert parsed.metadata == request_fields.get("metadata", {})
+    # Token info survives the client's parsing as extra fields on the last item.
+    if "generation_token_ids" in chat:
+        assert parsed.output[-1].model_extra["generation_token_ids"] == TOKENS["generation_token_ids"]
+
+
+def test_reply_without_the_new_fields_is_what_the_openai_type_rejects():
+    """The check above can fail: a reply missing what the schema requires is refused."""
+    reply = chat_to_responses(chat_reply("42"), model="m")
+    for key in ("created_at", "tools", "tool_choice", "parallel_tool_calls"):
+        broken = {k: v for k, v in reply.items() if k != key}
+        with pytest.raises(ValueError):
+            openai_responses.Response.model_validate(broken)
+    broken = json.loads(json.dumps(reply))
+    del broken["output"][0]["content"][0]["annotations"]
+    with pytest.raises(ValueError):
+        openai_responses.Response.model_validate(broken)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"input": "q", "top_p": "high"}, "top_p"),
+        ({"input": "q", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"input": "q", "metadata": {"a": 1}}, "metadata"),
+    ],
+)
+def test_echoed_fields_are_type_checked(fields, named):
+    with pytest.raises(ConversionError) as info:
+        to_chat(**fields)
+    assert info.value.field == named

@@ -5,11 +5,29 @@ Upstream counterpart: ``responses_api_models/vllm_model``. Agents call
 episode; the checkpoint gate (``gym_patches.checkpoint.model``) holds replies
 while a checkpoint is being taken. Plain ``/v1/responses`` is not tracked by
 checkpoints but still waits while admission is closed.
+
+Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``
+so the ``openai`` client raises its usual exceptions:
+
+- 400 ``invalid_request`` (``param`` names the field): a request we cannot map.
+- 413 ``payload_too_large``: a body over the server's size cap.
+- the backend's own 4xx status, message, type, param and code, passed through
+  (e.g. ``top_p`` it does not support, a prompt over its context length);
+  except 401/403/404/407, which mean this server's backend settings (key, URL,
+  model name) are wrong: those are a 502 ``backend_error`` naming the backend.
+- 409 ``stale_attempt`` / ``admission_closed`` from the checkpoint gate.
+- 502 ``backend_error``: the backend failed, is unreachable, timed out or sent
+  an unusable reply; 503 ``backend_not_configured``.
+
+4xx replies carry ``x-should-retry: false`` (except 408 and 429, which a
+client may retry) so the ``openai`` client does not resend a request that can
+never succeed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -27,11 +45,17 @@ from gym_patches.responses_api_models.vllm_model.converter import (
     chat_to_responses,
     responses_to_chat,
 )
-from gym_patches.server_utils import GymServer, ServerConfigBase, json_error, read_json_model
+from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES, GymServer, ServerConfigBase
 from gym_patches.wire_models import ROLLOUT_PREFIX, ResponsesRequest
 
 logger = logging.getLogger(__name__)
 MAX_ERROR_BODY_CHARS = 500
+MAX_PASSED_MESSAGE_CHARS = 4000
+# Backend 4xx that describe this server's settings, not the caller's request.
+BACKEND_SETTINGS_STATUSES = frozenset({401, 403, 404, 407})
+RETRYABLE_4XX = frozenset({408, 429})
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class VLLMModelConfig(ServerConfigBase):
@@ -41,6 +65,81 @@ class VLLMModelConfig(ServerConfigBase):
 
 class BackendError(RuntimeError):
     """The backend failed; the message names its URL."""
+
+
+class BackendRejected(RuntimeError):
+    """The backend refused the request with a 4xx; passed through to the caller."""
+
+    def __init__(self, status: int, message: str, type_: str | None, param: str | None, code: str | None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+class RequestError(Exception):
+    """A request this server refuses before calling the backend."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+def openai_error(
+    status: int, message: str, *, code: str | None, param: str | None = None, type_: str | None = None
+) -> web.Response:
+    """An error in the OpenAI shape; 4xx that cannot succeed on a resend say so."""
+    if type_ is None:
+        type_ = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    headers = {}
+    if 400 <= status < 500 and status not in RETRYABLE_4XX:
+        headers["x-should-retry"] = "false"
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as an OpenAI ``param``: ``input[0].role``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_responses_request(raw: bytes) -> ResponsesRequest:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(400, "invalid_request", "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, "invalid_request", "request body must be a JSON object")
+    try:
+        return ResponsesRequest.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        message = "; ".join(f"{_param(e['loc']) or '<body>'}: {e['msg']}" for e in errors)
+        raise RequestError(400, "invalid_request", message, _param(errors[0]["loc"]) or None) from None
+
+
+def backend_rejection(status: int, text: str) -> BackendRejected:
+    """The message (and type/param/code, when given) of a backend's 4xx body, in
+    the OpenAI, vLLM, FastAPI or Gym shape, or its text."""
+    try:
+        data: Any = json.loads(text)
+    except ValueError:
+        data = None
+    err: Any = data.get("error", data) if isinstance(data, dict) else None
+    if isinstance(err, str):
+        err = {"message": err}
+    message = type_ = param = code = None
+    if isinstance(err, dict):
+        raw = err.get("message", err.get("detail"))
+        if raw is not None:
+            message = raw if isinstance(raw, str) else json.dumps(raw)
+        type_ = err.get("type") if isinstance(err.get("type"), str) else None
+        param = err.get("param") if isinstance(err.get("param"), str) else None
+        code = err.get("code") if isinstance(err.get("code"), str) else None
+    if not message:
+        message = text.strip() or f"the policy backend refused the request with status {status}"
+    return BackendRejected(status, message[:MAX_PASSED_MESSAGE_CHARS], type_, param, code)
 
 
 class VLLMModelServer(GymServer):
@@ -79,14 +178,26 @@ class VLLMModelServer(GymServer):
 
     # -- route ---------------------------------------------------------------
     async def _responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._serve(request)
+        except RequestError as exc:
+            return openai_error(exc.status, exc.message, code=exc.code, param=exc.param)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
         key = request.match_info.get("capture_key")
         if key is not None:
             try:
                 EpisodeId.from_capture_key(key)
             except ValidationError as exc:
                 reason = "; ".join(e["msg"] for e in exc.errors())
-                return json_error(422, "invalid_request", f"capture key {key!r} in the path is invalid: {reason}")
-        body = await read_json_model(request, ResponsesRequest)
+                raise RequestError(400, "invalid_request", f"capture key {key!r} in the path is invalid: {reason}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(
+                413, "payload_too_large", f"request body is over the {MAX_REQUEST_BODY_BYTES}-byte limit"
+            ) from None
+        body = parse_responses_request(raw)
         try:
             chat_body = responses_to_chat(
                 body,
@@ -94,14 +205,15 @@ class VLLMModelServer(GymServer):
                 return_token_ids=self.config.return_token_id_information,
             )
         except ConversionError as exc:
-            return json_error(422, "invalid_request", exc.detail)
+            raise RequestError(400, "invalid_request", exc.detail, exc.field) from None
         if self.backend_url is None:
-            return json_error(
-                503, "backend_not_configured", f"model server {self.name!r}: policy_base_url is not set in the Gym config"
+            return openai_error(
+                503, f"model server {self.name!r}: policy_base_url is not set in the Gym config",
+                code="backend_not_configured",
             )
         try:
             async with self.gate.call(key) as ticket:
-                resp = await self._generate(ticket, chat_body)
+                resp = await self._generate(ticket, chat_body, body)
                 await self.gate.release_response(ticket)  # held here while a checkpoint is open
                 await resp.prepare(request)
                 await resp.write_eof()
@@ -109,23 +221,29 @@ class VLLMModelServer(GymServer):
                     self.gate.delivered(ticket)
                 return resp
         except CheckpointError as exc:
-            return web.json_response(exc.to_body(), status=exc.status)
+            return openai_error(exc.status, exc.detail, code=exc.code)
 
-    async def _generate(self, ticket: ModelTicket, chat_body: dict[str, Any]) -> web.Response:
-        """The reply to write: the mapped completion, or a 502 naming the backend.
-        Errors are held like replies, so no agent moves on while prepared."""
+    async def _generate(self, ticket: ModelTicket, chat_body: dict[str, Any], request: ResponsesRequest) -> web.Response:
+        """The reply to write: the mapped completion, the backend's 4xx, or a 502
+        naming the backend. Errors are held like replies, so no agent moves on
+        while prepared."""
         try:
             reply = await self.gate.run(ticket, self._post_backend(chat_body))
             out = chat_to_responses(
                 reply,
                 model=self.global_config.policy_model_name,
                 keep_token_ids=self.config.return_token_id_information,
+                request=request,
             )
+        except BackendRejected as exc:
+            return openai_error(exc.status, exc.message, code=exc.code, param=exc.param, type_=exc.type)
         except BackendError as exc:
             logger.warning("model server %s: %s", self.name, exc)
-            return json_error(502, "backend_error", str(exc))
+            return openai_error(502, str(exc), code="backend_error")
         except BackendReplyError as exc:
-            return json_error(502, "backend_error", f"policy backend {self.backend_url} sent an unusable reply: {exc}")
+            return openai_error(
+                502, f"policy backend {self.backend_url} sent an unusable reply: {exc}", code="backend_error"
+            )
         return web.json_response(out)
 
     async def _post_backend(self, chat_body: dict[str, Any]) -> Any:
@@ -136,6 +254,8 @@ class VLLMModelServer(GymServer):
         try:
             async with self._session.post(url, json=chat_body, headers=headers, timeout=timeout) as resp:
                 text = await resp.text()
+                if 400 <= resp.status < 500 and resp.status not in BACKEND_SETTINGS_STATUSES:
+                    raise backend_rejection(resp.status, text)
                 if resp.status != 200:
                     raise BackendError(f"policy backend {url} returned {resp.status}: {text[:MAX_ERROR_BODY_CHARS]}")
                 try:

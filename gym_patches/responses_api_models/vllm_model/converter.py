@@ -6,18 +6,30 @@ needs the backend's token ids and logprobs, so those ride along on the last
 output item of the Responses reply.
 
 Request errors raise :class:`ConversionError` naming the field (the server
-answers 422); a malformed backend reply raises :class:`BackendReplyError`
-(the server answers 502).
+answers 400 in the OpenAI error shape); a malformed backend reply raises
+:class:`BackendReplyError` (the server answers 502).
+
+Replies carry every field the Responses schema requires (``created_at``,
+``tools``, ``tool_choice``, ``parallel_tool_calls``, usage details, item ids and
+statuses, text ``annotations``), so the ``openai`` client's own types accept them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from typing import Any
 
-from gym_patches.wire_models import Item, ResponsesReply, ResponsesRequest, ResponseUsage
+from gym_patches.wire_models import (
+    InputTokensDetails,
+    Item,
+    OutputTokensDetails,
+    ResponsesReply,
+    ResponsesRequest,
+    ResponseUsage,
+)
 
 # Backend extensions passed through to the last output item, for training.
 TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_version")
@@ -61,6 +73,7 @@ def responses_to_chat(request: ResponsesRequest, *, model: str, return_token_ids
         body["temperature"] = request.temperature
     if request.max_output_tokens is not None:
         body["max_tokens"] = request.max_output_tokens
+    _check_echoed_fields(extra)
     for key in PASSTHROUGH_FIELDS:
         if extra.get(key) is not None:
             body[key] = extra[key]
@@ -69,6 +82,21 @@ def responses_to_chat(request: ResponsesRequest, *, model: str, return_token_ids
     if return_token_ids:
         body["logprobs"] = True
     return body
+
+
+def _check_echoed_fields(extra: dict[str, Any]) -> None:
+    """Types of the optional fields the reply echoes (ranges are the backend's call)."""
+    top_p = extra.get("top_p")
+    if top_p is not None and not _is_number(top_p):
+        raise ConversionError("top_p", "must be a number")
+    parallel = extra.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ConversionError("parallel_tool_calls", "must be a boolean")
+    metadata = extra.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise ConversionError("metadata", "must be an object of string values")
 
 
 def _messages(input_: str | list[Item]) -> list[dict[str, Any]]:
@@ -193,9 +221,19 @@ def _tool_choice(choice: Any) -> Any:
 
 # -- reply -------------------------------------------------------------------
 def chat_to_responses(
-    reply: Any, *, model: str, keep_token_ids: bool = True, response_id: str | None = None
+    reply: Any,
+    *,
+    model: str,
+    keep_token_ids: bool = True,
+    response_id: str | None = None,
+    request: ResponsesRequest | None = None,
+    created_at: int | None = None,
 ) -> dict[str, Any]:
-    """The Responses reply for one chat completion (first choice)."""
+    """The Responses reply for one chat completion (first choice).
+
+    ``request`` (the Responses request that was mapped) supplies the fields a
+    response echoes: instructions, tools, tool_choice, sampling settings.
+    """
     if not isinstance(reply, dict):
         raise BackendReplyError(f"reply must be a JSON object, got {type(reply).__name__}")
     choices = reply.get("choices")
@@ -208,39 +246,92 @@ def chat_to_responses(
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise BackendReplyError("choices[0].message.content must be a string or null")
-    output: list[Item] = []
-    tool_calls = message.get("tool_calls") or []
-    if not isinstance(tool_calls, list):
-        raise BackendReplyError("choices[0].message.tool_calls must be a list")
-    if content or not tool_calls:  # always at least one item to carry the token info
-        output.append(
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": content or ""}]}
-        )
-    for j, call in enumerate(tool_calls):
-        output.append(_function_call_item(j, call))
-    if keep_token_ids:
-        output[-1].update(_token_info(reply, choice, message))
     finish = choice.get("finish_reason")
     incomplete = None
     if finish == "length":
         incomplete = {"reason": "max_output_tokens"}
     elif finish == "content_filter":
         incomplete = {"reason": "content_filter"}
-    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-    prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    status = "incomplete" if incomplete else "completed"
+    output: list[Item] = []
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list):
+        raise BackendReplyError("choices[0].message.tool_calls must be a list")
+    if content or not tool_calls:  # always at least one item to carry the token info
+        output.append(
+            {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": "assistant",
+                "status": status,
+                "content": [{"type": "output_text", "text": content or "", "annotations": []}],
+            }
+        )
+    for j, call in enumerate(tool_calls):
+        output.append(_function_call_item(j, call))
+    if keep_token_ids:
+        output[-1].update(_token_info(reply, choice, message))
     out = ResponsesReply(
         id=response_id or f"resp_{uuid.uuid4().hex}",
+        created_at=int(time.time()) if created_at is None else created_at,
+        status=status,
         model=reply.get("model") if isinstance(reply.get("model"), str) else model,
         output=output,
         incomplete_details=incomplete,
-        usage=ResponseUsage(
-            input_tokens=prompt,
-            output_tokens=completion,
-            total_tokens=_count(usage, "total_tokens") or prompt + completion,
-        ),
-        status="incomplete" if incomplete else "completed",
+        usage=_usage(reply.get("usage")),
+        **_echoed(request),
     )
     return out.model_dump(mode="json")
+
+
+def _echoed(request: ResponsesRequest | None) -> dict[str, Any]:
+    """The request settings a Responses reply repeats back."""
+    if request is None:
+        return {}
+    extra = request.model_extra or {}
+    tools = []
+    for tool in request.tools:
+        echoed = {
+            "type": "function",
+            "name": tool.get("name"),
+            "description": tool.get("description"),
+            "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+            "strict": tool.get("strict"),
+        }
+        tools.append(echoed)
+    fields: dict[str, Any] = {
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": extra.get("top_p"),
+        "tools": tools,
+        "metadata": extra.get("metadata") or {},
+    }
+    if extra.get("tool_choice") is not None:
+        fields["tool_choice"] = extra["tool_choice"]
+    if extra.get("parallel_tool_calls") is not None:
+        fields["parallel_tool_calls"] = extra["parallel_tool_calls"]
+    return fields
+
+
+def _usage(usage: Any) -> ResponseUsage:
+    usage = usage if isinstance(usage, dict) else {}
+    prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    prompt_details = usage.get("prompt_tokens_details")
+    completion_details = usage.get("completion_tokens_details")
+    return ResponseUsage(
+        input_tokens=prompt,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=_count(prompt_details, "cached_tokens") if isinstance(prompt_details, dict) else 0
+        ),
+        output_tokens=completion,
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=(
+                _count(completion_details, "reasoning_tokens") if isinstance(completion_details, dict) else 0
+            )
+        ),
+        total_tokens=_count(usage, "total_tokens") or prompt + completion,
+    )
 
 
 def _function_call_item(index: int, call: Any) -> Item:
@@ -254,7 +345,14 @@ def _function_call_item(index: int, call: Any) -> Item:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments)
     call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{uuid.uuid4().hex[:24]}"
-    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+    return {
+        "id": f"fc_{uuid.uuid4().hex}",
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
 
 
 def _token_info(*sources: dict[str, Any]) -> dict[str, Any]:

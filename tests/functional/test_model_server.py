@@ -260,3 +260,34 @@ async def test_retire_cancels_an_inflight_call(backend, model_url, http):
 
 async def _count(http, model_url, name, expected):
     return (await control(http, model_url, "status"))["report"]["counts"].get(name) == expected
+
+
+async def test_control_routes_refuse_oversized_bodies_and_past_deadlines(model_url, http, tmp_path):
+    """Items of the control protocol on a real server process: 413 over the body cap,
+    422 naming deadline_ts for a deadline already past; neither changes the phase."""
+    from gym_patches.checkpoint.control import MAX_CONTROL_BODY_BYTES
+
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    prepared = await control(http, model_url, "prepare", checkpoint_id="ck-edge")
+    assert prepared["phase"] == "prepared"
+    lease = (await control(http, model_url, "status"))["lease_expires_at"]
+
+    big = json.dumps({"checkpoint_id": "ck-edge", "deadline_ts": time.time() + 20,
+                      "checkpoint_dir": "/" + "d" * MAX_CONTROL_BODY_BYTES}).encode()
+    async with http.post(f"{model_url}{CONTROL}/commit", data=big, headers=headers) as resp:
+        status, reply = resp.status, await resp.json()
+    assert status == 413 and reply == {"error": {"code": "payload_too_large", "detail": reply["error"]["detail"]}}
+    assert str(MAX_CONTROL_BODY_BYTES) in reply["error"]["detail"]
+
+    for op, extra in (("renew", {}), ("commit", {"checkpoint_dir": str(tmp_path)}), ("prepare", {})):
+        body = {"checkpoint_id": "ck-edge", "deadline_ts": time.time() - 1, **extra}
+        status, reply = await post(http, f"{model_url}{CONTROL}/{op}", body, headers)
+        assert status == 422 and reply["error"]["code"] == "invalid_request", (op, reply)
+        assert "deadline_ts" in reply["error"]["detail"], (op, reply)
+
+    after = await control(http, model_url, "status")
+    assert after["phase"] == "prepared" and after["checkpoint_id"] == "ck-edge" and after["lease_expires_at"] == lease
+    assert not (tmp_path / "gym").exists()
+    resumed = await post(http, f"{model_url}{CONTROL}/resume", {"checkpoint_id": "ck-edge",
+                                                                "deadline_ts": time.time() - 1}, headers)
+    assert resumed == (200, {"phase": "idle", "idempotent": False})

@@ -604,3 +604,129 @@ def test_malformed_control_requests_property(tmp_path):
     finally:
         loop.run_until_complete(h.client.close())
         loop.close()
+
+
+# -- the status-code rule, body cap, past deadlines (docs/design.md "Control routes") ------------------
+from gym_patches.checkpoint import control as control_module  # noqa: E402
+from gym_patches.checkpoint.errors import ERROR_STATUS  # noqa: E402
+from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST  # noqa: E402
+
+# Every code not listed here is a state conflict: 409.
+NOT_409 = {"unauthorized": 401, "rollout_id_required": 400, "payload_too_large": 413, "invalid_request": 422,
+           "invalid_checkpoint_state": 422, "internal_error": 500}
+
+
+def test_status_code_rule():
+    for code, status in ERROR_STATUS.items():
+        assert status == NOT_409.get(code, 409), (code, status)
+    assert set(NOT_409) <= set(ERROR_STATUS)
+
+
+async def test_each_code_is_served_with_its_rule_status(tmp_path):
+    """One real request per code the control routes produce; status and shape follow the rule."""
+    h = await start(FakeParticipant(), max_body_bytes=64 * 1024)
+    try:
+        await _each_code(h, tmp_path)
+    finally:
+        await h.client.close()
+
+
+async def _each_code(h: Harness, tmp_path) -> None:
+    seen: dict[str, int] = {}
+
+    async def record(op, body=None, **kw):
+        status, reply = await h.call(op, body, **kw)
+        assert set(reply) == {"error"} and set(reply["error"]) == {"code", "detail"}, reply
+        seen[reply["error"]["code"]] = status
+
+    await record("status", token="wrong")
+    await record("prepare", {"checkpoint_id": "bad id", "deadline_ts": time.time() + 5})
+    await record("commit", {"checkpoint_id": "c1", "deadline_ts": time.time() + 5, "checkpoint_dir": str(tmp_path)})
+    await h.ok("prepare", checkpoint_id="c1")
+    await record("prepare", {"checkpoint_id": "c2", "deadline_ts": time.time() + 5})
+    await h.ok("resume", checkpoint_id="c1")
+    await record("prepare", {"checkpoint_id": "c1", "deadline_ts": time.time() + 5})
+    await record("restore", {"checkpoint_id": "r1", "deadline_ts": time.time() + 5, "checkpoint_dir": str(tmp_path),
+                             "episode_ids": [], "source_checkpoint_id": "c0"})
+    h.participant.fail_close = True
+    await record("prepare", {"checkpoint_id": "c3", "deadline_ts": time.time() + 5})
+    h.participant.fail_close = False
+    await record("prepare", raw=b'{"checkpoint_id": "c4", "deadline_ts": 1' + b"0" * (64 * 1024) + b"}")
+    assert seen == {"unauthorized": 401, "invalid_request": 422, "invalid_phase": 409, "checkpoint_conflict": 409,
+                    "stale_checkpoint": 409, "invalid_checkpoint_state": 422, "internal_error": 500,
+                    "payload_too_large": 413}, seen
+    assert all(status == NOT_409.get(code, 409) for code, status in seen.items())
+
+
+async def test_body_over_the_cap_is_413_and_changes_nothing(tmp_path):
+    h = await start(FakeParticipant(), max_body_bytes=4096)
+    try:
+        await h.ok("prepare", checkpoint_id="c0")
+        lease = h.plane.lease_expires_at
+        padded = {"checkpoint_id": "c0", "deadline_ts": time.time() + 10, "checkpoint_dir": "/" + "d" * 4096}
+        status, reply = await h.call("commit", padded)  # with a Content-Length over the cap
+        assert status == 413 and reply["error"]["code"] == "payload_too_large" and "4096" in reply["error"]["detail"]
+
+        async def chunks():  # no Content-Length: the cap is enforced while reading
+            yield b'{"checkpoint_id": "c0", "deadline_ts": 4102444800.0, "checkpoint_dir": "/'
+            for _ in range(8):
+                yield b"d" * 1024
+            yield b'"}'
+
+        resp = await h.client.post(f"{CHECKPOINT_ROUTE_PREFIX}/commit", data=chunks(),
+                                   headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        assert resp.status == 413 and (await resp.json())["error"]["code"] == "payload_too_large"
+        assert h.plane.phase == "prepared" and h.plane.checkpoint_id == "c0" and h.plane.lease_expires_at == lease
+        assert h.participant.exports == 0 and not (tmp_path / "gym").exists()
+        # just under the cap is parsed normally
+        small = {"checkpoint_id": "c0", "deadline_ts": time.time() + 10, "checkpoint_dir": str(tmp_path)}
+        assert (await h.ok("commit", **small))["phase"] == "committed"
+    finally:
+        await h.client.close()
+
+
+def test_default_cap_admits_the_largest_valid_request():
+    longest = {"rollout_id": "r" * 200, "attempt": 1_000_000}
+    body = {"checkpoint_id": "c" * 128, "deadline_ts": 4102444800.0, "checkpoint_dir": "/" + "d" * 4095,
+            "episode_ids": [longest] * MAX_EPISODES_PER_REQUEST, "source_checkpoint_id": "s" * 128}
+    size = len(json.dumps(body).encode())
+    assert size < control_module.MAX_CONTROL_BODY_BYTES, size
+    from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES
+
+    assert control_module.MAX_CONTROL_BODY_BYTES < MAX_REQUEST_BODY_BYTES
+
+
+@pytest.mark.parametrize("op", ["prepare", "renew", "retire", "commit", "restore"])
+async def test_past_deadline_is_422_naming_the_field(h, tmp_path, op):
+    await h.ok("prepare", checkpoint_id="c0")
+    lease = h.plane.lease_expires_at
+    body = {**valid_body(op, tmp_path), "checkpoint_id": "c0", "deadline_ts": time.time() - 0.5}
+    status, reply = await h.call(op, body)
+    assert status == 422 and reply["error"]["code"] == "invalid_request", reply
+    assert "deadline_ts" in reply["error"]["detail"] and "future" in reply["error"]["detail"]
+    assert h.plane.phase == "prepared" and h.plane.checkpoint_id == "c0" and h.plane.lease_expires_at == lease
+    assert h.participant.closes == 1 and h.participant.exports == 0 and h.participant.retired == {}
+
+
+async def test_past_deadline_on_an_idle_server_prepares_nothing(h):
+    status, reply = await h.call("prepare", {"checkpoint_id": "late", "deadline_ts": time.time() - 30})
+    assert status == 422 and "deadline_ts" in reply["error"]["detail"]
+    assert h.plane.phase == "idle" and h.plane.lease_expires_at is None and h.participant.closes == 0
+    assert (await h.ok("prepare", checkpoint_id="late"))["phase"] == "prepared"  # the id is not spent
+
+
+async def test_resume_accepts_a_past_deadline(h):
+    await h.ok("prepare", checkpoint_id="c0")
+    reply = await h.ok("resume", checkpoint_id="c0", deadline_ts=time.time() - 60)
+    assert reply == {"phase": "idle", "idempotent": False} and h.participant.opens == 1
+
+
+async def test_deadline_equal_to_the_server_clock_is_past():
+    now = [1_000_000.0]
+    h = await start(FakeParticipant(), clock=lambda: now[0])
+    try:
+        status, reply = await h.call("prepare", {"checkpoint_id": "c1", "deadline_ts": now[0]})
+        assert status == 422 and "deadline_ts" in reply["error"]["detail"]
+        assert (await h.ok("prepare", checkpoint_id="c1", deadline_ts=now[0] + 0.001))["phase"] == "prepared"
+    finally:
+        await h.client.close()

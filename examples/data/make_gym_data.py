@@ -1,4 +1,4 @@
-"""Write the example Gym datasets (workplace, python sandbox, mixed) as JSONL.
+"""Write the example Gym datasets (workplace, python sandbox, arithmetic, mixed) as JSONL.
 
 Rows are tiny and regular on purpose: a character-level policy trained for a
 few minutes on two CPU cores has to learn them. Every task needs two tool
@@ -26,6 +26,8 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from gym_patches.resources_servers.arithmetic_verifier import TOOL_SCHEMAS as ARITHMETIC_TOOLS  # noqa: E402
+from gym_patches.resources_servers.arithmetic_verifier import evaluate as evaluate_arithmetic  # noqa: E402
 from gym_patches.resources_servers.python_sandbox import TOOL_SCHEMAS as SANDBOX_TOOLS  # noqa: E402
 from gym_patches.resources_servers.workplace import (  # noqa: E402
     DEFAULT_NOW,
@@ -37,9 +39,11 @@ DEFAULT_SEED = 1234
 WORKPLACE_AGENT = "workplace_simple_agent"
 RESTART_ONLY_AGENT = "workplace_restart_only_agent"
 SANDBOX_AGENT = "sandbox_simple_agent"
+ARITHMETIC_AGENT = "arithmetic_simple_agent"
 FINAL_ANSWER = "Done."
 WORKPLACE_SYSTEM = "Use the tools to do the task, then say Done."
 SANDBOX_SYSTEM = "Use python_exec to do the task, then say Done."
+ARITHMETIC_SYSTEM = "Use calculate, then answer with the number only."
 
 NAMES = ["Ana", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Ivy"]
 TEAMS = ["ops", "dev", "ads", "hr"]
@@ -238,6 +242,35 @@ def sandbox_rows(n: int, split: str, *, agent: str = SANDBOX_AGENT, seed: int = 
     return rows
 
 
+# arithmetic (stateless verifier) ------------------------------------------------
+def arithmetic_rows(n: int, split: str, *, agent: str = ARITHMETIC_AGENT, seed: int = DEFAULT_SEED,
+                    max_output_tokens: int = 96) -> list[dict]:
+    """``n`` rows: compute an expression with ``calculate``, answer with the number (reward: exact match)."""
+    rng = random.Random(f"{seed}:arithmetic:{split}")
+    words = {"+": "plus", "-": "minus", "*": "times"}
+    rows = []
+    for i in range(n):
+        a, b, c = rng.randint(2, 19), rng.randint(2, 9), rng.randint(2, 9)
+        op1, op2 = rng.choice(sorted(words)), rng.choice(sorted(words))
+        expression = f"({a} {op1} {b}) {op2} {c}"
+        prompt = f"What is {a} {words[op1]} {b}, then {words[op2]} {c}?"
+        row = _row(f"arithmetic-{split}-{i:04d}", "arithmetic", agent, ARITHMETIC_SYSTEM, prompt,
+                   ARITHMETIC_TOOLS, max_output_tokens)
+        answer = str(evaluate_arithmetic(expression))
+        row.update(expected_answer=answer, ground_truth=[_call("calculate", expression=expression)],
+                   final_answer=answer)
+        rows.append(row)
+    return rows
+
+
+def interleave(*sources: Sequence[dict]) -> list[dict]:
+    """Round-robin over ``sources`` until every row is placed (a step sees every kind of row)."""
+    out: list[dict] = []
+    for i in range(max((len(s) for s in sources), default=0)):
+        out.extend(copy.deepcopy(s[i]) for s in sources if i < len(s))
+    return out
+
+
 # mixed ------------------------------------------------------------------------
 def mixed_rows(workplace: Sequence[dict], sandbox: Sequence[dict], *,
                workplace_agents: Sequence[str] = (WORKPLACE_AGENT, RESTART_ONLY_AGENT),
@@ -271,13 +304,14 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=True) + "\n")
 
 
-SIZES = {"workplace_train": 256, "workplace_val": 32, "sandbox_train": 64, "sandbox_val": 16}
+SIZES = {"workplace_train": 256, "workplace_val": 32, "sandbox_train": 64, "sandbox_val": 16,
+         "arithmetic_train": 64, "arithmetic_val": 16}
 
 
 def generate(out_dir: Path, *, seed: int = DEFAULT_SEED, workplace_agent: str = WORKPLACE_AGENT,
              restart_only_agent: str = RESTART_ONLY_AGENT, sandbox_agent: str = SANDBOX_AGENT,
              max_output_tokens: int = 96, sizes: dict[str, int] | None = None) -> list[Path]:
-    """Write all six files into ``out_dir``; returns their paths."""
+    """Write every dataset file into ``out_dir``; returns their paths."""
     sizes = {**SIZES, **(sizes or {})}
     unknown = sorted(set(sizes) - set(SIZES))
     if unknown:
@@ -293,6 +327,10 @@ def generate(out_dir: Path, *, seed: int = DEFAULT_SEED, workplace_agent: str = 
         files[f"sandbox_{split}"] = sb
         files[f"mixed_{split}"] = mixed_rows(
             wp, sb, workplace_agents=(workplace_agent, restart_only_agent), sandbox_agent=sandbox_agent)
+        ar = arithmetic_rows(sizes[f"arithmetic_{split}"], split, **kw)
+        files[f"arithmetic_{split}"] = ar
+        # two shards: 'saving' (workplace + arithmetic) and 'mixed' (restart-only agent + sandbox)
+        files[f"mixed_shards_{split}"] = interleave(files[f"mixed_{split}"], ar)
     paths = []
     for name, rows in files.items():
         path = out_dir / f"{name}.jsonl"

@@ -32,6 +32,8 @@ class RecordingTrainer:
             "groups": sorted({s.group_id for s in samples}),
             "rollout_ids": sorted(s.rollout_id for s in samples),
             "rewards": {s.rollout_id: s.reward for s in samples},
+            "gym_instances": {s.rollout_id: s.gym_instance_id for s in samples},
+            "restored_from": {s.rollout_id: s.restored_from for s in samples if s.restored_from},
         }
         with open(self.log_path, "a") as f:
             f.write(json.dumps(batch, sort_keys=True) + "\n")

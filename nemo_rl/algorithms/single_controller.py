@@ -206,7 +206,7 @@ class SingleController:
                 return  # dropped meanwhile (e.g. retired)
             sample = sample_from_run_reply(
                 reply, rollout_id=rollout_id, group_id=group_id, generation_index=g,
-                prompt_id=self.ledger.groups[group_id].prompt_id,
+                prompt_id=self.ledger.groups[group_id].prompt_id, gym_instance_id=instance,
             )
             self.data_plane.put(sample)
             self.ledger.mark_sealed(rollout_id, sample.reward)
@@ -335,6 +335,7 @@ class SingleController:
         self.dataloader.load_state_dict(state["dataloader"])
         self.data_plane = DataPlaneStore.load(snap, state["data_plane"]["sha256"], state["data_plane"]["count"])
         restored: set[tuple[str, str, int]] = set()
+        restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
         gym_file = snap / GYM_CHECKPOINT_FILE
         if self.coordinator is not None:
             gym = json.loads(gym_file.read_text())
@@ -347,6 +348,7 @@ class SingleController:
                     for key in keys:
                         e = EpisodeId.from_capture_key(key)
                         restored.add((iid, e.rollout_id, e.attempt - 1))
+                        restored_on[key] = iid
         crash_point("restore")  # test-only: Gym restored, ledger not applied
         summary = self.ledger.prepare_for_restart(restored)
         self.data_plane.discard(summary.discarded_rollout_ids)
@@ -357,6 +359,7 @@ class SingleController:
             kept_siblings=len(summary.kept_siblings),
             redone_groups=len(summary.redone_groups),
             restored_rollout_ids=summary.restored_turn,
+            restored_instances={key: restored_on[key] for key in summary.restored_turn},
             restarted_rollout_ids=summary.restarted_from_prompt,
             kept_rollout_ids=summary.kept_siblings,
         )

@@ -10,7 +10,8 @@ _TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_pro
 
 
 def sample_from_run_reply(
-    reply: dict[str, Any], *, rollout_id: str, group_id: str, generation_index: int, prompt_id: str
+    reply: dict[str, Any], *, rollout_id: str, group_id: str, generation_index: int, prompt_id: str,
+    gym_instance_id: str | None = None,
 ) -> RolloutSample:
     """One ``ModelCall`` per output item that carries token information."""
     calls = []
@@ -31,4 +32,6 @@ def sample_from_run_reply(
         reward=float(reply["reward"]),
         calls=calls,
         prompt_id=prompt_id,
+        gym_instance_id=gym_instance_id,
+        restored_from=reply.get("restored_from"),
     )

@@ -39,3 +39,5 @@ class RolloutSample(BaseModel):
     reward: float
     calls: list[ModelCall] = Field(default_factory=list)
     prompt_id: str = ""
+    gym_instance_id: str | None = None  # the Gym replica that ran the attempt (``<shard>/replica-<i>``)
+    restored_from: str | None = None  # the boundary a restored attempt continued from (None: from its prompt)

@@ -6,6 +6,14 @@ prompt + generated tokens, exactly as the generation worker produced them), the
 prompt masked and the generated tokens trained with that advantage. One call
 to ``train_step`` is one optimizer step and bumps ``weight_version`` by one;
 the caller ships ``state_dict_for_refit()`` to the generation workers.
+
+The policy is a Hugging Face causal LM (``nemo_rl.models.policy.HFPolicy``);
+the logprobs of the loss come from the same model class the generation worker
+decodes with. Checkpoints are Hugging Face model directories
+(``save_pretrained``: ``config.json``, ``model.safetensors``, the tokenizer
+files) plus ``optimizer.pt``, ``rng.pt``, ``reference.pt`` (with a KL
+reference) and, written last, ``trainer_state.json``: ``from_pretrained`` and
+vLLM load them as they are.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ import torch
 from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
 from nemo_rl.algorithms.loss_functions import clipped_pg_loss
 from nemo_rl.experience.sample import RolloutSample
-from nemo_rl.models.policy import CausalTransformerPolicy, build_policy
-from nemo_rl.models.tokenizer import Tokenizer
+from nemo_rl.models.policy import HFPolicy
 
-CHECKPOINT_FORMAT = "nemo_rl.grpo_trainer.v1"
+CHECKPOINT_FORMAT = "nemo_rl.grpo_trainer.v2"
+# config.json fields that must agree between a checkpoint and the model it is loaded into.
+_ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size")
 
 
 def compute_group_advantages(
@@ -83,23 +93,12 @@ def _torch_bytes(obj: Any) -> bytes:
 class GRPOTrainer:
     """Owns the training copy of the policy, its optimizer, and the step / weight version counters."""
 
-    def __init__(
-        self,
-        policy_cfg: PolicyConfig,
-        loss_cfg: LossConfig,
-        grpo_cfg: GRPOConfig,
-        tokenizer: Tokenizer,
-        policy: CausalTransformerPolicy | None = None,
-    ):
+    def __init__(self, policy_cfg: PolicyConfig, loss_cfg: LossConfig, grpo_cfg: GRPOConfig, policy: HFPolicy):
         self.policy_cfg, self.loss_cfg, self.grpo_cfg = policy_cfg, loss_cfg, grpo_cfg
-        self.tokenizer = tokenizer
-        self.policy = policy if policy is not None else build_policy(policy_cfg, tokenizer.vocab_size)
-        if self.policy.vocab_size != tokenizer.vocab_size:
-            raise ValueError(
-                f"policy vocab_size {self.policy.vocab_size} != tokenizer vocab_size {tokenizer.vocab_size}"
-            )
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
         self.optimizer = self._make_optimizer()
-        self.reference: CausalTransformerPolicy | None = None
+        self.reference: HFPolicy | None = None
         self.step = 0
         self.weight_version = 0
         self.dataloader_state: dict = {}
@@ -120,9 +119,10 @@ class GRPOTrainer:
 
     def reset_reference(self) -> None:
         """Freeze the current weights as the KL reference (call after a warm start)."""
-        self.reference = copy.deepcopy(self.policy).eval()
-        for p in self.reference.parameters():
+        model = copy.deepcopy(self.policy.model).eval()
+        for p in model.parameters():
             p.requires_grad_(False)
+        self.reference = HFPolicy(model, self.policy.tokenizer, self.policy.max_seq_len)
 
     # ----- batching ------------------------------------------------------
     def _sequences(self, samples: list[RolloutSample]) -> tuple[list[_Seq], dict[str, float]]:
@@ -146,7 +146,7 @@ class GRPOTrainer:
                             f"rollout {s.rollout_id!r} call {ci}: {len(ids)} tokens exceed "
                             f"policy.max_seq_len={self.policy.max_seq_len}"
                         )
-                    if max(ids) >= self.tokenizer.vocab_size or min(ids) < 0:
+                    if max(ids) >= self.policy.vocab_size or min(ids) < 0:
                         raise ValueError(f"rollout {s.rollout_id!r} call {ci}: token id outside the vocabulary")
                     seqs.append(_Seq(ids, len(call.prompt_token_ids), a, call.generation_log_probs, call.weight_version))
         all_adv = [a for g in advs for a in g]
@@ -165,7 +165,7 @@ class GRPOTrainer:
 
     def _pad(self, batch: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         T = max(len(s.ids) for s in batch)
-        ids = torch.full((len(batch), T), self.tokenizer.pad_id, dtype=torch.long)
+        ids = torch.full((len(batch), T), self.policy.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), T - 1))
         gen_lp = torch.zeros((len(batch), T - 1))
         for i, s in enumerate(batch):
@@ -252,28 +252,31 @@ class GRPOTrainer:
     # ----- weights out ---------------------------------------------------
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
         """CPU copy of the policy weights (what ``GenerationWorker.refit`` takes)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
+        return self.policy.state_dict_cpu()
 
     def state_dict_bytes(self) -> bytes:
         return _torch_bytes(self.state_dict_for_refit())
 
     # ----- checkpoint ----------------------------------------------------
     def save(self, directory: str | os.PathLike, dataloader_state: dict | None = None) -> Path:
-        """Write weights, optimizer, reference, tokenizer and trainer state; ``trainer_state.json`` goes last."""
+        """Hugging Face model + tokenizer, optimizer, reference, RNG; ``trainer_state.json`` goes last."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         if dataloader_state is not None:
             if not isinstance(dataloader_state, dict):
                 raise TypeError(f"dataloader_state must be a dict, got {type(dataloader_state).__name__}")
             self.dataloader_state = copy.deepcopy(dataloader_state)
-        _atomic_write_bytes(d / "policy.pt", _torch_bytes(self.state_dict_for_refit()))
+        self.policy.model.save_pretrained(d)
+        self.tokenizer.save_pretrained(d)
         _atomic_write_bytes(d / "optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
         if self.reference is not None:
-            _atomic_write_bytes(d / "reference.pt", _torch_bytes(self.reference.state_dict()))
+            _atomic_write_bytes(d / "reference.pt", _torch_bytes(self.reference.state_dict_cpu()))
         elif (d / "reference.pt").exists():
             (d / "reference.pt").unlink()
-        _atomic_write_bytes(d / "rng.pt", _torch_bytes(torch.get_rng_state()))
-        self.tokenizer.save(d / "tokenizer.json")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        _atomic_write_bytes(d / "rng.pt", _torch_bytes(rng))
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
@@ -289,6 +292,8 @@ class GRPOTrainer:
 
     def load(self, directory: str | os.PathLike) -> dict:
         """Restore a ``save``d directory into this trainer; returns the saved ``dataloader_state``."""
+        from transformers import AutoConfig
+
         d = Path(directory)
         state_path = d / "trainer_state.json"
         if not state_path.exists():
@@ -296,24 +301,36 @@ class GRPOTrainer:
         state = json.loads(state_path.read_text())
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{state_path}: field 'format' is {state.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
-        saved_tok = Tokenizer.load(d / "tokenizer.json")
-        if saved_tok.to_dict() != self.tokenizer.to_dict():
-            raise ValueError(f"{d / 'tokenizer.json'} differs from this trainer's tokenizer")
-        arch = ("hidden_size", "num_layers", "num_heads", "mlp_ratio")
-        for k in arch:
-            if state["policy_cfg"].get(k) != getattr(self.policy_cfg, k):
-                raise ValueError(f"{state_path}: policy_cfg.{k}={state['policy_cfg'].get(k)} != {getattr(self.policy_cfg, k)}")
+        saved = AutoConfig.from_pretrained(d).to_dict()
+        mine = self.policy.model.config.to_dict()
+        for k in _ARCH_FIELDS:
+            if saved.get(k) != mine.get(k):
+                raise ValueError(f"{d / 'config.json'}: {k}={saved.get(k)!r} but this policy has {mine.get(k)!r}")
+        from nemo_rl.models.policy import load_tokenizer
+
+        if load_tokenizer(str(d)).get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"{d}: the saved tokenizer differs from this trainer's tokenizer")
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        if not weights:
+            raise FileNotFoundError(f"{d}: no *.safetensors weights")
+        self.policy.load_state(weights)
         dev = self.device
-        self.policy.load_state_dict(torch.load(d / "policy.pt", map_location=dev, weights_only=True))
         self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location=dev, weights_only=True))
         if state.get("has_reference"):
             self.reset_reference()
-            self.reference.load_state_dict(torch.load(d / "reference.pt", map_location=dev, weights_only=True))
+            self.reference.load_state(torch.load(d / "reference.pt", map_location=dev, weights_only=True))
         else:
             self.reference = None
         if (d / "rng.pt").exists():
-            torch.set_rng_state(torch.load(d / "rng.pt", weights_only=True))
+            rng = torch.load(d / "rng.pt", weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(state["step"])
         self.weight_version = int(state["weight_version"])
         self.dataloader_state = state.get("dataloader_state") or {}

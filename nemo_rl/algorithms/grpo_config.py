@@ -38,11 +38,11 @@ class GenerationConfig(_Section):
 
 
 class WarmStartConfig(_Section):
-    """Supervised warm start on the rows' demonstrations (see ``warm_start.py``).
+    """Supervised warm start of the embedded tiny model on the rows' demonstrations.
 
-    Defaults were tuned with ``local_learning_check``: on the workplace rows
-    they leave ~15-30% success at temperature 1 (greedy 80-100%), which GRPO
-    lifts by 0.3-0.5 within 30 steps of 8x8 rollouts.
+    Part of the embedded default's recipe (``policy.model_name: tiny-causal-lm``):
+    its result is cached and is that model's "pretrained" weights. A model
+    given by hub id or directory is used as given (no warm start).
     """
 
     steps: int = Field(default=800, ge=0)
@@ -52,30 +52,60 @@ class WarmStartConfig(_Section):
     label_smoothing: float = Field(default=0.025, ge=0.0, lt=1.0)
 
 
+class TinyModelRecipe(_Section):
+    """How the embedded default model is made: a tokenizer trained with ``tokenizers``
+    on the task data and a randomly initialised model of a real architecture.
+
+    Everything here (with the training rows) keys its cache directory.
+    """
+
+    architecture: Literal["qwen3", "qwen2"] = "qwen3"
+    vocab_size: int = Field(default=2000, ge=300)
+    hidden_size: int = Field(default=128, ge=32)
+    intermediate_size: int = Field(default=512, ge=8)
+    num_layers: int = Field(default=2, ge=1)
+    num_heads: int = Field(default=4, ge=1)
+    num_kv_heads: int = Field(default=4, ge=1)
+    # vLLM's CPU attention needs head_dim >= 32.
+    head_dim: int = Field(default=32, ge=32)
+    max_position_embeddings: int = Field(default=1024, ge=64)
+    init_seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelRecipe":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"policy.tiny_model.num_heads ({self.num_heads}) must be a multiple of "
+                f"policy.tiny_model.num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"policy.tiny_model.head_dim ({self.head_dim}) must be even (rotary positions)")
+        return self
+
+
+EMBEDDED_MODEL_NAME = "tiny-causal-lm"
+
+
 class PolicyConfig(_Section):
-    model_name: str = "tiny-causal-lm"
+    # A Hugging Face hub id, a local model directory, or the embedded default (built locally).
+    model_name: str = EMBEDDED_MODEL_NAME
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     learning_rate: float = Field(default=3e-4, gt=0.0)
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    # Architecture of the tiny causal transformer (vocab size comes from the tokenizer).
-    hidden_size: int = Field(default=128, ge=8)
-    num_layers: int = Field(default=2, ge=1)
-    num_heads: int = Field(default=4, ge=1)
-    mlp_ratio: int = Field(default=4, ge=1)
+    # Longest prompt + reply (also capped by the model's max_position_embeddings).
     max_seq_len: int = Field(default=1024, ge=8)
-    init_seed: int = 0
+    # Where the embedded model (tokenizer, init, warm start) is cached; None: $NEMO_RL_MODEL_CACHE
+    # or ~/.cache/nemo_rl/models.
+    cache_dir: str | None = None
+    tiny_model: TinyModelRecipe = Field(default_factory=TinyModelRecipe)
     # Optimizer / batching for training.
     weight_decay: float = Field(default=0.0, ge=0.0)
     adam_betas: tuple[float, float] = (0.9, 0.99)
     train_micro_batch_size: int = Field(default=16, ge=1)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "PolicyConfig":
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(
-                f"policy.hidden_size ({self.hidden_size}) must split into num_heads "
-                f"({self.num_heads}) heads of even size"
-            )
-        return self
+    @property
+    def is_embedded(self) -> bool:
+        return self.model_name == EMBEDDED_MODEL_NAME

@@ -21,10 +21,11 @@ import torch
 
 from nemo_rl.algorithms.grpo import GRPOTrainer
 from nemo_rl.algorithms.grpo_config import GenerationConfig, GRPOConfig, LossConfig, PolicyConfig
-from nemo_rl.algorithms.warm_start import build_tokenizer, simulate_rows, warm_start
+from nemo_rl.algorithms.warm_start import simulate_rows, warm_start
 from nemo_rl.experience.sample import ModelCall, RolloutSample
-from nemo_rl.models.chat_format import parse_completion, render_messages
-from nemo_rl.models.tokenizer import Tokenizer
+from nemo_rl.models.chat import parse_tool_calls, render_prompt
+from nemo_rl.models.policy import HFPolicy, load_policy
+from nemo_rl.models.tiny_model import ensure_base
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ def load_rows(path: Path) -> list[dict]:
 
 
 @torch.no_grad()
-def run_workplace_rollouts(policy, tokenizer: Tokenizer, rows: list[dict], gens: int, temperature: float,
+def run_workplace_rollouts(policy: HFPolicy, rows: list[dict], gens: int, temperature: float,
                            max_new_tokens: int, max_turns: int, weight_version: int, step: int,
                            generator: torch.Generator | None = None) -> list[RolloutSample]:
     """One group of ``gens`` episodes per row, played against fresh OfficeWorlds."""
@@ -50,14 +51,14 @@ def run_workplace_rollouts(policy, tokenizer: Tokenizer, rows: list[dict], gens:
         live = [e for e in eps if not e["done"]]
         if not live:
             break
-        prompts = [render_messages(tokenizer, e["messages"]) for e in live]
+        prompts = [render_prompt(policy.tokenizer, e["messages"], e["row"]["responses_create_params"].get("tools"))
+                   for e in live]
         outs = policy.sample_batch(prompts, [max_new_tokens] * len(live), [temperature] * len(live),
-                                   stop_token=tokenizer.end_id, generator=generator, pad_id=tokenizer.pad_id)
+                                   generator=generator)
         for e, p, o in zip(live, prompts, outs):
             e["calls"].append(ModelCall(prompt_token_ids=p, generation_token_ids=o.token_ids,
                                         generation_log_probs=o.logprobs, weight_version=weight_version))
-            ids = o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids
-            content, tool_calls = parse_completion(tokenizer.decode(ids))
+            content, tool_calls = parse_tool_calls(policy.decode_completion(o.token_ids))
             e["messages"].append({"role": "assistant", "content": content, "tool_calls": tool_calls or None})
             if o.finish_reason != "stop" or not tool_calls:
                 e["done"] = True
@@ -86,6 +87,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--cache-dir", default=None, help="where the embedded model's tokenizer/init are cached")
     ap.add_argument("--eval-gens", type=int, default=0, help="also measure warm-start success on N x rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kl", type=float, default=0.0)
@@ -99,17 +101,19 @@ def main(argv=None) -> None:
     rows = [r for r in load_rows(Path(args.data)) if "people" in (r.get("seed") or {})]
     t0 = time.perf_counter()
     convs = simulate_rows(rows)
-    tok = build_tokenizer(rows, conversations=convs)
-    pcfg = PolicyConfig(device="auto", learning_rate=args.lr, hidden_size=args.hidden, num_layers=args.layers,
+    pcfg = PolicyConfig(device="auto", learning_rate=args.lr, cache_dir=args.cache_dir,
                         generation=GenerationConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens))
-    trainer = GRPOTrainer(pcfg, LossConfig(reference_policy_kl_penalty=args.kl), GRPOConfig(seed=args.seed), tok)
+    pcfg.tiny_model.hidden_size, pcfg.tiny_model.num_layers = args.hidden, args.layers
+    base = ensure_base(pcfg, rows, conversations=convs)
+    policy = load_policy(str(base), pcfg.dtype, pcfg.device, pcfg.max_seq_len)
+    trainer = GRPOTrainer(pcfg, LossConfig(reference_policy_kl_penalty=args.kl), GRPOConfig(seed=args.seed), policy)
     if args.load_warm:
-        trainer.policy.load_state_dict(torch.load(args.load_warm, map_location=trainer.device, weights_only=True))
-        print(f"vocab {tok.vocab_size}, loaded warm start from {args.load_warm}", flush=True)
+        policy.load_state(torch.load(args.load_warm, map_location=trainer.device, weights_only=True))
+        print(f"vocab {policy.vocab_size}, loaded warm start from {args.load_warm}", flush=True)
     else:
-        ws = warm_start(trainer.policy, tok, rows, steps=args.warm_steps, lr=args.warm_lr, seed=args.seed,
-                        label_smoothing=args.label_smoothing, conversations=convs)
-        print(f"vocab {tok.vocab_size}, warm start {ws['warm_start_s']:.1f}s loss {ws['warm_start_loss']:.3f}", flush=True)
+        ws = warm_start(policy, rows, steps=args.warm_steps, lr=args.warm_lr, seed=args.seed,
+                        label_smoothing=args.label_smoothing, conversations=convs, progress=True)
+        print(f"vocab {policy.vocab_size}, warm start {ws['warm_start_s']:.1f}s loss {ws['warm_start_loss']:.3f}", flush=True)
         if args.save_warm:
             torch.save(trainer.state_dict_for_refit(), args.save_warm)
     trainer.reset_reference()
@@ -117,7 +121,7 @@ def main(argv=None) -> None:
     rng = random.Random(args.seed)
     if args.eval_gens:
         t = time.perf_counter()
-        s = run_workplace_rollouts(trainer.policy, tok, rows, args.eval_gens, args.temperature,
+        s = run_workplace_rollouts(policy, rows, args.eval_gens, args.temperature,
                                    args.max_new_tokens, args.max_turns, 0, -1, gen)
         print(f"warm-start success {sum(x.reward for x in s) / len(s):.3f} over {len(s)} episodes "
               f"({time.perf_counter() - t:.1f}s)", flush=True)
@@ -125,7 +129,7 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         t = time.perf_counter()
         batch = rng.sample(rows, args.prompts)
-        samples = run_workplace_rollouts(trainer.policy, tok, batch, args.gens, args.temperature,
+        samples = run_workplace_rollouts(policy, batch, args.gens, args.temperature,
                                          args.max_new_tokens, args.max_turns, trainer.weight_version, step, gen)
         gen_s = time.perf_counter() - t
         m = trainer.train_step(samples)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -25,8 +26,7 @@ from typing import Any
 
 import torch
 
-from nemo_rl.models.chat_format import render_with_mask
-from nemo_rl.models.tokenizer import Tokenizer
+from nemo_rl.models.chat import render_with_mask
 
 def row_task_source(row: dict) -> str:
     """``task_source`` if present, else inferred from the row's seed shape."""
@@ -137,33 +137,6 @@ def simulate_rows(rows: Iterable[dict], simulators: dict[str, BatchSimulator] | 
     return [demo_messages(row, outputs[i]) for i, row in enumerate(rows)]
 
 
-def corpus_texts(conversations: Iterable[list[dict]]) -> list[str]:
-    """Every string a tokenizer should know: message texts, call names and JSON arguments."""
-    texts = []
-    for conv in conversations:
-        for m in conv:
-            if isinstance(m.get("content"), str):
-                texts.append(m["content"])
-            for c in m.get("tool_calls") or []:
-                texts += [c["function"]["name"], c["function"]["arguments"]]
-    return texts
-
-
-def build_tokenizer(rows: Iterable[dict], max_pieces: int = 4000, extra_texts: Iterable[str] = (),
-                    conversations: list[list[dict]] | None = None) -> Tokenizer:
-    """A tokenizer whose pieces come from the rows' demonstrations (and their tool schemas' names).
-
-    Pass ``conversations`` (from ``simulate_rows(rows)``) to skip simulating again.
-    """
-    rows = list(rows)
-    convs = conversations if conversations is not None else simulate_rows(rows)
-    texts = corpus_texts(convs) + list(extra_texts)
-    for row in rows:
-        for tool in row["responses_create_params"].get("tools") or []:
-            texts.append(tool.get("name") or tool.get("function", {}).get("name", ""))
-    return Tokenizer.from_corpus(texts, max_pieces=max_pieces)
-
-
 def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     T = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
@@ -174,9 +147,18 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int, device) -> 
     return ids.to(device), mask.to(device)
 
 
+def row_tools(row: dict) -> list[dict] | None:
+    return row["responses_create_params"].get("tools") or None
+
+
+def demonstration_examples(policy, rows: Sequence[dict], conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+    """(ids, assistant mask) per demonstration, rendered by the policy's chat template with the row's tools."""
+    return [render_with_mask(policy.tokenizer, c, row_tools(r), policy.stop_ids)
+            for r, c in zip(rows, conversations, strict=True)]
+
+
 def warm_start(
     policy,
-    tokenizer: Tokenizer,
     rows: Sequence[dict],
     steps: int = 800,
     batch_size: int = 16,
@@ -184,23 +166,26 @@ def warm_start(
     seed: int = 0,
     label_smoothing: float = 0.025,
     conversations: list[list[dict]] | None = None,
+    progress: bool = False,
     log_every: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Train ``policy`` in place on demonstrations (loss on assistant tokens only); returns metrics.
+    """Train ``policy`` (an ``HFPolicy``) in place on demonstrations (loss on assistant tokens only).
 
     ``conversations`` may be passed to reuse demonstrations already simulated
-    (``simulate_rows``); otherwise they are built from ``rows``.
+    (``simulate_rows``); otherwise they are built from ``rows``. ``progress``
+    shows a bar (step, loss).
     """
     if steps < 0 or batch_size < 1:
         raise ValueError(f"warm_start needs steps >= 0 and batch_size >= 1, got {steps}/{batch_size}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     t0 = time.perf_counter()
+    rows = list(rows)
     convs = conversations if conversations is not None else simulate_rows(rows)
     if not convs:
         raise ValueError("warm_start needs at least one row")
-    examples = [render_with_mask(tokenizer, c, add_generation_prompt=False) for c in convs]
+    examples = demonstration_examples(policy, rows, convs)
     too_long = [i for i, (ids, _) in enumerate(examples) if len(ids) > policy.max_seq_len]
     if too_long:
         raise ValueError(f"demonstrations {too_long[:5]} exceed policy.max_seq_len={policy.max_seq_len}")
@@ -212,21 +197,34 @@ def warm_start(
     )
     policy.train()
     loss_v = float("nan")
-    for step in range(steps):
-        ids, mask = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_id, policy.device)
-        logp = torch.log_softmax(policy(ids)[:, :-1].float(), dim=-1)
-        nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        if label_smoothing > 0:  # keep some mass on every token: exploration left for RL
-            nll = (1 - label_smoothing) * nll - label_smoothing * logp.mean(-1)
-        loss = (nll * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_v = loss.item()
-        if log_every and (step + 1) % log_every == 0:
-            log(f"warm_start step {step + 1}/{steps} loss {loss_v:.4f}")
+    bar = None
+    if progress and steps:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc="warm start", unit="step", dynamic_ncols=True,
+                   mininterval=1.0 if os.isatty(2) else 30.0)
+    try:
+        for step in range(steps):
+            ids, mask = _batch(rng.sample(examples, min(batch_size, len(examples))), policy.pad_id, policy.device)
+            logp = torch.log_softmax(policy.logits(ids)[:, :-1].float(), dim=-1)
+            nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            if label_smoothing > 0:  # keep some mass on every token: exploration left for RL
+                nll = (1 - label_smoothing) * nll - label_smoothing * logp.mean(-1)
+            loss = (nll * mask).sum() / mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            loss_v = loss.item()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_v:.3f}", refresh=False)
+            if log_every and (step + 1) % log_every == 0:
+                log(f"warm_start step {step + 1}/{steps} loss {loss_v:.4f}")
+    finally:
+        if bar is not None:
+            bar.close()
     policy.eval()
     return {"warm_start_loss": loss_v, "warm_start_steps": float(steps), "warm_start_s": time.perf_counter() - t0,
             "num_demos": float(len(examples))}

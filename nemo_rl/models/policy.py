@@ -1,23 +1,32 @@
-"""A tiny autoregressive causal transformer used as the GRPO policy.
+"""The policy: a Hugging Face causal LM, its tokenizer, and what GRPO needs from them.
 
-Why so small: the whole RL loop (generation, Gym rollouts, training) must run
-on two CPU cores in minutes, and the same code must run on CUDA. Pre-norm
-blocks, rotary positions (no hard length limit in the math; ``max_seq_len``
-is a guard), tied embeddings, and a per-layer KV cache so decoding is
-incremental. ``sample_batch`` decodes left-padded prompts together, which is
-what lets one generation worker serve many concurrent rollouts cheaply.
+``HFPolicy`` wraps a ``transformers`` ``AutoModelForCausalLM`` and its tokenizer
+and adds the three things the trainer and the generation worker share, so that
+"the same model class that generates" also scores:
+
+* ``sample_batch``: batched decoding of left-padded prompts with a KV cache,
+  returning each sampled token's logprob under ``logits / temperature``;
+* ``sequence_logprobs`` / ``token_logprobs``: rescoring of given tokens;
+* the stop tokens (the tokenizer's EOS plus the model's ``generation_config``).
+
+``load_policy`` finds the weights: a local directory, or a hub id (cached
+files first; otherwise a metadata probe with a short timeout, so a missing
+network or an unknown name fails in seconds, naming ``policy.model_name``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from nemo_rl.algorithms.grpo_config import PolicyConfig
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_PROBE_TIMEOUT_S = 10.0
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -31,95 +40,137 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotate pairs of channels of ``x`` [B, H, T, D] by angles set by ``positions`` [B, T]."""
-    d = x.shape[-1]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.to(torch.float32)[:, None, :, None] * inv  # B,1,T,D/2
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+def resolve_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int, heads: int, mlp_ratio: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, mlp_ratio * d), nn.GELU(), nn.Linear(mlp_ratio * d, d))
+def resolve_model_source(model_name: str, probe_timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str:
+    """A local directory holding the model, downloading a hub id if needed.
 
-    def forward(self, x, positions, mask, cache):
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        q, k = _rope(q, positions), _rope(k, positions)
-        if cache is not None:
-            k = torch.cat([cache[0], k], dim=2)
-            v = torch.cat([cache[1], v], dim=2)
-        if mask is None:  # no cache, no padding: plain causal
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        x = x + self.mlp(self.ln2(x))
-        return x, (k, v)
+    Errors are ``ValueError`` naming ``policy.model_name`` and the id; the
+    network probe has a timeout, so this never hangs.
+    """
+    path = Path(model_name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"policy.model_name={model_name!r}: the directory has no config.json (not a Hugging Face model)")
+        return str(path)
+    if not _HUB_ID.fullmatch(model_name):
+        raise ValueError(f"policy.model_name={model_name!r}: no such directory, and not a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise ValueError(f"policy.model_name={model_name!r}: huggingface_hub is not installed ({e})") from None
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+    try:
+        return snapshot_download(model_name, allow_patterns=patterns, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local cache: ask the hub
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        raise ValueError(f"policy.model_name={model_name!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().model_info(model_name, timeout=probe_timeout_s)
+    except Exception as e:  # noqa: BLE001 - network down, unknown repo, gated, timeout
+        raise ValueError(
+            f"policy.model_name={model_name!r}: cannot fetch it from the Hugging Face hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'no detail'}); "
+            "pass a local directory or check the id and the network"
+        ) from None
+    try:
+        return snapshot_download(model_name, allow_patterns=patterns, etag_timeout=probe_timeout_s)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"policy.model_name={model_name!r}: download failed ({type(e).__name__}: {e})") from None
+
+
+def load_tokenizer(source: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source)
+    if tok.pad_token_id is None:  # left padding needs some id; it is always masked out
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(source: str, dtype: str = "float32", device: str | torch.device = "cpu") -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype))
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    """The tokens that end a reply: the tokenizer's EOS and the model's generation EOS ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if not ids:
+        raise ValueError(f"model {getattr(model, 'name_or_path', '?')!r} has no EOS token to stop generation")
+    return frozenset(ids)
 
 
 @dataclass
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (stop token emitted) or "length"
+    finish_reason: str  # "stop" (a stop token was emitted; it is kept) or "length"
+    # per generated token, the ``top_k`` most likely (token id, logprob) pairs, when asked for
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-class CausalTransformerPolicy(nn.Module):
-    """``forward(ids) -> logits``; ``sample``/``sample_batch`` decode; ``token_logprobs`` rescores."""
+class HFPolicy:
+    """A causal LM and its tokenizer; see the module docstring."""
 
-    def __init__(self, cfg: PolicyConfig, vocab_size: int):
-        super().__init__()
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.max_seq_len = cfg.max_seq_len
-        g = torch.Generator().manual_seed(cfg.init_seed)
-        self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(_Block(cfg.hidden_size, cfg.num_heads, cfg.mlp_ratio) for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size)
-        self._init_weights(g)
-
-    def _init_weights(self, g: torch.Generator) -> None:
-        std = 0.02
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if p.dim() >= 2:
-                    s = std / math.sqrt(2 * len(self.blocks)) if name.endswith(("proj.weight", "mlp.2.weight")) else std
-                    p.copy_(torch.randn(p.shape, generator=g) * s)
-                elif name.endswith("bias"):
-                    p.zero_()
+    def __init__(self, model: Any, tokenizer: Any, max_seq_len: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.max_seq_len = min(int(max_seq_len), int(limit)) if max_seq_len else int(limit)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.pad_id = int(tokenizer.pad_token_id)
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return next(self.model.parameters()).device
 
-    # ----- core ----------------------------------------------------------
-    def forward(self, ids: torch.Tensor, positions=None, mask=None, cache=None, return_cache: bool = False):
-        """ids [B, T] -> logits [B, T, V]. ``mask`` is a bool attention mask [B, 1, T, S] (True = attend)."""
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        x = self.embed(ids)
-        new_cache = []
-        for i, blk in enumerate(self.blocks):
-            x, kv = blk(x, positions, mask, None if cache is None else cache[i])
-            new_cache.append(kv)
-        logits = F.linear(self.ln_f(x), self.embed.weight)
-        return (logits, new_cache) if return_cache else logits
+    def parameters(self):
+        return self.model.parameters()
+
+    def train(self) -> "HFPolicy":
+        self.model.train()
+        return self
+
+    def eval(self) -> "HFPolicy":
+        self.model.eval()
+        return self
+
+    def _check_ids(self, ids: torch.Tensor, field: str) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"{field} contains token ids outside [0, {self.vocab_size})")
+        if ids.shape[-1] > self.max_seq_len:
+            raise ValueError(f"{field} is {ids.shape[-1]} tokens, over max_seq_len={self.max_seq_len}")
+
+    # ----- scoring -------------------------------------------------------
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Right-padded ids [B, T] -> logits [B, T, V] (causal, so right padding never leaks back)."""
+        return self.model(input_ids=ids, use_cache=False).logits
 
     def sequence_logprobs(self, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Right-padded ids [B, T] -> logprob of ids[:, 1:] given the prefix, [B, T-1]."""
-        logits = self.forward(ids)[:, :-1].float()
+        logits = self.logits(ids)[:, :-1].float()
         logp = torch.log_softmax(logits / temperature, dim=-1)
         return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
 
@@ -132,32 +183,22 @@ class CausalTransformerPolicy(nn.Module):
             return torch.zeros(0)
         ids = torch.tensor([list(prompt_ids) + list(gen_ids)], device=self.device)
         self._check_ids(ids, "prompt_ids/gen_ids")
-        return self.sequence_logprobs(ids, temperature)[0, len(prompt_ids) - 1 :].cpu()
-
-    def _check_ids(self, ids: torch.Tensor, field: str) -> None:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise ValueError(f"{field} contains token ids outside [0, {self.vocab_size})")
-        if ids.shape[-1] > self.max_seq_len:
-            raise ValueError(f"{field} is {ids.shape[-1]} tokens, over max_seq_len={self.max_seq_len}")
+        return self.sequence_logprobs(ids, temperature)[0, len(prompt_ids) - 1:].cpu()
 
     # ----- decoding ------------------------------------------------------
     @torch.no_grad()
-    def sample(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, stop_token: int | None = None,
-               generator: torch.Generator | None = None) -> tuple[list[int], list[float]]:
-        out = self.sample_batch([prompt_ids], [max_new_tokens], [temperature], stop_token, generator)[0]
-        return out.token_ids, out.logprobs
-
-    @torch.no_grad()
     def sample_batch(self, prompts: list[list[int]], max_new_tokens: list[int], temperatures: list[float],
-                     stop_token: int | None = None, generator: torch.Generator | None = None,
-                     pad_id: int = 0) -> list[SampleOutput]:
-        """Decode several prompts at once (left padding + KV cache).
+                     generator: torch.Generator | None = None,
+                     top_k: list[int] | None = None) -> list[SampleOutput]:
+        """Decode several prompts at once (left padding, KV cache).
 
-        Logprobs are of the sampled token under ``logits / temperature``; a
-        temperature <= 0 means greedy, scored at temperature 1. A row stops at
-        ``stop_token`` (kept in its output) or at its own ``max_new_tokens``,
-        capped so prompt + generation fits ``max_seq_len``.
+        A temperature <= 0 means greedy, scored at temperature 1. A row stops at
+        a stop token (kept in its output) or at its own ``max_new_tokens``,
+        capped so prompt + generation fits ``max_seq_len``. ``top_k[i]`` > 0 also
+        records row i's most likely tokens at every step (same distribution).
         """
+        from transformers import DynamicCache
+
         B = len(prompts)
         if not (B == len(max_new_tokens) == len(temperatures)):
             raise ValueError("prompts, max_new_tokens and temperatures must have the same length")
@@ -170,51 +211,77 @@ class CausalTransformerPolicy(nn.Module):
                 raise ValueError(f"prompt {i} is {n} tokens; max_seq_len={self.max_seq_len} leaves no room to generate")
         limits = [min(int(m), self.max_seq_len - n) for m, n in zip(max_new_tokens, lens)]
         L = max(lens)
-        ids = torch.full((B, L), pad_id, dtype=torch.long)
-        keymask = torch.zeros((B, L), dtype=torch.bool)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, L - len(p):] = torch.as_tensor(p, dtype=torch.long)
-            keymask[i, L - len(p):] = True
-        ids, keymask = ids.to(dev), keymask.to(dev)
+            attn[i, L - len(p):] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
         self._check_ids(ids, "prompt_ids")
-        positions = (keymask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.tril(torch.ones(L, L, dtype=torch.bool, device=dev))
-        eye = torch.eye(L, dtype=torch.bool, device=dev)
-        mask = (keymask[:, None, None, :] & causal) | eye  # a pad query attends to itself only
-        logits, cache = self.forward(ids, positions, mask, return_cache=True)
-        last = logits[:, -1].float()
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        last = out.logits[:, -1].float()
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=dev)[:, None]
         greedy = torch.tensor([t <= 0 for t in temperatures], device=dev)
         next_pos = torch.tensor(lens, device=dev)
         outs = [SampleOutput([], [], "length") for _ in range(B)]
         active = [lim > 0 for lim in limits]
+        stops = self.stop_ids
+        k_max = min(max(top_k or [0]), self.vocab_size)
         while any(active):
             logp = torch.log_softmax(last / temps, dim=-1)
             sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             tok = torch.where(greedy, logp.argmax(-1), sampled)
             tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
             tok_l, lp_l = tok.tolist(), tok_lp.tolist()
+            if k_max:
+                top_v, top_i = logp.topk(k_max, dim=-1)
+                top_v, top_i = top_v.tolist(), top_i.tolist()
             for i in range(B):
                 if not active[i]:
                     continue
                 outs[i].token_ids.append(tok_l[i])
                 outs[i].logprobs.append(lp_l[i])
-                if stop_token is not None and tok_l[i] == stop_token:
+                if top_k and top_k[i] > 0:
+                    outs[i].top.append(list(zip(top_i[i][: top_k[i]], top_v[i][: top_k[i]])))
+                if tok_l[i] in stops:
                     outs[i].finish_reason = "stop"
                     active[i] = False
                 elif len(outs[i].token_ids) >= limits[i]:
                     active[i] = False
             if not any(active):
                 break
-            keymask = torch.cat([keymask, torch.ones((B, 1), dtype=torch.bool, device=dev)], dim=1)
-            step_mask = keymask[:, None, None, :]
-            logits, cache = self.forward(tok[:, None], next_pos[:, None], step_mask, cache, return_cache=True)
-            last = logits[:, -1].float()
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             cache=cache, use_cache=True)
+            last = out.logits[:, -1].float()
             next_pos = next_pos + 1
         return outs
 
+    def decode_completion(self, token_ids: list[int]) -> str:
+        """Reply text of generated ids (a trailing stop token dropped; tool-call tags kept)."""
+        if token_ids and token_ids[-1] in self.stop_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-def build_policy(cfg: PolicyConfig, vocab_size: int, device: str | torch.device | None = None) -> CausalTransformerPolicy:
-    """Build the policy on ``cfg.device`` (or an explicit device)."""
-    dev = resolve_device(cfg.device) if device is None else torch.device(device)
-    return CausalTransformerPolicy(cfg, vocab_size).to(dev)
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    # ----- weights -------------------------------------------------------
+    def state_dict_cpu(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def load_policy(source: str, dtype: str, device: str, max_seq_len: int | None = None) -> HFPolicy:
+    """``HFPolicy`` from a local model directory (see ``resolve_model_source`` for hub ids)."""
+    dev = resolve_device(device)
+    return HFPolicy(load_model(source, dtype, dev), load_tokenizer(source), max_seq_len)

@@ -1,107 +1,25 @@
-"""Tokenizer round trips and the chat / tool-call text format."""
+"""The embedded model's tokenizer (trained with ``tokenizers``), chat templates, and the hermes tool-call parser."""
 
 import json
-import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_rl.models.chat_format import (
-    assistant_ids,
+from nemo_rl.models.chat import (
     format_tool_call,
-    parse_completion,
-    render_messages,
+    parse_tool_calls,
+    render_prompt,
+    render_text,
     render_with_mask,
+    template_messages,
     tool_output_text,
     validate_messages,
 )
-from nemo_rl.models.tokenizer import NUM_BYTES, SPECIAL_TOKENS, Tokenizer, pieces_of
+from nemo_rl.models.tiny_model import IM_END, SPECIAL_TOKENS, train_tokenizer
+from tests.model_fixtures import CORPUS
 
-CORPUS = [
-    "Use the tools to do the task, then say Done.",
-    "Invite bo to a meeting called sync on 2023-12-04 at 10:00",
-    'directory_find_email {"name": "bo"}',
-    "bo@corp.com",
-    "Created event E2.",
-]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_corpus(CORPUS)
-
-
-@pytest.mark.parametrize(
-    "text",
-    ["", "Done.", "  two  spaces\n\ttab", "bo@corp.com", "naïve café ☕ 日本語", "<|user|> not special",
-     "</call><call>", "\x00\x7f", "unknownword zzz_qq"],
-)
-def test_round_trip_examples(tok, text):
-    assert tok.decode(tok.encode(text)) == text
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.text())
-def test_round_trip_any_text(text):
-    tok = Tokenizer.from_corpus(CORPUS)
-    assert tok.decode(tok.encode(text)) == text
-
-
-def test_known_words_are_one_token_unknown_fall_back_to_bytes(tok):
-    assert len(tok.encode("directory_find_email")) == 1
-    assert len(tok.encode("calendar")) == len("calendar")  # not in corpus: one byte token per char
-    assert all(len(SPECIAL_TOKENS) <= i < len(SPECIAL_TOKENS) + NUM_BYTES for i in tok.encode("calendar"))
-    # a name is the same token inside a sentence and inside JSON arguments
-    a, b = tok.encode("bo"), tok.encode('"bo"')
-    assert len(a) == 1 and a[0] in b
-
-
-def test_plain_text_never_produces_special_ids_unless_allowed(tok):
-    ids = tok.encode("<|user|><call>")
-    assert not any(tok.is_special(i) for i in ids)
-    ids = tok.encode("<|user|>hi<call>", allow_special=True)
-    assert ids[0] == tok.special_id("<|user|>") and ids[-1] == tok.call_open_id
-    assert tok.decode(ids) == "<|user|>hi<call>"
-
-
-def test_from_corpus_is_deterministic():
-    shuffled = CORPUS[:]
-    random.Random(3).shuffle(shuffled)
-    assert Tokenizer.from_corpus(CORPUS).to_dict() == Tokenizer.from_corpus(shuffled).to_dict()
-
-
-def test_pieces_partition_text():
-    s = "Book Lunch with Bo on 2024-03-06 11:00!"
-    assert "".join(pieces_of(s)) == s
-    assert "Lunch" in pieces_of(s) and "2" in pieces_of(s)
-
-
-def test_save_load_json(tok, tmp_path):
-    p = tmp_path / "tokenizer.json"
-    tok.save(p)
-    again = Tokenizer.load(p)
-    assert again.to_dict() == tok.to_dict()
-    assert again.encode("Invite bo") == tok.encode("Invite bo")
-    assert json.loads(p.read_text())["pieces"] == tok.to_dict()["pieces"]
-
-
-def test_bad_tokenizer_json_names_the_field(tok):
-    d = tok.to_dict()
-    with pytest.raises(ValueError, match="format"):
-        Tokenizer.from_dict({**d, "format": "other"})
-    with pytest.raises(ValueError, match="pieces"):
-        Tokenizer.from_dict({**d, "pieces": "abc"})
-    with pytest.raises(ValueError, match="twice"):
-        Tokenizer.from_dict({**d, "pieces": ["ab", "ab"]})
-
-
-def test_decode_rejects_out_of_range(tok):
-    with pytest.raises(ValueError, match="out of range"):
-        tok.decode([tok.vocab_size])
-
-
-# ----- chat template ------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "directory_find_email", "parameters": {"type": "object"}}}]
 HISTORY = [
     {"role": "system", "content": "You are an office assistant."},
     {"role": "user", "content": "Invite bo to a meeting called sync on 2023-12-04 at 10:00"},
@@ -111,89 +29,127 @@ HISTORY = [
 ]
 
 
-def test_render_layout(tok):
-    ids = render_messages(tok, HISTORY)
-    assert ids[0] == tok.bos_id and ids[-1] == tok.special_id("<|assistant|>")
-    text = tok.decode(ids)
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(CORPUS, 400)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "Done.", "  two  spaces\n\ttab", "bo@corp.com", "naïve café ☕ 日本語", "\x00\x7f", "unknownword zzz_qq"],
+)
+def test_round_trip_examples(tok, text):
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=60))
+def test_round_trip_any_text(text):
+    tok = train_tokenizer(CORPUS, 400)
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_special_tokens_are_single_ids_and_a_known_word_is_one_token(tok):
+    for s in SPECIAL_TOKENS:
+        assert len(tok(s, add_special_tokens=False)["input_ids"]) == 1
+    assert tok.eos_token == IM_END and tok.pad_token_id is not None
+    # a word is the same single token in a sentence and inside JSON arguments
+    a = tok(" bo ", add_special_tokens=False)["input_ids"]
+    b = tok('"bo"', add_special_tokens=False)["input_ids"]
+    assert len(a) == 3 and a[1] == b[1]
+
+
+def test_tiny_template_layout_with_tools(tok):
+    text = render_text(tok, HISTORY, TOOLS)
     assert text == (
-        "<|bos|><|system|>You are an office assistant.<|end|>"
-        "<|user|>Invite bo to a meeting called sync on 2023-12-04 at 10:00<|end|>"
-        '<|assistant|><call>directory_find_email {"name": "bo"}</call><|end|>'
-        "<|tool|>bo@corp.com<|end|><|assistant|>"
+        "<|im_start|>system\nYou are an office assistant.\n<tools>directory_find_email</tools><|im_end|>\n"
+        "<|im_start|>user\nInvite bo to a meeting called sync on 2023-12-04 at 10:00<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "directory_find_email", "arguments": {"name": "bo"}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>tool\nbo@corp.com<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert render_messages(tok, HISTORY, add_generation_prompt=False) == ids[:-1]
+    assert render_prompt(tok, HISTORY, TOOLS) == tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_mask_covers_exactly_the_assistant_tokens(tok):
-    ids, mask = render_with_mask(tok, HISTORY, add_generation_prompt=False)
+def test_mask_covers_exactly_the_generated_tokens(tok):
+    eos = tok.convert_tokens_to_ids(IM_END)
+    conv = [*HISTORY, {"role": "assistant", "content": "Done."}]
+    ids, mask = render_with_mask(tok, conv, TOOLS, {eos})
     assert len(ids) == len(mask)
-    written = [i for i, m in zip(ids, mask) if m]
-    assert written == assistant_ids(tok, None, HISTORY[2]["tool_calls"])
-    assert written[0] == tok.call_open_id and written[-1] == tok.end_id
+    written = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert written == ('<tool_call>\n{"name": "directory_find_email", "arguments": {"name": "bo"}}\n</tool_call>'
+                       "<|im_end|>Done.<|im_end|>")
+    # each span is exactly what a model call after that prompt generates
+    prompt = render_prompt(tok, conv[:4], TOOLS)
+    assert ids[: len(prompt)] == prompt and mask[len(prompt)] == 1 and mask[len(prompt) - 1] == 0
 
 
 def test_tool_reply_envelope_is_unwrapped(tok):
     wrapped = [*HISTORY[:3], {"role": "tool", "tool_call_id": "c1", "content": '{"output": "bo@corp.com"}'}]
-    assert render_messages(tok, wrapped) == render_messages(tok, HISTORY)
+    assert render_prompt(tok, wrapped) == render_prompt(tok, HISTORY)
     assert tool_output_text('{"output": 3}') == '{"output": 3}'
     assert tool_output_text('{"output": "x", "more": 1}') == '{"output": "x", "more": 1}'
 
 
-def test_content_parts_and_developer_role(tok):
-    a = render_messages(tok, [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}])
-    b = render_messages(tok, [{"role": "system", "content": "Be brief."}])
+def test_content_parts_developer_role_and_responses_style_tools(tok):
+    a = render_prompt(tok, [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}])
+    b = render_prompt(tok, [{"role": "system", "content": "Be brief."}])
     assert a == b
+    flat = [{"type": "function", "name": "directory_find_email", "parameters": {"type": "object"}}]
+    assert render_prompt(tok, HISTORY, flat) == render_prompt(tok, HISTORY, TOOLS)
+    assert template_messages(HISTORY)[2]["tool_calls"][0]["function"]["arguments"] == {"name": "bo"}
 
 
-def test_bad_messages_name_index_and_field():
+def test_bad_messages_name_index_and_field(tok):
     with pytest.raises(ValueError, match=r"messages\[1\]\.role"):
         validate_messages([{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls"):
         validate_messages([{"role": "assistant", "tool_calls": [{"type": "function"}]}])
     with pytest.raises(ValueError, match="non-empty"):
         validate_messages([])
+    tok2 = train_tokenizer(CORPUS, 300)
+    tok2.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        render_prompt(tok2, HISTORY)
 
 
-# ----- tool-call text format ---------------------------------------------
+# ----- hermes tool-call parsing (vLLM's hermes parser semantics) ----------------
 def test_parse_single_call():
-    content, calls = parse_completion('<call>directory_find_email {"name": "bo"}</call>')
-    assert content is None
-    assert len(calls) == 1
+    content, calls = parse_tool_calls('<tool_call>\n{"name": "directory_find_email", "arguments": {"name": "bo"}}\n</tool_call>')
+    assert content is None and len(calls) == 1
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"] == {"name": "directory_find_email", "arguments": '{"name": "bo"}'}
 
 
-def test_parse_text_and_several_calls():
-    text = 'Looking up. <call>a {"x": 1}</call><call>b {"y": "z</call>"}</call>'
-    content, calls = parse_completion(text)
-    # the second block ends at the first </call>, so its JSON is cut: it stays text
-    assert [c["function"]["name"] for c in calls] == ["a"]
-    assert content == 'Looking up. <call>b {"y": "z</call>"}</call>'
-    content, calls = parse_completion('<call>a {"x": 1}</call> <call>b.c-d {"y": [1, {"k": "}"}]}</call>')
-    assert content is None and [c["function"]["name"] for c in calls] == ["a", "b.c-d"]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"y": [1, {"k": "}"}]}
+def test_parse_text_then_several_calls_and_an_unterminated_last_one():
+    text = 'Looking up.\n<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}'
+    content, calls = parse_tool_calls(text)
+    assert content == "Looking up."
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": 1}, {}]
+    # arguments written as a JSON string are accepted too
+    _, calls = parse_tool_calls('<tool_call>{"name": "a", "arguments": "{\\"k\\": [1, \\"}\\"]}"}</tool_call>')
+    assert json.loads(calls[0]["function"]["arguments"]) == {"k": [1, "}"]}
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        '<call>directory_find_email {"name": "bo"</call>',  # broken JSON
-        "<call>directory_find_email [1, 2]</call>",  # not an object
-        '<call>1bad {"a": 1}</call>',  # bad name
-        '<call> {"a": 1}</call>',  # no name
-        '<call>foo {"a": 1}',  # never closed
-        '<call>foo"x" {"a": 1}</call>',  # junk after the name
+        '<tool_call>{"name": "directory_find_email", "arguments": {"name": "bo"}</tool_call>',  # broken JSON
+        "<tool_call>[1, 2]</tool_call>",  # not an object
+        '<tool_call>{"arguments": {"a": 1}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "ok", "arguments": {}}</tool_call><tool_call>{"name": </tool_call>',  # one bad block
     ],
 )
-def test_malformed_calls_stay_content(bad):
-    content, calls = parse_completion("Sure. " + bad)
+def test_malformed_calls_give_no_calls_and_keep_the_text(bad):
+    content, calls = parse_tool_calls("Sure. " + bad)
     assert calls == []
     assert content == ("Sure. " + bad).strip()
 
 
 def test_plain_reply():
-    assert parse_completion("  Done.  ") == ("Done.", [])
-    assert parse_completion("") == (None, [])
+    assert parse_tool_calls("  Done.  ") == ("Done.", [])
+    assert parse_tool_calls("") == (None, [])
 
 
 @settings(max_examples=100, deadline=None)
@@ -202,16 +158,20 @@ def test_plain_reply():
     args=st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=12), st.booleans()), max_size=4),
 )
 def test_format_parse_round_trip(name, args):
-    content, calls = parse_completion(format_tool_call(name, args))
+    content, calls = parse_tool_calls(format_tool_call(name, args))
     assert content is None and len(calls) == 1
     assert calls[0]["function"]["name"] == name
     assert json.loads(calls[0]["function"]["arguments"]) == args
 
 
-def test_generated_ids_decode_to_the_same_calls(tok):
-    calls = [{"id": "x", "type": "function", "function": {"name": "email_send", "arguments": '{"to": "bo@corp.com"}'}}]
-    ids = assistant_ids(tok, "ok", calls)
-    assert ids[-1] == tok.end_id
-    content, parsed = parse_completion(tok.decode(ids[:-1]))
+def test_rendered_call_decodes_back_to_the_same_call(tok):
+    conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "email_send", "arguments": '{"to": "bo@corp.com"}'}}]}]
+    eos = tok.convert_tokens_to_ids(IM_END)
+    ids, mask = render_with_mask(tok, conv, None, {eos})
+    gen = [i for i, m in zip(ids, mask) if m]
+    assert gen[-1] == eos
+    content, parsed = parse_tool_calls(tok.decode(gen[:-1]))
     assert content == "ok"
-    assert parsed[0]["function"] == calls[0]["function"]
+    assert json.loads(parsed[0]["function"]["arguments"]) == {"to": "bo@corp.com"}
+    assert parsed[0]["function"]["name"] == "email_send"

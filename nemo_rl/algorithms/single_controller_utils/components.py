@@ -2,8 +2,10 @@
 
 ``policy.model_name: scripted-test-backend`` selects a test pair (a scripted
 OpenAI-compatible backend that plays each row's demonstration, and a trainer
-that only records batches) for RL-level tests of recovery; anything else is
-the real tiny policy trained with GRPO.
+that only records batches) for RL-level tests of recovery; anything else is a
+Hugging Face causal LM trained with GRPO: the embedded tiny default
+(``tiny-causal-lm``, built and warm-started locally, cached), a local model
+directory, or a hub id.
 """
 
 from __future__ import annotations
@@ -41,14 +43,18 @@ class ScriptedTestGeneration:
 
 
 class RayGenerationBackend:
-    """The real policy served by a ``GenerationWorker`` Ray actor; refit after every step."""
+    """The policy served by a ``GenerationWorker`` Ray actor; refit after every step.
 
-    def __init__(self, config: MasterConfig, tokenizer: Any, weights: bytes, port: int):
-        from nemo_rl.models.generation.worker import GenerationWorker
+    The actor gets the model directory's small files (config, tokenizer) and the
+    trainer's weights as bytes, so it needs no shared filesystem.
+    """
+
+    def __init__(self, config: MasterConfig, model_dir: str, weights: bytes, port: int):
+        from nemo_rl.models.generation.worker import GenerationWorker, model_files
 
         gpus = 1 if config.cluster.gpus_per_node > 0 else 0
         self._worker = GenerationWorker.options(num_cpus=1, num_gpus=gpus).remote(
-            config.policy.model_dump(mode="json"), tokenizer.to_dict(), weights, 0, config.grpo.seed
+            config.policy.model_dump(mode="json"), model_files(model_dir), weights, 0, config.grpo.seed
         )
         self.base_url = ray.get(self._worker.start.remote("127.0.0.1", port))
 
@@ -92,21 +98,74 @@ def reserve_policy_url(config: MasterConfig) -> tuple[str, int]:
     return f"http://127.0.0.1:{port}/v1", port
 
 
+def _trainer_restore_point(config: MasterConfig):
+    from nemo_rl.utils.snapshot_store import resolve_restore_point
+
+    if not config.checkpointing.enabled:
+        return None
+    point = resolve_restore_point(config.checkpointing.checkpoint_dir)
+    return point if point is not None and point.step > 0 else None
+
+
+def preflight(config: MasterConfig) -> str | None:
+    """Checks before anything starts (no Ray, no Gym yet).
+
+    Returns a message when the run in ``checkpointing.checkpoint_dir`` already
+    finished ``grpo.max_num_steps`` (nothing to do); raises ``ValueError``
+    naming ``policy.model_name`` when the model cannot be found or fetched.
+    """
+    from nemo_rl.models.policy import resolve_model_source
+
+    if config.policy.model_name == SCRIPTED_TEST_BACKEND:
+        return None
+    point = _trainer_restore_point(config)
+    if point is not None:
+        if point.step >= config.grpo.max_num_steps:
+            return (f"The run is complete: {config.checkpointing.checkpoint_dir} holds trainer step {point.step} "
+                    f"of grpo.max_num_steps={config.grpo.max_num_steps}. Nothing to do (raise grpo.max_num_steps "
+                    "to train further, or use a fresh checkpointing.checkpoint_dir for a new run).")
+        return None
+    if not config.policy.is_embedded:
+        resolve_model_source(config.policy.model_name)
+    return None
+
+
 def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, log=print) -> tuple[Any, Any]:
-    """Tokenizer, tiny policy (+ warm start on demonstrations), GRPO trainer, generation worker."""
+    """The policy (from a trainer checkpoint, the cached embedded default, or ``policy.model_name``),
+    the GRPO trainer, and the generation worker.
+
+    Resuming from a trainer checkpoint loads the model from it and never runs
+    the warm start (the controller then restores the full trainer state).
+    """
+    import json
+
     import torch
+    from transformers.utils import logging as hf_logging
 
     from nemo_rl.algorithms.grpo import GRPOTrainer
-    from nemo_rl.algorithms.warm_start import build_tokenizer, warm_start
+    from nemo_rl.models.policy import load_policy, resolve_model_source
 
+    hf_logging.disable_progress_bar()
     torch.manual_seed(config.grpo.seed)
-    tokenizer = build_tokenizer(rows)
-    trainer = GRPOTrainer(config.policy, config.loss_fn, config.grpo, tokenizer)
-    ws = config.policy.warm_start
-    if ws.steps > 0:
-        log(f"Warm start: {ws.steps} supervised steps on the rows' demonstrations...")
-        metrics = warm_start(trainer.policy, tokenizer, rows, steps=ws.steps, batch_size=ws.batch_size,
-                             lr=ws.learning_rate, seed=config.grpo.seed, label_smoothing=ws.label_smoothing)
-        log(f"Warm start done: loss {metrics['warm_start_loss']:.3f} in {metrics['warm_start_s']:.1f}s")
-    generation = RayGenerationBackend(config, tokenizer, trainer.state_dict_bytes(), port)
+    point = _trainer_restore_point(config)
+    if point is not None:
+        saved = json.loads((point.anchor / "trainer_state.json").read_text()).get("policy_cfg", {})
+        if saved.get("model_name") != config.policy.model_name:
+            raise ValueError(
+                f"policy.model_name={config.policy.model_name!r} but the trainer checkpoint {point.anchor} was "
+                f"trained from {saved.get('model_name')!r}; use a fresh checkpointing.checkpoint_dir"
+            )
+        source = str(point.anchor)
+        log(f"Resuming: the policy comes from trainer checkpoint {point.anchor} (no warm start).")
+    elif config.policy.is_embedded:
+        from nemo_rl.models.tiny_model import ensure_pretrained
+
+        source = str(ensure_pretrained(config.policy, rows, config.grpo.seed, log,
+                                       progress=config.logger.progress_bar))
+    else:
+        source = resolve_model_source(config.policy.model_name)
+        log(f"Policy: {config.policy.model_name} from {source}")
+    policy = load_policy(source, config.policy.dtype, config.policy.device, config.policy.max_seq_len)
+    trainer = GRPOTrainer(config.policy, config.loss_fn, config.grpo, policy)
+    generation = RayGenerationBackend(config, source, trainer.state_dict_bytes(), port)
     return GRPOTrainerAdapter(trainer), generation

@@ -3,7 +3,9 @@
 Unknown request fields are ignored (clients such as Gym's model server send
 ``tool_choice``, ``parallel_tool_calls`` ...), but fields we cannot honour
 (``stream``, ``n`` != 1, ``top_p`` != 1, ``stop``) are rejected so the caller
-is not silently given something else.
+is not silently given something else. ``top_logprobs`` (0..20) needs
+``logprobs: true``, as in OpenAI's API. A tool must be a function with a name,
+and its ``parameters``, when given, must be a JSON object (``check_tools``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     messages: list[Any]
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -27,7 +32,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool | None = None
     stop: str | list[str] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     seed: int | None = None
 
     @field_validator("top_p")
@@ -58,14 +63,24 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop sequences are not supported (replies end at the end-of-turn token)")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        for i, t in enumerate(v or []):
-            name = (t.get("function") or {}).get("name", t.get("name"))
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"tools[{i}] has no function name")
-        return v
+
+def check_tools(tools: list[Any] | None) -> str | None:
+    """The dotted field of the first bad tool with why (``"tools[1].function.parameters: ..."``), else None."""
+    for i, t in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            return f"{where}: must be an object"
+        if t.get("type", "function") != "function":
+            return f"{where}.type: only 'function' tools are supported, got {t.get('type')!r}"
+        fn, fwhere = (t["function"], f"{where}.function") if "function" in t else (t, where)
+        if not isinstance(fn, dict):
+            return f"{fwhere}: must be an object"
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            return f"{fwhere}.name: a tool needs a non-empty function name"
+        if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], dict):
+            return f"{fwhere}.parameters: must be a JSON object (a JSON Schema), got {type(fn['parameters']).__name__}"
+    return None
 
 
 def error_body(message: str, param: str | None, code: str | None = None) -> dict:

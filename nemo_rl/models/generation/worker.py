@@ -7,19 +7,28 @@ executor thread, so the event loop stays responsive and refits, which run on
 the same thread, always land between batches: every reply was produced by
 exactly one ``weight_version``, which it reports.
 
+The model is a Hugging Face causal LM (``HFPolicy``): prompts are rendered by
+its tokenizer's chat template with the request's ``tools``, and replies are
+split into content and ``tool_calls`` by the hermes parser
+(``nemo_rl.models.chat.parse_tool_calls``), as vLLM's ``hermes`` parser would.
+
 Replies carry four extensions Gym's model server passes through for training:
 ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and
-``weight_version``.
+``weight_version``. The reply's ``model`` is always the served model's name,
+whatever the request named.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import shutil
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,10 +37,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from nemo_rl.algorithms.grpo_config import PolicyConfig
-from nemo_rl.models.chat_format import parse_completion, render_messages
-from nemo_rl.models.generation.protocol import ChatCompletionRequest, error_body
-from nemo_rl.models.policy import build_policy
-from nemo_rl.models.tokenizer import Tokenizer
+from nemo_rl.models.chat import parse_tool_calls, render_prompt
+from nemo_rl.models.generation.protocol import ChatCompletionRequest, check_tools, error_body
+from nemo_rl.models.policy import HFPolicy, load_tokenizer, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -40,6 +48,7 @@ class _Job:
     max_new_tokens: int
     temperature: float
     future: asyncio.Future = field(repr=False)
+    top_k: int = 0
 
 
 class _BadRequest(Exception):
@@ -56,32 +65,75 @@ def _load_weights(weights: Any) -> dict[str, torch.Tensor]:
     return weights
 
 
+def model_files(directory: str | Path) -> dict[str, bytes]:
+    """A model directory's small files (config, tokenizer, chat template), no weights: what the worker needs
+    besides the weights, shippable to an actor on another node."""
+    out = {}
+    for f in sorted(Path(directory).iterdir()):
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth")) and f.stat().st_size < 64 << 20:
+            out[f.name] = f.read_bytes()
+    return out
+
+
+def _materialize(files: dict[str, bytes]) -> str:
+    d = tempfile.mkdtemp(prefix="nemo_rl_gen_model_")
+    for name, data in files.items():
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"model file name {name!r} is not a plain file name")
+        (Path(d) / name).write_bytes(data)
+    return d
+
+
 class GenerationServer:
-    """Plain-Python implementation; ``GenerationWorker`` is its Ray actor form."""
+    """Plain-Python implementation; ``GenerationWorker`` is its Ray actor form.
+
+    ``model`` is a local model directory or ``model_files(dir)``; ``weights``
+    (a state dict or its ``torch.save`` bytes) replace the directory's weights
+    (required with ``model_files``, which carry none).
+    """
 
     def __init__(
         self,
         policy_cfg: PolicyConfig | dict,
-        tokenizer: Tokenizer | dict,
+        model: str | dict[str, bytes],
         weights: Any = None,
         weight_version: int = 0,
         seed: int = 0,
         model_name: str | None = None,
     ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         torch.set_num_threads(1)
         self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
-        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.from_dict(tokenizer)
         if self.cfg.generation.backend != "torch":
             raise ValueError(
-                f"policy.generation.backend={self.cfg.generation.backend!r}: this worker is the torch backend; "
-                "the tiny policy has no vLLM implementation"
+                f"policy.generation.backend={self.cfg.generation.backend!r}: this worker is the torch backend"
             )
         self.model_name = model_name or self.cfg.model_name
-        self.policy = build_policy(self.cfg, self.tokenizer.vocab_size).eval()
+        if isinstance(model, dict):
+            if weights is None:
+                raise ValueError("GenerationServer: model files carry no weights; pass weights")
+            source = self._tmp_dir = _materialize(model)
+        else:
+            self._tmp_dir = None
+            source = str(model)
+        dev, dtype = resolve_device(self.cfg.device), resolve_dtype(self.cfg.dtype)
+        if weights is not None:
+            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+            if (Path(source) / "generation_config.json").is_file():
+                from transformers import GenerationConfig
+
+                hf_model.generation_config = GenerationConfig.from_pretrained(source)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        self.policy = HFPolicy(hf_model.to(dev).eval(), load_tokenizer(source), self.cfg.max_seq_len)
         for p in self.policy.parameters():
             p.requires_grad_(False)
         if weights is not None:
-            self.policy.load_state_dict(_load_weights(weights))
+            self.policy.load_state(_load_weights(weights))
+        self.tokenizer = self.policy.tokenizer
         self._version = int(weight_version)
         self._gen = torch.Generator(device=self.policy.device).manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
@@ -89,6 +141,7 @@ class GenerationServer:
         self._batcher: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None
+        self.created = int(time.time())
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0}
 
     # ----- lifecycle -----------------------------------------------------
@@ -118,11 +171,12 @@ class GenerationServer:
             self._batcher.cancel()
             self._batcher = None
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
 
     # ----- weights -------------------------------------------------------
     def _refit_sync(self, weights: Any, weight_version: int) -> int:
-        state = _load_weights(weights)
-        self.policy.load_state_dict(state)
+        self.policy.load_state(_load_weights(weights))
         self._version = int(weight_version)
         return self._version
 
@@ -146,7 +200,7 @@ class GenerationServer:
         return dict(self.stats)
 
     # ----- generation ----------------------------------------------------
-    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float) -> dict:
+    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0) -> dict:
         """Queue one prompt; resolves to ``{token_ids, logprobs, finish_reason, weight_version}``."""
         if self._queue is None:
             raise RuntimeError("call start() before generate()")
@@ -158,7 +212,7 @@ class GenerationServer:
                 "context_length_exceeded",
             )
         fut = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut))
+        await self._queue.put(_Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k)))
         return await fut
 
     def _decode_batch(self, jobs: list[_Job]) -> tuple[list, int]:
@@ -166,9 +220,8 @@ class GenerationServer:
             [j.prompt_ids for j in jobs],
             [j.max_new_tokens for j in jobs],
             [j.temperature for j in jobs],
-            stop_token=self.tokenizer.end_id,
             generator=self._gen,
-            pad_id=self.tokenizer.pad_id,
+            top_k=[j.top_k for j in jobs],
         )
         return outs, self._version
 
@@ -196,14 +249,15 @@ class GenerationServer:
                 self.stats["generated_tokens"] += len(o.token_ids)
                 if not j.future.done():
                     j.future.set_result(
-                        {"token_ids": o.token_ids, "logprobs": o.logprobs,
+                        {"token_ids": o.token_ids, "logprobs": o.logprobs, "top": o.top,
                          "finish_reason": o.finish_reason, "weight_version": version}
                     )
 
     # ----- HTTP ----------------------------------------------------------
     async def _handle_models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "nemo_rl"}]}
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                         "owned_by": "nemo_rl", "max_model_len": self.policy.max_seq_len}]}
         )
 
     async def _handle_health(self, request: web.Request) -> web.Response:
@@ -223,8 +277,13 @@ class GenerationServer:
                 err = e.errors()[0]
                 loc = ".".join(str(x) for x in err["loc"]) or "body"
                 raise _BadRequest(f"{loc}: {err['msg']}", loc) from None
+            if req.top_logprobs and not req.logprobs:
+                raise _BadRequest("top_logprobs: needs logprobs=true", "top_logprobs")
+            bad_tool = check_tools(req.tools)
+            if bad_tool is not None:
+                raise _BadRequest(bad_tool, bad_tool.split(":")[0])
             try:
-                prompt_ids = render_messages(self.tokenizer, req.messages)
+                prompt_ids = render_prompt(self.tokenizer, req.messages, req.tools)
             except ValueError as e:
                 msg = str(e)
                 param = msg.split(":")[0] if msg.startswith("messages[") else "messages"
@@ -233,27 +292,30 @@ class GenerationServer:
             temperature = gen_cfg.temperature if req.temperature is None else req.temperature
             max_new = req.max_completion_tokens or req.max_tokens or gen_cfg.max_new_tokens
             self.stats["requests"] += 1
-            out = await self.generate(prompt_ids, max_new, temperature)
+            out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0)
         except _BadRequest as e:
             return web.json_response(error_body(str(e), e.param, e.code), status=400)
         return web.json_response(self._completion_body(req, prompt_ids, out))
 
+    def _logprob_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.policy.token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
     def _completion_body(self, req: ChatCompletionRequest, prompt_ids: list[int], out: dict) -> dict:
-        tok = self.tokenizer
         gen = out["token_ids"]
-        text_ids = gen[:-1] if gen and gen[-1] == tok.end_id else gen
-        content, tool_calls = parse_completion(tok.decode(text_ids))
+        content, tool_calls = parse_tool_calls(self.policy.decode_completion(gen))
         finish = out["finish_reason"]
         if finish == "stop" and tool_calls:
             finish = "tool_calls"
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
+        tops = out.get("top") or [[] for _ in gen]
         return {
             "id": "chatcmpl-" + uuid.uuid4().hex,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.model or self.model_name,
+            "model": self.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -261,8 +323,9 @@ class GenerationServer:
                     "finish_reason": finish,
                     "logprobs": {
                         "content": [
-                            {"token": tok.token_str(t), "logprob": lp, "top_logprobs": []}
-                            for t, lp in zip(gen, out["logprobs"])
+                            {**self._logprob_entry(t, lp),
+                             "top_logprobs": [self._logprob_entry(ti, tv) for ti, tv in top]}
+                            for t, lp, top in zip(gen, out["logprobs"], tops)
                         ]
                     },
                 }

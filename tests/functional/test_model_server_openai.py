@@ -135,6 +135,8 @@ def test_openai_client_reads_every_reply_with_its_own_types(scripted, client):
     [
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "input[0].role"),
         ({"input": []}, "input", "at least one item"),
+        ({"input": 5}, "input", "valid string"),
+        ({"input": "hi", "temperature": "hot"}, "temperature", "valid number"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "only 'function' tools"),
         ({"input": "hi", "stream": False, "extra_body": {"stream": True}}, "stream", "streaming"),

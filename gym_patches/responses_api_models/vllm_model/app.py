@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -96,11 +97,18 @@ def openai_error(
     return web.json_response(body, status=status, headers=headers)
 
 
+# pydantic puts the member type of a union into the error location (``input.str``)
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
+
+
 def _param(loc: tuple[Any, ...]) -> str:
     """A pydantic error location as an OpenAI ``param``: ``input[0].role``."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_TAG.match(str(part)):
+            out += f".{part}" if out else str(part)
     return out
 
 

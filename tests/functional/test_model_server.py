@@ -79,9 +79,18 @@ async def http():
         yield session
 
 
+try:
+    from openai.types.responses import Response as OpenAIResponse
+except ImportError:  # the openai client is a test extra; without it the shape check is skipped
+    OpenAIResponse = None
+
+
 async def post(http, url, body, headers=None):
     async with http.post(url, json=body, headers=headers) as resp:
-        return resp.status, await resp.json()
+        status, reply = resp.status, await resp.json()
+    if status == 200 and "/v1/responses" in url and OpenAIResponse is not None:
+        OpenAIResponse.model_validate(reply)  # every reply passes the openai client's own type
+    return status, reply
 
 
 async def control(http, model_url, op, **body):

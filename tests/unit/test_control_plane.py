@@ -16,12 +16,18 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gym_patches.checkpoint import control as control_module
 from gym_patches.checkpoint.control import ParticipantControlPlane
-from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.errors import ERROR_STATUS, CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.store import MANIFEST_NAME
-from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, CHECKPOINT_ROUTE_PREFIX, PrepareReport
+from gym_patches.checkpoint.wire import (
+    CHECKPOINT_ID_PATTERN,
+    CHECKPOINT_ROUTE_PREFIX,
+    MAX_EPISODES_PER_REQUEST,
+    PrepareReport,
+)
 
 TOKEN = "tok-3f9c1e7a"
 
@@ -607,10 +613,6 @@ def test_malformed_control_requests_property(tmp_path):
 
 
 # -- the status-code rule, body cap, past deadlines (docs/design.md "Control routes") ------------------
-from gym_patches.checkpoint import control as control_module  # noqa: E402
-from gym_patches.checkpoint.errors import ERROR_STATUS  # noqa: E402
-from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST  # noqa: E402
-
 # Every code not listed here is a state conflict: 409.
 NOT_409 = {"unauthorized": 401, "rollout_id_required": 400, "payload_too_large": 413, "invalid_request": 422,
            "invalid_checkpoint_state": 422, "internal_error": 500}

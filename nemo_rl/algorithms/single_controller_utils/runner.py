@@ -22,6 +22,7 @@ from nemo_rl.algorithms.single_controller_utils.components import (
     SCRIPTED_TEST_BACKEND,
     ScriptedTestGeneration,
     build_real,
+    preflight,
     reserve_policy_url,
 )
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
@@ -121,6 +122,10 @@ class _RunReaper:
 def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_only_check: bool = False) -> int:
     launched_at = launched_at or time.monotonic()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
+    finished = preflight(config)  # an unfetchable policy.model_name fails here too, in seconds
+    if finished:
+        print(finished, flush=True)
+        return 0
     warnings.showwarning = _warn_to_stderr
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

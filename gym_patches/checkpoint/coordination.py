@@ -66,6 +66,14 @@ class CoordinationError(RuntimeError):
         where = f"HTTP {status}" if status is not None else "no reply"
         super().__init__(message or f"Gym server {server!r}: {code or 'error'} ({where}): {detail}")
         self.server, self.status, self.code, self.detail = server, status, code, detail
+        self._message = message
+
+    def __reduce__(self):  # crosses process boundaries (e.g. Ray) with its fields
+        return (_rebuild_coordination_error, (self.server, self.status, self.code, self.detail, self._message))
+
+
+def _rebuild_coordination_error(server, status, code, detail, message):
+    return CoordinationError(server, status, code, detail, message=message)
 
 
 class CoordinationFailures(CoordinationError):
@@ -77,6 +85,10 @@ class CoordinationFailures(CoordinationError):
         detail = "; ".join(str(self.failures[name]) for name in names)
         super().__init__(", ".join(names), None, f"{op}_failed", detail,
                          message=f"{op} failed on {len(names)} Gym servers ({', '.join(names)}): {detail}")
+        self.op = op
+
+    def __reduce__(self):
+        return (CoordinationFailures, (self.op, self.failures))
 
 
 class ControlClient:

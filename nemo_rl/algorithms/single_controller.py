@@ -3,8 +3,11 @@
 Read top to bottom: ``run`` restores (if a checkpoint exists), then for each
 step reserves prompt groups, dispatches their rollouts to Gym, seals what
 comes back, trains on complete groups, refits generation and saves a trainer
-checkpoint. A background pump takes rollout snapshots meanwhile (DESIGN §4.4);
-restore follows DESIGN §4.5.
+checkpoint. A pump takes rollout snapshots meanwhile (docs/design.md §5.4);
+restore follows §5.5. Every task (rollouts, the pump) belongs to one
+``asyncio.TaskGroup`` owned by ``run``: an error in any of them stops the run
+and is raised from ``run``; nothing polls. Training, refit and file writes run
+off the event loop, so lease renewals and rollouts keep going meanwhile.
 """
 
 from __future__ import annotations
@@ -17,17 +20,17 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-import ray
-
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
+from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.snapshot import (
     CONTROLLER_STATE_FILE,
-    GYM_CHECKPOINT_FILE,
+    GymCheckpointIndex,
     RolloutSnapshotter,
+    SnapshotInputs,
     required_snapshot_files,
     resolve_restorable_snapshot,
 )
@@ -38,6 +41,7 @@ from nemo_rl.experience.rollout_recovery import (
     PromptGroupStatus,
     RolloutAttemptStatus,
     RolloutRecoveryLedger,
+    RolloutRetriesExhausted,
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.fault_injection import crash_point
@@ -48,10 +52,21 @@ from nemo_rl.utils.snapshot_store import (
     publish_trainer_step,
     remove_stale_tmp_dirs,
     resolve_restore_point,
-    write_json_atomic,
 )
 
 logger = logging.getLogger(__name__)
+# A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
+MAX_REFUSALS_PER_ATTEMPT = 20
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error that stopped the task group (not the cancellations it caused)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
 
 
 class SingleController:
@@ -78,13 +93,8 @@ class SingleController:
         self.dataloader = PromptDataloader(rows, seed=config.data.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.anchor_step = 0  # newest published trainer step; snapshots hang under it
-        self.dispatch_open = asyncio.Event()
-        self.dispatch_open.set()
-        # Rollouts RL dispatched that Gym refused (parked): not in Gym, re-sent after resume.
-        self.not_in_gym: set[str] = set()
-        self.pending_retirements: dict[str, list[EpisodeId]] = {}
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._group_seq = 0
+        self.changes = LedgerChanges()
+        self._rollouts: dict[str, asyncio.Task] = {}
         self.snapshot_counts = {"committed": 0, "failed": 0}
         recovery = config.rollout_recovery
         self.coordinator = (
@@ -96,51 +106,67 @@ class SingleController:
             if recovery.turn_checkpointing_enabled
             else None
         )
-        self.snapshotter = RolloutSnapshotter(self) if self.coordinator else None
-        self._fatal: BaseException | None = None
+        self.snapshotter: RolloutSnapshotter | None = None  # built after restore, over the restored state
+
+    @property
+    def dispatch_open(self) -> bool:
+        return self.snapshotter is None or self.snapshotter.gate.is_open
 
     # ------------------------------------------------------------------ run
     async def run(self) -> dict[str, Any]:
+        """Restore, then train; rollouts and the snapshot pump are tasks of one group owned here."""
         await self.restore_if_any()
-        pump = asyncio.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
+        if self.coordinator is not None:
+            self.snapshotter = RolloutSnapshotter(
+                SnapshotInputs(self.ledger, self.data_plane, self.dataloader, lambda: self.step, self.anchor_dir),
+                self.coordinator, self.records, self.config.rollout_checkpointing, self.changes,
+            )
         try:
-            while self.step < self.config.grpo.max_num_steps:
-                target = self.step + 1
-                self._reserve_groups(target)
-                t0 = time.monotonic()
-                groups = await self._generate(target)
-                gen_s = time.monotonic() - t0
-                samples = [s for g in groups for s in self.data_plane.group_samples(g)]
-                t1 = time.monotonic()
-                metrics = self.trainer.train_step(samples)
-                crash_point("train")  # test-only: batch consumed, step not checkpointed
-                train_s = time.monotonic() - t1
-                for g in groups:
-                    self.ledger.mark_group_trained(g)
-                    self.data_plane.discard(s.rollout_id for s in self.data_plane.group_samples(g))
-                if self.generation is not None:
-                    self.generation.refit(self.trainer)
-                self.step = target
-                record = {
-                    "step": self.step,
-                    "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
-                    "weight_version": self.trainer.weight_version,
-                    "generation_s": round(gen_s, 3),
-                    "training_s": round(train_s, 3),
-                    "groups": groups,
-                    "snapshots_committed": self.snapshot_counts["committed"],
-                    "snapshots_failed": self.snapshot_counts["failed"],
-                    **{k: v for k, v in metrics.items() if k not in ("step",)},
-                }
-                self.records.metrics(record)
-                if self.step % self.config.checkpointing.save_period == 0 or self.step == self.config.grpo.max_num_steps:
-                    self.save_trainer_checkpoint()
-                self.on_progress(record)
-        finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            await self._cancel_rollouts()
+            async with asyncio.TaskGroup() as tasks:
+                pump = tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
+                try:
+                    await self._train(tasks)
+                finally:
+                    pump.cancel()
+                    for rollout in list(self._rollouts.values()):
+                        rollout.cancel()
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
         return {"step": self.step, "trained_groups": list(self.ledger.trained_group_ids)}
+
+    async def _train(self, tasks: asyncio.TaskGroup) -> None:
+        while self.step < self.config.grpo.max_num_steps:
+            target = self.step + 1
+            self._reserve_groups(target)
+            t0 = time.monotonic()
+            groups = await self._generate(tasks, target)
+            gen_s = time.monotonic() - t0
+            samples = [s for g in groups for s in self.data_plane.group_samples(g)]
+            t1 = time.monotonic()
+            metrics = await asyncio.to_thread(self.trainer.train_step, samples)
+            crash_point("train")  # test-only: batch consumed, step not checkpointed
+            train_s = time.monotonic() - t1
+            for g in groups:
+                self.ledger.mark_group_trained(g)
+                self.data_plane.discard(s.rollout_id for s in self.data_plane.group_samples(g))
+            if self.generation is not None:
+                await asyncio.to_thread(self.generation.refit, self.trainer)
+            self.step = target
+            record = {
+                "step": self.step,
+                "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+                "weight_version": self.trainer.weight_version,
+                "generation_s": round(gen_s, 3),
+                "training_s": round(train_s, 3),
+                "groups": groups,
+                "snapshots_committed": self.snapshot_counts["committed"],
+                "snapshots_failed": self.snapshot_counts["failed"],
+                **{k: v for k, v in metrics.items() if k not in ("step",)},
+            }
+            self.records.metrics(record)
+            if self.step % self.config.checkpointing.save_period == 0 or self.step == self.config.grpo.max_num_steps:
+                await self.save_trainer_checkpoint()
+            self.on_progress(record)
 
     # ------------------------------------------------------------ generation
     def _reserve_groups(self, target_step: int) -> None:
@@ -164,131 +190,111 @@ class SingleController:
                 target_step=target_step,
             )
 
-    async def _generate(self, target_step: int) -> list[str]:
-        """Dispatch every reserved attempt; return when this step's groups are complete."""
+    async def _generate(self, tasks: asyncio.TaskGroup, target_step: int) -> list[str]:
+        """Dispatch every reserved attempt while the gate is open; return when this step's groups are complete."""
         wanted = [g.group_id for g in self.ledger.groups.values() if g.target_step == target_step]
-        while True:
-            if self._fatal is not None:
-                raise self._fatal
-            await self.dispatch_open.wait()
-            for req in self.ledger.reserved_attempts():
-                if not self.dispatch_open.is_set():
-                    break
-                self._dispatch(req)
-            if all(self.ledger.groups[g].status is PromptGroupStatus.COMPLETE for g in wanted):
-                return wanted
-            await asyncio.sleep(0.02)
 
-    def _dispatch(self, req) -> None:
+        def complete() -> bool:
+            return all(self.ledger.groups[g].status is PromptGroupStatus.COMPLETE for g in wanted)
+
+        def work() -> bool:
+            return complete() or (self.dispatch_open and bool(self.ledger.reserved_attempts()))
+
+        while True:
+            if self.dispatch_open:
+                for req in self.ledger.reserved_attempts():
+                    self._dispatch(tasks, req)
+            if complete():
+                return wanted
+            await self.changes.wait_for(work)
+
+    def _dispatch(self, tasks: asyncio.TaskGroup, req) -> None:
         group = self.ledger.groups[req.group_id]
         row = self.rows[group.prompt_index]
         instance = req.gym_instance_id or self.shard_set.pick_instance(group.agent_name or "")
         self.ledger.mark_dispatched(req.rollout_id, instance)
-        self._tasks[req.rollout_id] = asyncio.create_task(
+        self._rollouts[req.rollout_id] = tasks.create_task(
             self._run_rollout(req.rollout_id, req.group_id, req.generation_index, instance, row),
             name=f"rollout:{req.rollout_id}",
         )
 
     async def _run_rollout(self, rollout_id: str, group_id: str, g: int, instance: str, row: dict) -> None:
-        handle = self.shard_set.handle_for(instance)
+        """One ``/run``; every outcome is a ledger transition, and waiters are woken after it.
+
+        Infra failures retry from the prompt (bounded by the ledger); a refusal
+        (Gym closed for a checkpoint) puts the attempt back for dispatch after
+        resume (bounded here); anything else is raised and stops the run.
+        """
         try:
-            while True:
-                try:
-                    reply = await handle.run_rollout.remote(row, rollout_id)
-                    break
-                except GymCheckpointParked:
-                    # Refused while a checkpoint held the agent closed: not in Gym; send again after resume.
-                    self.not_in_gym.add(rollout_id)
-                    await asyncio.sleep(0.05)
-                    await self.dispatch_open.wait()
-                    self.not_in_gym.discard(rollout_id)
-            if self.ledger_status(rollout_id) is not RolloutAttemptStatus.DISPATCHED:
-                return  # dropped meanwhile (e.g. retired)
-            sample = sample_from_run_reply(
-                reply, rollout_id=rollout_id, group_id=group_id, generation_index=g,
-                prompt_id=self.ledger.groups[group_id].prompt_id, gym_instance_id=instance,
-            )
-            self.data_plane.put(sample)
-            self.ledger.mark_sealed(rollout_id, sample.reward)
-        except GymRolloutError as exc:
-            if exc.code == "stale_attempt":
-                return
-            if not exc.infra:
-                self._fatal = exc
-                return
-            reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
-            logger.warning("rollout %s failed on %s (%s); retrying from the prompt", rollout_id, exc.server, reason)
             try:
-                self.ledger.mark_failed(rollout_id)
-            except Exception as fatal:  # retries exhausted: stop the run, naming the server
-                self._fatal = RuntimeError(
-                    f"Gym server {exc.server!r} on {instance} keeps failing: {fatal}; last error: {reason}"
+                reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, rollout_id)
+            except GymCheckpointParked:
+                refusals = self.ledger.mark_refused(rollout_id, MAX_REFUSALS_PER_ATTEMPT)
+                logger.warning("Gym instance %s refused rollout %s while closed for a checkpoint (%d/%d); "
+                               "it is dispatched again after resume", instance, rollout_id, refusals,
+                               MAX_REFUSALS_PER_ATTEMPT)
+            except GymRolloutError as exc:
+                if exc.code == "stale_attempt":
+                    return
+                if not exc.infra:
+                    raise
+                reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
+                logger.warning("rollout %s failed on %s (%s); retrying from the prompt", rollout_id, exc.server, reason)
+                try:
+                    self.ledger.mark_failed(rollout_id)
+                except RolloutRetriesExhausted as exhausted:
+                    raise RuntimeError(
+                        f"Gym server {exc.server!r} on {instance} keeps failing: {exhausted}; last error: {reason}"
+                    ) from None
+            else:
+                if self.ledger.attempt_status(rollout_id) is not RolloutAttemptStatus.DISPATCHED:
+                    return  # dropped meanwhile
+                sample = sample_from_run_reply(
+                    reply, rollout_id=rollout_id, group_id=group_id, generation_index=g,
+                    prompt_id=self.ledger.groups[group_id].prompt_id, gym_instance_id=instance,
                 )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - surfaced to the main loop, never swallowed
-            self._fatal = exc
+                self.data_plane.put(sample)
+                self.ledger.mark_sealed(rollout_id, sample.reward)
         finally:
-            self._tasks.pop(rollout_id, None)
-
-    def ledger_status(self, rollout_id: str) -> RolloutAttemptStatus | None:
-        return self.ledger.attempt_status(rollout_id)
-
-    async def _cancel_rollouts(self) -> None:
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self._rollouts.pop(rollout_id, None)
+        await self.changes.notify()
 
     # -------------------------------------------------------------- snapshots
     async def _snapshot_pump(self) -> None:
+        """Every ``snapshot_attempt_interval_s`` while groups generate; an error here stops the run."""
         interval = self.config.rollout_checkpointing.snapshot_attempt_interval_s
         if self.snapshotter is None or interval is None:
             return
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval)  # the schedule, not a poll
             if not any(g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()):
                 continue
             if self.anchor_step != self.step:
                 continue  # step_N not durable yet: a snapshot would outlive its trainer state
-            try:
-                outcome = await self.snapshotter.attempt()
-            except BaseException as exc:
-                if not isinstance(exc, asyncio.CancelledError):
-                    self._fatal = exc
-                raise
+            outcome = await self.snapshotter.attempt()
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
 
     def anchor_dir(self) -> Path:
         return anchor_dir(self.checkpoint_dir, self.step)
 
-    def write_controller_state(self, directory: Path) -> None:
-        """Ledger, data plane and dataloader position, as one consistent cut."""
-        dp = self.data_plane.save(directory)
-        write_json_atomic(
-            directory / CONTROLLER_STATE_FILE,
-            {
-                "step": self.step,
-                "ledger": self.ledger.state_dict(),
-                "dataloader": self.dataloader.state_dict(),
-                "data_plane": dp,
-            },
-        )
-
     # ------------------------------------------------------- trainer checkpoints
-    def save_trainer_checkpoint(self) -> None:
-        tmp, final = prepare_trainer_step(self.checkpoint_dir, self.step)
-        self.trainer.save(
-            tmp,
-            {
-                "step": self.step,
-                "dataloader": self.dataloader.state_dict(),
-                "trained_group_ids": list(self.ledger.trained_group_ids),
-                "ledger": self.ledger.state_dict(),
-            },
-        )
-        publish_trainer_step(tmp, final, metadata={"step": self.step})
-        self.anchor_step = self.step
+    async def save_trainer_checkpoint(self) -> None:
+        """Capture the step's bookkeeping here, write the trainer state and publish off the event loop."""
+        step = self.step
+        extra = {
+            "step": step,
+            "dataloader": self.dataloader.state_dict(),
+            "trained_group_ids": list(self.ledger.trained_group_ids),
+            "ledger": self.ledger.state_dict(),
+        }
+
+        def write() -> None:
+            tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
+            self.trainer.save(tmp, extra)
+            publish_trainer_step(tmp, final, metadata={"step": step})
+
+        await asyncio.to_thread(write)
+        self.anchor_step = step
 
     # ---------------------------------------------------------------- restore
     async def restore_if_any(self) -> None:
@@ -303,12 +309,12 @@ class SingleController:
         point = point._replace(snapshot=resolve_restorable_snapshot(
             point.anchor, required_snapshot_files(self.coordinator is not None)))
         if point.step > 0:
-            extra = self.trainer.load(point.anchor)
+            extra = await asyncio.to_thread(self.trainer.load, point.anchor)
             self.step = self.anchor_step = int(extra["step"])
             self.dataloader.load_state_dict(extra["dataloader"])
             self.ledger.load_state_dict(extra["ledger"])
             if self.generation is not None:
-                self.generation.refit(self.trainer)
+                await asyncio.to_thread(self.generation.refit, self.trainer)
         for path, why in point.snapshot.skipped:
             logger.warning("skipping rollout snapshot %s: %s", path, why)
         record: dict[str, Any] = {
@@ -334,20 +340,19 @@ class SingleController:
         self.ledger.load_state_dict(state["ledger"])
         self.dataloader.load_state_dict(state["dataloader"])
         self.data_plane = DataPlaneStore.load(snap, state["data_plane"]["sha256"], state["data_plane"]["count"])
-        restored: set[tuple[str, str, int]] = set()
+        restored: set[tuple[str, str, int]] = set()  # (instance, rollout id, the attempt Gym restored it as)
         restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
-        gym_file = snap / GYM_CHECKPOINT_FILE
         if self.coordinator is not None:
-            gym = json.loads(gym_file.read_text())
-            exported = {iid: by_server for iid, by_server in gym["instances"].items() if any(by_server.values())}
+            index = GymCheckpointIndex.read(snap)
+            exported = index.exported()
             if exported:
                 new_keys = await self.coordinator.restore(
-                    f"restore-{uuid.uuid4().hex[:12]}", str(snap), exported, gym["checkpoint_id"]
+                    f"restore-{uuid.uuid4().hex[:12]}", str(snap), exported, index.checkpoint_id
                 )
                 for iid, keys in new_keys.items():
                     for key in keys:
                         e = EpisodeId.from_capture_key(key)
-                        restored.add((iid, e.rollout_id, e.attempt - 1))
+                        restored.add((iid, e.rollout_id, e.attempt))
                         restored_on[key] = iid
         crash_point("restore")  # test-only: Gym restored, ledger not applied
         summary = self.ledger.prepare_for_restart(restored)

@@ -1,8 +1,10 @@
 """RL's view of one Gym deployment's checkpoint participants.
 
-``GymCheckpointAdapter`` wraps ``gym_patches.checkpoint.coordination`` for one
-replica; it is what the ``NemoGym`` actor calls. Replies are turned into small
-picklable summaries so they can cross Ray.
+``GymCheckpointAdapter`` runs ``gym_patches.checkpoint.coordination`` for one
+replica; it is what the ``NemoGym`` actor calls. Results and errors are
+coordination's own (``PrepareResult``, ``CoordinationError``, both picklable),
+passed through unchanged: the only wrap is the controller's, which names the
+replica.
 """
 
 from __future__ import annotations
@@ -13,27 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from gym_patches.checkpoint import coordination
-from gym_patches.checkpoint.coordination import CoordinationError, Participants
+from gym_patches.checkpoint.coordination import Participants, PrepareResult
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import RestartOnlyPolicy, StatusReply
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RESOURCES_MODES = ("stateless", "exported", "restart_only")
-
-
-class GymCheckpointUnavailable(RuntimeError):
-    """A picklable stand-in for Gym's ``CoordinationError`` (names the server)."""
-
-    def __init__(self, message: str, *, server: str | None = None, code: str | None = None, status: int | None = None):
-        super().__init__(message)
-        self.server, self.code, self.status = server, code, status
-
-    def __reduce__(self):  # keep keyword fields across Ray
-        return (_rebuild_unavailable, (str(self), self.server, self.code, self.status))
-
-
-def _rebuild_unavailable(message: str, server: str | None, code: str | None, status: int | None):
-    return GymCheckpointUnavailable(message, server=server, code=code, status=status)
 
 
 class GymStatusError(ValueError):
@@ -59,16 +46,6 @@ class GymCheckpointInstance:
 
     def checkpoint_dir(self, root: str | Path) -> Path:
         return Path(root) / "gym-instances" / self.shard_name / f"replica-{self.replica_index}"
-
-
-@dataclass(frozen=True)
-class GymCheckpointPrepareSummary:
-    prepared: bool
-    blockers: dict[str, list[str]] = field(default_factory=dict)
-    unsaved: dict[str, list[str]] = field(default_factory=dict)
-
-    def unsaved_keys(self) -> set[str]:
-        return {k for keys in self.unsaved.values() for k in keys}
 
 
 @dataclass(frozen=True)
@@ -104,10 +81,6 @@ def _is_restart_only(name: str, status: StatusReply) -> bool:
     return False
 
 
-def _unavailable(exc: CoordinationError) -> GymCheckpointUnavailable:
-    return GymCheckpointUnavailable(str(exc), server=exc.server, code=exc.code, status=exc.status)
-
-
 class GymCheckpointAdapter:
     """Checkpoint calls for one Gym deployment (one replica of one shard)."""
 
@@ -125,10 +98,7 @@ class GymCheckpointAdapter:
 
     async def discover(self, timeout_s: float = 30.0) -> list[str]:
         """Find the participants; return the names of the restart-only ones."""
-        try:
-            self._participants = await coordination.discover(self._client, self._auth_token, timeout_s=timeout_s)
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
+        self._participants = await coordination.discover(self._client, self._auth_token, timeout_s=timeout_s)
         return sorted(p.name for p in self._participants if _is_restart_only(p.name, p.status))
 
     async def prepare(
@@ -137,39 +107,25 @@ class GymCheckpointAdapter:
         deadline_ts: float,
         restart_only_policy: RestartOnlyPolicy = "block",
         policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
-    ) -> GymCheckpointPrepareSummary:
+    ) -> PrepareResult:
         """``policy_overrides``: per-server policies (restart-only servers no turn-level rollout uses)."""
-        try:
-            result = await coordination.prepare(
-                self.participants, checkpoint_id, deadline_ts, restart_only_policy, policy_overrides=policy_overrides
-            )
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
-        return GymCheckpointPrepareSummary(result.prepared, dict(result.blockers), dict(result.unsaved))
+        return await coordination.prepare(
+            self.participants, checkpoint_id, deadline_ts, restart_only_policy, policy_overrides=policy_overrides
+        )
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> None:
-        try:
-            await coordination.renew(self.participants, checkpoint_id, deadline_ts)
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
+        await coordination.renew(self.participants, checkpoint_id, deadline_ts)
 
     async def retire(self, checkpoint_id: str, deadline_ts: float, episodes: list[EpisodeId]) -> None:
-        if not episodes:
-            return
-        try:
+        if episodes:
             await coordination.retire(self.participants, checkpoint_id, deadline_ts, episodes)
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
 
     async def commit(
         self, checkpoint_id: str, deadline_ts: float, root: str | Path, episodes: list[EpisodeId]
     ) -> GymCheckpointCommitSummary:
         target = self.instance.checkpoint_dir(root)
         target.mkdir(parents=True, exist_ok=True)
-        try:
-            replies = await coordination.commit(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
+        replies = await coordination.commit(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
         wanted = {e.capture_key for e in episodes}
         exported: dict[str, list[str]] = {}
         for name, reply in replies.items():
@@ -196,22 +152,12 @@ class GymCheckpointAdapter:
             raise RuntimeError(
                 f"{self.instance.instance_id}: checkpoint names Gym servers this deployment does not have: {unknown}"
             )
-        try:
-            replies = await coordination.restore(
-                self.participants,
-                restore_id,
-                deadline_ts,
-                str(self.instance.checkpoint_dir(root)),
-                scopes,
-                source_checkpoint_id,
-            )
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
+        replies = await coordination.restore(
+            self.participants, restore_id, deadline_ts, str(self.instance.checkpoint_dir(root)), scopes,
+            source_checkpoint_id,
+        )
         agents = {p.name for p in self.participants.by_kind("agent")}
         return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> None:
-        try:
-            await coordination.resume(self.participants, checkpoint_id, deadline_ts)
-        except CoordinationError as exc:
-            raise _unavailable(exc) from None
+        await coordination.resume(self.participants, checkpoint_id, deadline_ts)

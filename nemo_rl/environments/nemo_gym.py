@@ -23,12 +23,11 @@ from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, RunReply
+from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointAdapter,
     GymCheckpointCommitSummary,
     GymCheckpointInstance,
-    GymCheckpointPrepareSummary,
-    GymCheckpointUnavailable,
 )
 
 
@@ -189,7 +188,7 @@ class NemoGym:
         deadline_ts: float,
         restart_only_policy: RestartOnlyPolicy,
         policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
-    ) -> GymCheckpointPrepareSummary:
+    ) -> PrepareResult:
         return await self._named(
             self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy, policy_overrides)
         )
@@ -217,17 +216,18 @@ class NemoGym:
         await self._named(self._adapter().resume(checkpoint_id, deadline_ts))
 
     async def _named(self, call: Awaitable[Any]) -> Any:
-        """A checkpoint call; if it failed because a server process is gone, say which one."""
+        """A checkpoint call; if it failed because a server process is gone, the error says which one."""
         try:
             return await call
-        except GymCheckpointUnavailable as exc:
+        except CoordinationError as exc:
             dead = self.dead_servers()
             if not dead:
                 raise
             names = ", ".join(repr(name) for name in dead)
-            raise GymCheckpointUnavailable(
+            raise CoordinationError(
+                dead[0], exc.status, "server_dead",
                 f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {exc}",
-                server=dead[0], code="server_dead", status=exc.status,
+                message=f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {exc}",
             ) from None
 
     def _adapter(self) -> GymCheckpointAdapter:

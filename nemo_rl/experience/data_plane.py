@@ -80,19 +80,21 @@ class DataPlaneStore:
         return removed
 
     # ----- persistence -----------------------------------------------------
+    def dump(self) -> tuple[bytes, dict]:
+        """The store as JSONL bytes (sorted by id) and ``{file, sha256, count}``: a copy nothing later changes."""
+        lines = [self._samples[k].model_dump_json() + "\n" for k in sorted(self._samples)]
+        data = "".join(lines).encode()
+        return data, {"file": DATA_PLANE_FILE, "sha256": hashlib.sha256(data).hexdigest(), "count": len(lines)}
+
+    @staticmethod
+    def write_dump(directory: str | Path, data: bytes) -> None:
+        write_bytes_atomic(Path(directory) / DATA_PLANE_FILE, data)
+
     def save(self, directory: str | Path) -> dict:
         """Write one JSONL file (sorted by id) atomically; returns ``{file, sha256, count}``."""
-        directory = Path(directory)
-        lines = [
-            self._samples[k].model_dump_json() + "\n" for k in sorted(self._samples)
-        ]
-        data = "".join(lines).encode()
-        write_bytes_atomic(directory / DATA_PLANE_FILE, data)
-        return {
-            "file": DATA_PLANE_FILE,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "count": len(lines),
-        }
+        data, meta = self.dump()
+        self.write_dump(directory, data)
+        return meta
 
     @classmethod
     def load(

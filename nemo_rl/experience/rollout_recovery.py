@@ -110,6 +110,7 @@ class RolloutAttemptRecord(_Record):
     reward: float | None = None
     gym_instance_id: str | None = None
     gym_attempt: int = Field(default=0, ge=0)
+    refusals: int = Field(default=0, ge=0)  # times Gym refused its /run while closed (back to reserved)
 
     @field_validator("attempt_uuid")
     @classmethod
@@ -347,8 +348,6 @@ class RolloutRecoveryLedger:
                     )
         return out
 
-    next_dispatch = reserved_attempts
-
     def mark_dispatched(self, rollout_id: str, gym_instance_id: str) -> None:
         group, sibling, attempt = self._current(rollout_id)
         if attempt.status is not RolloutAttemptStatus.RESERVED:
@@ -368,6 +367,44 @@ class RolloutRecoveryLedger:
                 update={"status": RolloutAttemptStatus.DISPATCHED, "gym_instance_id": gym_instance_id}
             ),
         )
+
+    def mark_refused(self, rollout_id: str, max_refusals: int) -> int:
+        """Gym refused a dispatched attempt (closed for a checkpoint): it is reserved again.
+
+        A fresh attempt forgets its replica (Gym never had it); a restored one
+        keeps it (its saved session waits there). Returns the refusal count;
+        past ``max_refusals`` it raises, naming the rollout.
+        """
+        group, sibling, attempt = self._current(rollout_id)
+        if attempt.status is not RolloutAttemptStatus.DISPATCHED:
+            raise LedgerError(f"cannot mark rollout {rollout_id} refused: it is {attempt.status.value}")
+        refusals = attempt.refusals + 1
+        if refusals > max_refusals:
+            raise LedgerError(
+                f"rollout {rollout_id} was refused by Gym {refusals} times (the limit is {max_refusals}); "
+                "Gym keeps its admission closed"
+            )
+        self._replace_current(
+            group,
+            sibling,
+            attempt.model_copy(update={
+                "status": RolloutAttemptStatus.RESERVED,
+                "refusals": refusals,
+                "gym_instance_id": attempt.gym_instance_id if attempt.gym_attempt > 0 else None,
+            }),
+        )
+        return refusals
+
+    def refused_waiting(self) -> list[str]:
+        """Turn-level attempts Gym refused that wait for redispatch (never admitted)."""
+        return [
+            group.rollout_id(sibling.generation_index)
+            for group in self.groups.values()
+            if group.status is PromptGroupStatus.GENERATING and group.restore_level.requires_gym_checkpoint
+            for sibling in group.siblings
+            if sibling.current_attempt.status is RolloutAttemptStatus.RESERVED
+            and sibling.current_attempt.refusals > 0 and sibling.current_attempt.gym_attempt == 0
+        ]
 
     def mark_sealed(self, rollout_id: str, reward: float) -> PromptGroupRecoveryRecord:
         """Seal a dispatched attempt; the group becomes complete with its last sibling."""
@@ -451,8 +488,6 @@ class RolloutRecoveryLedger:
             out[attempt.gym_instance_id].append(attempt.episode(group.group_id, g))
         return out
 
-    inflight_turn_level = gym_checkpoint_inventory
-
     def owned_live_episodes(self, instance_id: str) -> set[EpisodeId]:
         """Turn-level episodes this ledger expects ``instance_id`` to hold right now."""
         return {
@@ -479,8 +514,10 @@ class RolloutRecoveryLedger:
         """Apply the per-level restart rules to every generating group (DESIGN §4.5).
 
         ``restored`` holds ``(instance_id, base rollout_id, attempt)`` for each
-        episode Gym restored (as ``attempt + 1``). The ledger is only changed
-        if every restored triple is consumed; otherwise ValueError names them.
+        episode Gym restored, with the attempt number Gym gave it (the saved
+        attempt + 1): attempt numbers are Gym's everywhere, the ledger never
+        re-derives them. The ledger is only changed if every restored triple is
+        consumed; otherwise ValueError names them.
         """
         pending = set(restored or ())
         summary = RestartSummary()
@@ -516,13 +553,13 @@ class RolloutRecoveryLedger:
         if attempt.status is RolloutAttemptStatus.RESERVED and attempt.gym_attempt == 0:
             return  # never started: dispatch it as planned
         if level.requires_gym_checkpoint and attempt.status in _LIVE:
-            triple = (attempt.gym_instance_id, attempt.base_rollout_id(gid, g), attempt.gym_attempt)
+            triple = (attempt.gym_instance_id, attempt.base_rollout_id(gid, g), attempt.gym_attempt + 1)
             if triple in pending:
                 pending.discard(triple)
                 restored = attempt.model_copy(
                     update={
                         "status": RolloutAttemptStatus.RESERVED,
-                        "gym_attempt": attempt.gym_attempt + 1,
+                        "gym_attempt": triple[2],
                     }
                 )
                 self._replace_current(group, sibling, restored)

@@ -47,9 +47,9 @@ from gym_patches.utils.processes import free_port
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointAdapter,
     GymCheckpointInstance,
-    GymCheckpointUnavailable,
     GymStatusError,
 )
+from gym_patches.checkpoint.coordination import CoordinationError
 from tests.functional.rl_run import processes_with_marker, wait_for_no_processes
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(120)]
@@ -448,11 +448,11 @@ async def test_discover_classifies_good_statuses(fake):
      "Gym resources server 'tools': unknown checkpoint mode 'sometimes'"),
     ("tools", _status("resources"), GymStatusError, "Gym resources server 'tools': unknown checkpoint mode None"),
     ("agent_a", _status("agent"), GymStatusError, "Gym agent 'agent_a': status has no boolean 'restart_only' field"),
-    ("agent_a", {"kind": "agent", "phase": "idle"}, GymCheckpointUnavailable,
+    ("agent_a", {"kind": "agent", "phase": "idle"}, CoordinationError,
      "Gym server 'agent_a': bad_reply (HTTP 200): malformed status: instance: Field required; report: Field required"),
-    ("tools", _status("agent", restart_only=False), GymCheckpointUnavailable,
+    ("tools", _status("agent", restart_only=False), CoordinationError,
      "Gym server 'tools': kind_mismatch (HTTP 200): status says kind 'agent'"),
-    ("policy_model", ["not", "an", "object"], GymCheckpointUnavailable,
+    ("policy_model", ["not", "an", "object"], CoordinationError,
      "Gym server 'policy_model': bad_reply (HTTP 200): GET status did not return a JSON object"),
 ])
 async def test_bad_status_fails_discovery_naming_the_server(fake, server, body, error, expected):
@@ -465,7 +465,7 @@ async def test_bad_status_fails_discovery_naming_the_server(fake, server, body, 
 async def test_a_server_that_does_not_answer_times_out_naming_it(fake):
     fake.hang.add("agent_a")
     started = time.monotonic()
-    with pytest.raises(GymCheckpointUnavailable) as info:
+    with pytest.raises(CoordinationError) as info:
         await _discover(fake.client(TYPES), timeout_s=0.5)
     assert time.monotonic() - started < 5
     assert info.value.server == "agent_a" and info.value.code == "timeout"
@@ -473,7 +473,7 @@ async def test_a_server_that_does_not_answer_times_out_naming_it(fake):
 
 
 async def test_a_server_that_is_not_there_is_named(fake):
-    with pytest.raises(GymCheckpointUnavailable) as info:
+    with pytest.raises(CoordinationError) as info:
         await _discover(fake.client(TYPES, dead={"tools": free_port()}), timeout_s=2)
     assert info.value.server == "tools" and info.value.code == "unreachable", str(info.value)
 

@@ -70,7 +70,7 @@ def test_workplace_with_setting_true_warns_it_should_be_false(dirs):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "UserWarning" in proc.stderr
-    assert "every Gym agent and resources server saves its rollouts; set it to false" in proc.stderr
+    assert "every Gym agent and resources server that serves a turn-level rollout saves its rollouts; set it to false" in proc.stderr
     assert len(dirs.records("metrics.jsonl")) == 1
 
 

@@ -53,7 +53,7 @@ def _triple(ledger, rollout_id):
     ep = EpisodeId.from_capture_key(rollout_id)
     group_id, g, _ = ledger._by_base[ep.rollout_id]
     attempt = ledger.groups[group_id].siblings[g].current_attempt
-    return (attempt.gym_instance_id, ep.rollout_id, ep.attempt)
+    return (attempt.gym_instance_id, ep.rollout_id, ep.attempt + 1)
 
 
 def test_rollout_id_format_and_capture_key_parity():
@@ -81,7 +81,7 @@ def test_reserve_validates_group_id_and_duplicates():
 def test_lifecycle_dispatch_seal_complete_train():
     ledger = RolloutRecoveryLedger()
     group = _reserve(ledger, n=3)
-    reqs = ledger.next_dispatch()
+    reqs = ledger.reserved_attempts()
     assert [r.generation_index for r in reqs] == [0, 1, 2]
     assert all(r.group_id == "grp0" and r.gym_instance_id is None for r in reqs)
     for r in reqs:
@@ -159,7 +159,6 @@ def test_inventory_covers_only_turn_level_live_attempts():
     inv = ledger.gym_checkpoint_inventory([INST, "nemo_gym/replica-1"])
     assert {e.capture_key for e in inv[INST]} == {t0, p0}
     assert inv["nemo_gym/replica-1"] == []
-    assert ledger.inflight_turn_level([INST, "nemo_gym/replica-1"]) == inv
     assert ledger.owned_live_episodes(INST) == set(inv[INST])
     with pytest.raises(LedgerError, match=f"{t0}.*{INST}.*not in the live topology"):
         ledger.gym_checkpoint_inventory(["other/replica-0"])
@@ -195,7 +194,7 @@ def test_restart_turn_twice_bumps_again():
     (r0,) = _dispatch_all(ledger)
     ledger.prepare_for_restart({_triple(ledger, r0)})
     # crashed again before redispatch: the RESERVED a1 episode was saved again
-    ledger.prepare_for_restart({(INST, r0, 1)})
+    ledger.prepare_for_restart({(INST, r0, 2)})
     assert ledger.reserved_attempts()[0].rollout_id == f"{r0}-a2"
 
 
@@ -235,7 +234,7 @@ def test_restart_sibling_level_refuses_restored_triple():
     (r0,) = _dispatch_all(ledger)
     before = ledger.state_dict()
     with pytest.raises(ValueError, match=r0):
-        ledger.prepare_for_restart({(INST, r0, 0)})
+        ledger.prepare_for_restart({(INST, r0, 1)})
     assert ledger.state_dict() == before  # nothing changed
 
 
@@ -244,7 +243,7 @@ def test_restart_unknown_restored_triple_is_named():
     _reserve(ledger, n=1)
     (r0,) = _dispatch_all(ledger)
     with pytest.raises(ValueError, match="no ledger attempt consumes.*replica-9"):
-        ledger.prepare_for_restart({(INST, r0, 0), ("nemo_gym/replica-9", r0, 0)})
+        ledger.prepare_for_restart({(INST, r0, 1), ("nemo_gym/replica-9", r0, 1)})
     with pytest.raises(ValueError, match="no ledger attempt consumes"):
         ledger.prepare_for_restart({(INST, r0, 3)})  # wrong attempt
 
@@ -419,7 +418,7 @@ class _Run:
         inventory = self.ledger.gym_checkpoint_inventory(INSTANCES)
         # Gym restores some saved episodes (the rest were unsaved / restart-only).
         restored = {
-            (iid, ep.rollout_id, ep.attempt)
+            (iid, ep.rollout_id, ep.attempt + 1)
             for iid, eps in inventory.items()
             for i, ep in enumerate(eps)
             if (a >> (i % 6)) & 1
@@ -467,3 +466,39 @@ def test_attempt_status_for_current_and_superseded_ids():
     assert ledger.attempt_status(retry) is S.RESERVED
     assert ledger.attempt_status("not-a-rollout") is None
     assert ledger.attempt_status(r1 + "-a1") is None  # wrong Gym attempt
+
+
+def test_refused_attempt_is_reserved_again_with_a_bound():
+    ledger = RolloutRecoveryLedger()
+    _reserve(ledger, n=1)
+    (r0,) = _dispatch_all(ledger)
+    assert ledger.mark_refused(r0, max_refusals=2) == 1
+    attempt = ledger.groups["grp0"].siblings[0].current_attempt
+    assert (attempt.status, attempt.gym_instance_id, attempt.refusals) == (S.RESERVED, None, 1)
+    assert ledger.refused_waiting() == [r0]
+    assert ledger.gym_checkpoint_inventory([INST]) == {INST: []}  # Gym never had it
+    (req,) = ledger.reserved_attempts()
+    assert req == ("grp0", 0, r0, None)
+    ledger.mark_dispatched(r0, "nemo_gym/replica-1")
+    assert ledger.refused_waiting() == []
+    ledger.mark_refused(r0, max_refusals=2)
+    ledger.mark_dispatched(r0, INST)
+    with pytest.raises(LedgerError, match=f"{r0} was refused by Gym 3 times"):
+        ledger.mark_refused(r0, max_refusals=2)
+    assert ledger.attempt_status(r0) is S.DISPATCHED  # the refused call changed nothing
+    ledger.mark_refused(r0, max_refusals=5)
+    with pytest.raises(LedgerError, match=f"cannot mark rollout {r0} refused: it is reserved"):
+        ledger.mark_refused(r0, max_refusals=5)
+
+
+def test_a_refused_restored_attempt_keeps_its_replica_and_stays_in_the_inventory():
+    ledger = RolloutRecoveryLedger()
+    _reserve(ledger, n=1)
+    (r0,) = _dispatch_all(ledger)
+    ledger.prepare_for_restart({_triple(ledger, r0)})
+    (req,) = ledger.reserved_attempts()
+    ledger.mark_dispatched(req.rollout_id, INST)
+    ledger.mark_refused(req.rollout_id, max_refusals=3)
+    attempt = ledger.groups["grp0"].siblings[0].current_attempt
+    assert (attempt.status, attempt.gym_instance_id, attempt.gym_attempt) == (S.RESERVED, INST, 1)
+    assert [e.capture_key for e in ledger.gym_checkpoint_inventory([INST])[INST]] == [f"{r0}-a1"]

@@ -88,7 +88,6 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         self.data_plane = DataPlaneStore()
         self.position = 0  # prompts consumed (the dataloader)
         self.trained: list[str] = []  # the trainer's lineage
-        self.refused: set[str] = set()  # dispatched by RL, refused by a closed Gym
         self.checkpoint = Durable(self.ledger.state_dict(), [], 0, [])
         self.snapshot: Durable | None = None
 
@@ -155,27 +154,21 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def refuse(self, data) -> None:
-        """Gym refused a /run while closed: RL holds it as dispatched, Gym does not have it."""
+        """Gym refused a /run while closed: the ledger puts the attempt back for dispatch."""
         running = self._running()
         if not running:
             return
         key, _, _, iid = data.draw(st.sampled_from(running))
         self.gym.live[iid].discard(key)
-        self.refused.add(key)
-
-    @rule()
-    def readmit(self) -> None:
-        for group, g, attempt in list(self._attempts(RolloutAttemptStatus.DISPATCHED)):
-            key = attempt.rollout_id(group.group_id, g)
-            if key in self.refused:
-                self.refused.discard(key)
-                self.gym.live[attempt.gym_instance_id].add(key)
+        if EpisodeId.from_capture_key(key).attempt > 0:
+            self.gym.restored[iid].add(key)  # a refused /run leaves the restored session where it waits
+        self.ledger.mark_refused(key, max_refusals=1000)
 
     @precondition(lambda self: any(g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()))
     @rule()
     def take_snapshot(self) -> None:
         """What the snapshot pump does when some group is generating (prepare, commit, cut, publish)."""
-        plan = plan_cut(self.ledger, self.iids, self.gym.unsaved(), self.refused)
+        plan = plan_cut(self.ledger, self.iids, self.gym.unsaved())
         exported = {
             iid: {e.capture_key for e in plan.scope[iid] if e.capture_key in self.gym.holds(iid)}
             if self.gym.saving[iid] else set()
@@ -184,7 +177,8 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         check_cut(self.ledger, plan, exported)
         counts = cut_counts(self.ledger, plan, exported)
         inventory = self.ledger.gym_checkpoint_inventory(self.iids)
-        assert counts.saved + counts.unsaved + counts.not_admitted == sum(len(v) for v in inventory.values())
+        assert counts.saved + counts.unsaved == sum(len(v) for v in inventory.values())
+        assert counts.not_admitted == len(self.ledger.refused_waiting())
         assert counts.saved == sum(len(v) for v in exported.values())
         event(f"snapshot over {sum(1 for v in inventory.values() if v)} instance(s) with rollouts")
         self.snapshot = Durable(
@@ -215,7 +209,6 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         for sample in base.samples:
             self.data_plane.put(copy.deepcopy(sample))
         self.position, self.trained = base.position, list(base.trained)
-        self.refused = set()
         self.gym = GymModel(dict(self.gym.saving))  # fresh Gym processes
         restored: set[tuple[str, str, int]] = set()
         for iid, keys in base.gym_records.items():
@@ -223,7 +216,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
                 episode = EpisodeId.from_capture_key(key)
                 nxt = EpisodeId(rollout_id=episode.rollout_id, attempt=episode.attempt + 1)
                 self.gym.restored[iid].add(nxt.capture_key)
-                restored.add((iid, episode.rollout_id, episode.attempt))
+                restored.add((iid, nxt.rollout_id, nxt.attempt))  # Gym's attempt numbers, as it reports them
         summary = self.ledger.prepare_for_restart(restored)
         self.data_plane.discard(summary.discarded_rollout_ids)
         assert len(summary.restored_turn) == len(restored)
@@ -258,8 +251,8 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
             assert not keys & seen, "a rollout on two instances"
             seen |= keys
             assert keys == {e.capture_key for e in self.ledger.owned_live_episodes(iid)}
-            # every turn-level rollout the ledger places here is held by Gym here, or was refused
-            assert keys <= self.gym.holds(iid) | self.refused
+            # every turn-level rollout the ledger places here is held by Gym here
+            assert keys <= self.gym.holds(iid)
         for iid in self.iids:
             for key in self.gym.restored[iid]:
                 assert key in {e.capture_key for e in inventory[iid]} or not any(

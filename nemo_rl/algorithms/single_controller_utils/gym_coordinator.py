@@ -16,11 +16,8 @@ from typing import Any, AsyncIterator, Awaitable
 
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import RestartOnlyPolicy
-from nemo_rl.environments.gym_checkpoint_adapter import (
-    GymCheckpointCommitSummary,
-    GymCheckpointPrepareSummary,
-    GymCheckpointUnavailable,
-)
+from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
+from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary
 from nemo_rl.environments.nemo_gym import NemoGymShardSet
 
 logger = logging.getLogger(__name__)
@@ -48,7 +45,11 @@ class GymCheckpointNotReady(RuntimeError):
 
 
 class GymCheckpointOperationError(RuntimeError):
-    """An operation failed on some replicas; ``failures[instance]`` = error."""
+    """An operation failed on some replicas; ``failures[instance]`` = the error as Gym raised it.
+
+    The one wrap between Gym and the controller: it names the operation and
+    each replica; each error inside names its server.
+    """
 
     def __init__(self, operation: str, failures: dict[str, BaseException]):
         self.operation, self.failures = operation, failures
@@ -63,28 +64,26 @@ def is_transient_gym_checkpoint_failure(exc: BaseException) -> bool:
     if isinstance(exc, GymCheckpointNotReady):
         return True
     if isinstance(exc, GymCheckpointOperationError):
-        return all(isinstance(_cause(e), GymCheckpointUnavailable) for e in exc.failures.values())
+        return all(isinstance(e, CoordinationError) for e in exc.failures.values())
     return False
 
 
-def _cause(exc: BaseException) -> BaseException:
-    return getattr(exc, "cause", None) or exc
+def _unwrap(exc: BaseException) -> BaseException:
+    """The error a replica raised, without Ray's task-error wrapper."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
 
 
 @dataclass
 class PreparedGym:
-    """What a successful prepare gives the snapshot: the unsaved keys per instance."""
+    """What a successful prepare gives the snapshot: every replica's ``PrepareResult``."""
 
     checkpoint_id: str
     deadline_ts: float
-    summaries: dict[str, GymCheckpointPrepareSummary]
+    results: dict[str, PrepareResult]
 
     def unsaved_keys(self, instance_id: str) -> set[str]:
-        return self.summaries[instance_id].unsaved_keys()
-
-    @property
-    def unsaved_by_instance(self) -> dict[str, dict[str, list[str]]]:
-        return {iid: s.unsaved for iid, s in self.summaries.items()}
+        return self.results[instance_id].unsaved_keys()
 
 
 class GymCheckpointCoordinator:
@@ -110,7 +109,7 @@ class GymCheckpointCoordinator:
                 task.cancel()
                 failures[iid] = TimeoutError(f"{operation} on {iid} did not answer within {timeout:.1f}s")
             elif task.exception() is not None:
-                failures[iid] = task.exception()
+                failures[iid] = _unwrap(task.exception())
             else:
                 out[iid] = task.result()
         if pending:
@@ -138,7 +137,7 @@ class GymCheckpointCoordinator:
         deadline = time.time() + self.prepare_timeout_s
         renewer: asyncio.Task | None = None
         try:
-            summaries = await self._collect(
+            results = await self._collect(
                 "prepare",
                 {
                     iid: h.checkpoint_prepare.remote(
@@ -148,11 +147,11 @@ class GymCheckpointCoordinator:
                 },
                 deadline,
             )
-            not_ready = {iid: s.blockers for iid, s in summaries.items() if not s.prepared}
+            not_ready = {iid: r.blockers for iid, r in results.items() if not r.prepared}
             if not_ready:
                 raise GymCheckpointNotReady(not_ready)
             renewer = asyncio.create_task(self._renew_until_stopped(checkpoint_id), name=f"gym-renew:{checkpoint_id}")
-            yield PreparedGym(checkpoint_id, deadline, summaries)
+            yield PreparedGym(checkpoint_id, deadline, results)
         finally:
             if renewer is not None:
                 renewer.cancel()

@@ -1,32 +1,47 @@
-"""One rollout snapshot: prepare -> commit -> drain -> ownership check -> publish -> resume.
+"""One rollout snapshot: prepare -> commit -> drain -> cut -> publish -> resume.
 
 The same shape as ``torch.distributed.checkpoint``: Gym plans (prepare) and
-writes its records (commit); the controller commits its own state and
-publishes the directory atomically; Gym is resumed whatever happens.
+writes its records (commit); under the exclusive cut the controller's state is
+captured in memory; the files are written and the directory is published
+atomically off the event loop; Gym is resumed whatever happens.
+
+The snapshotter reads the controller only through ``SnapshotInputs`` and owns
+the dispatch gate; it writes no controller field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_patches.checkpoint.identity import EpisodeId
+from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
+from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
+    GymCheckpointCoordinator,
     GymCheckpointNotReady,
     GymCheckpointOperationError,
+    PreparedGym,
     is_transient_gym_checkpoint_failure,
 )
+from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.snapshot_cut import (
     GymOwnershipError,  # noqa: F401 - re-exported: the error a bad cut raises
     check_cut,
     cut_counts,
     plan_cut,
 )
-from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus
+from nemo_rl.data.dataloader import PromptDataloader
+from nemo_rl.experience.data_plane import DataPlaneStore
+from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus, RolloutRecoveryLedger
 from nemo_rl.utils.fault_injection import crash_point
 from nemo_rl.utils.snapshot_store import (
     MANIFEST_NAME,
@@ -41,12 +56,80 @@ from nemo_rl.utils.snapshot_store import (
     write_json_atomic,
 )
 
-if TYPE_CHECKING:
-    from nemo_rl.algorithms.single_controller import SingleController
-
-GYM_CHECKPOINT_SCHEMA_VERSION = 2
+GYM_CHECKPOINT_SCHEMA_VERSION = 3
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
+
+
+class GymCheckpointIndex(BaseModel):
+    """``gym_checkpoint.json``: which episodes each Gym instance saved in a snapshot (write and read)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[3] = GYM_CHECKPOINT_SCHEMA_VERSION
+    checkpoint_id: str
+    instances: dict[str, dict[str, list[str]]]  # instance -> server -> capture keys it exported
+    turn_level: dict[str, list[str]]  # instance -> rollouts that continue at turn level
+    unsaved: dict[str, list[str]]  # instance -> rollouts restart-only servers could not save
+
+    def exported(self) -> dict[str, dict[str, list[str]]]:
+        """Instances that saved anything, and what (what restore sends back to each)."""
+        return {iid: by_server for iid, by_server in self.instances.items() if any(by_server.values())}
+
+    def write(self, directory: Path) -> None:
+        write_json_atomic(directory / GYM_CHECKPOINT_FILE, self.model_dump(mode="json"))
+
+    @classmethod
+    def read(cls, directory: Path) -> "GymCheckpointIndex":
+        """Parse and check the schema version; errors name the file."""
+        path = directory / GYM_CHECKPOINT_FILE
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SnapshotStoreError(f"{path}: cannot read ({exc})") from None
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if version != GYM_CHECKPOINT_SCHEMA_VERSION:
+            raise SnapshotStoreError(
+                f"{path}: schema_version {version!r}, this code reads {GYM_CHECKPOINT_SCHEMA_VERSION}"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise SnapshotStoreError(f"{path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+
+
+@dataclass
+class SnapshotInputs:
+    """What a snapshot may read from the controller; it changes none of it."""
+
+    ledger: RolloutRecoveryLedger
+    data_plane: DataPlaneStore
+    dataloader: PromptDataloader
+    step: Callable[[], int]
+    anchor_dir: Callable[[], Path]
+
+
+@dataclass(frozen=True)
+class ControllerStateCapture:
+    """The controller's state at the cut, serialised: nothing that runs later can change it."""
+
+    state: dict[str, Any]
+    data_plane: bytes
+
+    @classmethod
+    def take(cls, inputs: SnapshotInputs) -> "ControllerStateCapture":
+        data, meta = inputs.data_plane.dump()
+        state = {
+            "step": inputs.step(),
+            "ledger": inputs.ledger.state_dict(),
+            "dataloader": inputs.dataloader.state_dict(),
+            "data_plane": meta,
+        }
+        return cls(state, data)
+
+    def write(self, directory: Path) -> None:
+        DataPlaneStore.write_dump(directory, self.data_plane)
+        write_json_atomic(directory / CONTROLLER_STATE_FILE, self.state)
 
 
 def required_snapshot_files(turn_checkpointing: bool) -> tuple[str, ...]:
@@ -119,19 +202,29 @@ class SnapshotOutcome:
 class RolloutSnapshotter:
     """Takes snapshots for one controller; counts consecutive failures."""
 
-    def __init__(self, controller: "SingleController"):
-        self.c = controller
+    def __init__(
+        self,
+        inputs: SnapshotInputs,
+        coordinator: GymCheckpointCoordinator,
+        records: RunRecords,
+        settings: RolloutCheckpointConfig,
+        changes: LedgerChanges,
+    ):
+        self.inputs = inputs
+        self.coordinator = coordinator
+        self.records = records
+        self.settings = settings
+        self.changes = changes
+        self.gate = DispatchGate(changes)  # owned here; the controller reads it
         self.consecutive_failures = 0
 
     async def attempt(self) -> SnapshotOutcome:
-        c = self.c
         outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}")
         started = time.monotonic()
-        c.dispatch_open.clear()
         try:
-            await self._retire_dropped(outcome.checkpoint_id)
-            async with c.coordinator.prepared(outcome.checkpoint_id) as prepared:
-                await self._commit_and_publish(prepared, outcome)
+            async with self.gate.closed():
+                async with self.coordinator.prepared(outcome.checkpoint_id) as prepared:
+                    await self._commit_and_publish(prepared, outcome)
             outcome.reason = "committed"
             self.consecutive_failures = 0
         except BaseException as exc:
@@ -152,10 +245,9 @@ class RolloutSnapshotter:
                 outcome.blockers = exc.blockers
             self._failed(exc)
         finally:
-            c.dispatch_open.set()
             outcome.pause_s = time.monotonic() - started
             if outcome.reason:
-                c.records.snapshot_attempt(
+                self.records.snapshot_attempt(
                     checkpoint_id=outcome.checkpoint_id,
                     committed=outcome.committed,
                     reason=outcome.reason,
@@ -163,7 +255,7 @@ class RolloutSnapshotter:
                     unsaved=outcome.unsaved,
                     not_admitted=outcome.not_admitted,
                     pause_s=outcome.pause_s,
-                    step=c.step,
+                    step=self.inputs.step(),
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
                     **({"post_publish_error": outcome.post_publish_error} if outcome.post_publish_error else {}),
@@ -187,80 +279,69 @@ class RolloutSnapshotter:
 
     def _failed(self, exc: BaseException) -> None:
         self.consecutive_failures += 1
-        limit = self.c.config.rollout_checkpointing.max_consecutive_failures
+        limit = self.settings.max_consecutive_failures
         if self.consecutive_failures >= limit:
             raise RuntimeError(
                 f"{self.consecutive_failures} consecutive rollout snapshots failed "
                 f"(rollout_checkpointing.max_consecutive_failures={limit}); last error: {exc}"
             ) from exc
 
-    async def _retire_dropped(self, cid: str) -> None:
-        """Gym accepts retire only while idle, so dropped episodes go before prepare."""
-        c = self.c
-        if not c.pending_retirements:
-            return
-        batch = {iid: list(eps) for iid, eps in c.pending_retirements.items() if eps}
-        await c.coordinator.retire(cid, batch)
-        for iid, eps in batch.items():
-            remaining = [e for e in c.pending_retirements.get(iid, []) if e not in eps]
-            c.pending_retirements[iid] = remaining
-
-    async def _commit_and_publish(self, prepared, outcome: SnapshotOutcome) -> None:
-        c = self.c
-        crash_point("prepare", c.step)  # test-only: Gym is prepared, nothing committed
-        plan = plan_cut(
-            c.ledger,
-            c.coordinator.instance_ids,
-            {iid: prepared.unsaved_keys(iid) for iid in c.coordinator.instance_ids},
-            c.not_in_gym,
-        )
-        tmp, final = prepare_snapshot_paths(c.anchor_dir())
+    async def _commit_and_publish(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> None:
+        inputs = self.inputs
+        step = inputs.step()
+        crash_point("prepare", step)  # test-only: Gym is prepared, nothing committed
+        iids = self.coordinator.instance_ids
+        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids})
+        tmp, final = prepare_snapshot_paths(inputs.anchor_dir())
         try:
-            commits = await c.coordinator.commit(prepared, str(tmp), plan.scope)
-            crash_point("commit", c.step)  # test-only: Gym records written, snapshot not published
+            commits = await self.coordinator.commit(prepared, str(tmp), plan.scope)
+            crash_point("commit", step)  # test-only: Gym records written, snapshot not published
             exported = {iid: set(commits[iid].agent_exported) for iid in plan.instance_ids}
             await self._drain(plan.scope, exported, prepared.deadline_ts)
-            # Exclusive cut: no awaits from here until the directory is published.
-            check_cut(c.ledger, plan, exported)
-            counts = cut_counts(c.ledger, plan, exported)
-            kept = {
-                iid: {
-                    server: sorted(set(keys) & exported[iid])
-                    for server, keys in commits[iid].exported_by_server.items()
-                }
-                for iid in plan.instance_ids
-            }
-            write_json_atomic(
-                tmp / GYM_CHECKPOINT_FILE,
-                {
-                    "schema_version": GYM_CHECKPOINT_SCHEMA_VERSION,
-                    "checkpoint_id": prepared.checkpoint_id,
-                    "instances": kept,
-                    "turn_level": {iid: sorted(exported[iid]) for iid in plan.instance_ids},
-                    "unsaved": {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids},
+            # Exclusive cut: no awaits until the state is captured in memory.
+            check_cut(inputs.ledger, plan, exported)
+            counts = cut_counts(inputs.ledger, plan, exported)
+            index = GymCheckpointIndex(
+                checkpoint_id=prepared.checkpoint_id,
+                instances={
+                    iid: {server: sorted(set(keys) & exported[iid])
+                          for server, keys in commits[iid].exported_by_server.items()}
+                    for iid in plan.instance_ids
                 },
+                turn_level={iid: sorted(exported[iid]) for iid in plan.instance_ids},
+                unsaved={iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids},
             )
-            c.write_controller_state(tmp)
-            crash_point("publish", c.step)  # test-only: tmp dir written, not sealed or renamed
-            commit_snapshot(tmp, final, c.config.rollout_checkpointing.keep_latest_k,
-                            metadata={"checkpoint_id": prepared.checkpoint_id, "step": c.step})
+            capture = ControllerStateCapture.take(inputs)
+            # Files, fsync and the atomic rename run off the event loop (rollouts and lease renewals go on).
+            await asyncio.to_thread(self._write_and_publish, tmp, final, index, capture, step)
         except BaseException:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         outcome.committed, outcome.path = True, str(final)
         outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
 
+    def _write_and_publish(
+        self, tmp: Path, final: Path, index: GymCheckpointIndex, capture: ControllerStateCapture, step: int
+    ) -> None:
+        index.write(tmp)
+        capture.write(tmp)
+        crash_point("publish", step)  # test-only: tmp dir written, not sealed or renamed
+        commit_snapshot(tmp, final, self.settings.keep_latest_k,
+                        metadata={"checkpoint_id": index.checkpoint_id, "step": step})
+
     async def _drain(self, scope: dict[str, list[EpisodeId]], exported: dict[str, set[str]], deadline_ts: float) -> None:
-        """Wait for replies already on the wire: in scope, not exported, must seal (or fail)."""
-        c = self.c
+        """Wait for replies already on the wire: in scope, not exported, must seal, fail or be refused."""
+        ledger = self.inputs.ledger
         pending = {e.capture_key for iid, eps in scope.items() for e in eps if e.capture_key not in exported[iid]}
-        deadline = time.monotonic() + max(1.0, deadline_ts - time.time())
-        while pending:
-            pending = {k for k in pending if c.ledger_status(k) is RolloutAttemptStatus.DISPATCHED}
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"drain: {len(pending)} rollouts neither exported nor finished: {sorted(pending)[:5]}")
-            await asyncio.sleep(0.05)
+
+        def settled() -> bool:
+            pending.difference_update(
+                [k for k in pending if ledger.attempt_status(k) is not RolloutAttemptStatus.DISPATCHED])
+            return not pending
+
+        try:
+            await self.changes.wait_for(settled, timeout_s=max(1.0, deadline_ts - time.time()))
+        except TimeoutError:
+            raise TimeoutError(
+                f"drain: {len(pending)} rollouts neither exported nor finished: {sorted(pending)[:5]}"
+            ) from None

@@ -5,7 +5,7 @@ functions hold no I/O, so the snapshotter and the model-based tests run the
 very same code:
 
 - ``plan_cut``: after prepare, what each instance is asked to commit (its
-  turn-level rollouts minus those Gym reported unsaved or never admitted);
+  turn-level rollouts minus those Gym reported unsaved);
 - ``check_cut``: after commit and drain, under the exclusive cut, every
   rollout the ledger still expects Gym to hold was either exported or reported
   unsaved (else ``GymOwnershipError``);
@@ -32,12 +32,11 @@ class CutPlan:
     instance_ids: tuple[str, ...]
     scope: dict[str, list[EpisodeId]]  # committed per instance
     unsaved: dict[str, frozenset[str]]  # keys Gym said it cannot save (restart-only servers)
-    not_admitted: frozenset[str]  # keys RL dispatched that Gym refused (not in Gym at all)
 
 
 @dataclass(frozen=True)
 class CutCounts:
-    """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, not yet in Gym."""
+    """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, refused by Gym and waiting."""
 
     saved: int
     unsaved: int
@@ -48,22 +47,17 @@ def plan_cut(
     ledger: RolloutRecoveryLedger,
     instance_ids: Iterable[str],
     gym_unsaved: Mapping[str, Iterable[str]],
-    not_admitted: Iterable[str] = (),
 ) -> CutPlan:
     """The commit scope of every instance, from one inventory of the whole ledger."""
     iids = tuple(sorted(instance_ids))
     unsaved = {iid: frozenset(gym_unsaved.get(iid, ())) for iid in iids}
-    refused = frozenset(not_admitted)
     inventory = ledger.gym_checkpoint_inventory(iids)
-    scope = {
-        iid: [e for e in inventory[iid] if e.capture_key not in unsaved[iid] and e.capture_key not in refused]
-        for iid in iids
-    }
-    return CutPlan(iids, scope, unsaved, refused)
+    scope = {iid: [e for e in inventory[iid] if e.capture_key not in unsaved[iid]] for iid in iids}
+    return CutPlan(iids, scope, unsaved)
 
 
 def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> None:
-    """Owned minus exported must be unsaved (or never admitted) on every instance."""
+    """On every instance: nothing exported outside the scope; owned minus exported is unsaved."""
     problems = []
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
@@ -71,7 +65,7 @@ def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[st
         if outside:
             problems.append(f"Gym instance {iid} exported rollouts outside its commit scope: {sorted(outside)[:10]}")
         owned = {e.capture_key for e in ledger.owned_live_episodes(iid)}
-        stray = owned - done - plan.unsaved[iid] - plan.not_admitted
+        stray = owned - done - plan.unsaved[iid]
         if stray:
             problems.append(
                 f"Gym instance {iid}: rollouts owned by the ledger were neither saved nor reported unsaved "
@@ -84,15 +78,12 @@ def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[st
 def cut_counts(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> CutCounts:
     """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed)."""
     inventory = ledger.gym_checkpoint_inventory(plan.instance_ids)
-    saved = unsaved = not_admitted = 0
+    saved = unsaved = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         for episode in inventory[iid]:
-            key = episode.capture_key
-            if key in done:
+            if episode.capture_key in done:
                 saved += 1
-            elif key in plan.not_admitted:
-                not_admitted += 1
-            elif key in plan.unsaved[iid]:
+            elif episode.capture_key in plan.unsaved[iid]:
                 unsaved += 1
-    return CutCounts(saved, unsaved, not_admitted)
+    return CutCounts(saved, unsaved, len(ledger.refused_waiting()))

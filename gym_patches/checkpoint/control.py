@@ -31,7 +31,13 @@ from pydantic import BaseModel, ValidationError
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.store import WriteStopped, read_participant_state, write_participant_state
+from gym_patches.checkpoint.store import (
+    EncodedRecords,
+    WriteStopped,
+    encode_records,
+    read_participant_state,
+    write_participant_state,
+)
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ROUTE_PREFIX,
     CheckpointRequest,
@@ -42,6 +48,8 @@ from gym_patches.checkpoint.wire import (
     PrepareRequest,
     RenewReply,
     RenewRequest,
+    PersistReply,
+    PersistRequest,
     RestoreReply,
     RestoreRequest,
     ResumeReply,
@@ -76,6 +84,16 @@ class _CommitWork:
         self.args = args
         self.stop = False
         self.writing = False
+        self.task: asyncio.Task[dict[str, Any]] | None = None
+
+
+class _Staged:
+    """What a staged commit captured: written by ``persist``, after resume."""
+
+    def __init__(self, checkpoint_id: str, checkpoint_dir: str, encoded: EncodedRecords):
+        self.checkpoint_id = checkpoint_id
+        self.checkpoint_dir = checkpoint_dir
+        self.encoded: EncodedRecords | None = encoded
         self.task: asyncio.Task[dict[str, Any]] | None = None
 
 
@@ -118,6 +136,7 @@ class ParticipantControlPlane:
         self._resumed: OrderedDict[str, None] = OrderedDict()
         self._results: OrderedDict[tuple[str, str], tuple[Hashable, dict[str, Any]]] = OrderedDict()
         self._commit: _CommitWork | None = None
+        self._staged: _Staged | None = None  # the newest staged commit; one at a time
         self._watcher: asyncio.Task[None] | None = None
 
     # -- public state ------------------------------------------------------
@@ -143,6 +162,7 @@ class ParticipantControlPlane:
             "renew": (RenewRequest, self._renew),
             "retire": (RetireRequest, self._retire),
             "commit": (CommitRequest, self._commit_op),
+            "persist": (PersistRequest, self._persist),
             "restore": (RestoreRequest, self._restore),
             "resume": (ResumeRequest, self._resume),
         }
@@ -437,7 +457,7 @@ class ParticipantControlPlane:
 
     async def _commit_op(self, req: CommitRequest) -> dict[str, Any]:
         cid, scope = req.checkpoint_id, _keys(req.episode_ids)
-        args = (req.checkpoint_dir, scope)
+        args = (req.checkpoint_dir, scope, req.staged)
         async with self._lock:
             self._check_stale(cid)
             stored = self._stored(cid, "commit", args)
@@ -486,6 +506,17 @@ class ParticipantControlPlane:
             keys = self._exported_keys(records, None if scope is None else {e.capture_key for e in scope})
             if work.stop:
                 raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
+            if req.staged:
+                # Capture: serialise now (the records can change once rollouts resume); persist writes later.
+                encoded = await asyncio.to_thread(encode_records, records)
+                if work.stop or self._checkpoint_id != work.checkpoint_id or self._phase != "prepared":
+                    raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
+                self._staged = _Staged(work.checkpoint_id, req.checkpoint_dir, encoded)
+                reply = dump(CommitReply(phase="committed", manifest=None, episode_ids=keys, staged=True,
+                                         captured_bytes=encoded.nbytes))
+                self._phase = "committed"
+                self._store(work.checkpoint_id, "commit", work.args, reply)
+                return reply
             work.writing = True
             try:
                 manifest = await asyncio.to_thread(
@@ -508,6 +539,32 @@ class ParticipantControlPlane:
         finally:
             if self._commit is work:
                 self._commit = None
+
+    async def _persist(self, req: PersistRequest) -> dict[str, Any]:
+        """Write what the staged commit of ``checkpoint_id`` captured (also after resume; retries share one write).
+
+        Only the newest staged commit is kept: an older id answers 409
+        ``stale_checkpoint``. A write failure answers 422 and the capture is
+        kept, so a retry can write it again.
+        """
+        cid = req.checkpoint_id
+        staged = self._staged
+        if staged is None or staged.checkpoint_id != cid:
+            raise CheckpointError(f"nothing staged for checkpoint {cid!r} (a newer commit replaced it, or it was "
+                                  "never committed staged)", code="stale_checkpoint")
+        if staged.task is None or (staged.task.done() and (staged.task.cancelled() or staged.task.exception())):
+            staged.task = asyncio.create_task(self._write_staged(staged), name=f"checkpoint-persist:{cid}")
+            staged.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(staged.task)
+
+    async def _write_staged(self, staged: _Staged) -> dict[str, Any]:
+        assert staged.encoded is not None
+        manifest = await asyncio.to_thread(
+            write_participant_state, staged.checkpoint_dir, self.participant.kind, self.instance,
+            staged.checkpoint_id, staged.encoded,
+        )
+        staged.encoded = None  # written: free the copy (retries get the stored reply)
+        return dump(PersistReply(manifest=manifest))
 
     def _exported_keys(self, records: list[Record], scope: set[str] | None) -> list[str]:
         keys: list[str] = []

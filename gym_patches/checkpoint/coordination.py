@@ -27,6 +27,8 @@ from gym_patches.checkpoint.wire import (
     CommitReply,
     CommitRequest,
     ParticipantKind,
+    PersistReply,
+    PersistRequest,
     PrepareReply,
     PrepareRequest,
     RenewReply,
@@ -286,13 +288,42 @@ async def commit(
     checkpoint_id: str,
     deadline_ts: float,
     checkpoint_dir: str,
-    episode_ids: list[EpisodeId] | None,
+    episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]] | None,
+    *,
+    staged: bool = False,
 ) -> dict[str, CommitReply]:
-    """Every participant writes its records for ``episode_ids`` (None = all it can)."""
-    req = CommitRequest(
-        checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir, episode_ids=episode_ids
-    )
-    return await _fan_out(participants, participants.members, "commit", req, CommitReply)
+    """Every participant writes (or, ``staged``, captures) its records for its episodes.
+
+    ``episode_ids``: one list for every server, a mapping server -> list (each
+    server gets only its own episodes; servers left out get none), or None
+    (all each can export). A staged commit only serialises in memory; call
+    ``persist`` (after resume is fine) to write it.
+    """
+    if isinstance(episode_ids, Mapping):
+        unknown = sorted(set(episode_ids) - set(participants.names))
+        if unknown:
+            raise ValueError(f"commit scope names servers that are not participants: {unknown}")
+        scopes: dict[str, list[EpisodeId] | None] = {p.name: list(episode_ids.get(p.name, [])) for p in participants}
+    else:
+        scopes = {p.name: (None if episode_ids is None else list(episode_ids)) for p in participants}
+    control = participants.control
+    calls = {
+        p.name: _typed(
+            control.post(p.name, p.url, "commit", CommitRequest(
+                checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
+                episode_ids=scopes[p.name], staged=staged,
+            )),
+            p.name, CommitReply,
+        )
+        for p in participants
+    }
+    return await _gather_all("commit", calls)
+
+
+async def persist(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, PersistReply]:
+    """Every participant writes what its staged commit of ``checkpoint_id`` captured."""
+    req = PersistRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+    return await _fan_out(participants, participants.members, "persist", req, PersistReply)
 
 
 async def restore(

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, get_args
 
@@ -87,21 +88,47 @@ def _stop_if(should_stop: Callable[[], bool] | None, where: Path) -> None:
         raise WriteStopped(f"write of {where} stopped before it was published")
 
 
+@dataclass(frozen=True)
+class EncodedRecords:
+    """Records serialised to JSONL bytes: a copy that nothing running later can change."""
+
+    data: bytes
+    sha256: str
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def encode_records(records: list[dict[str, Any]], *, should_stop: Callable[[], bool] | None = None,
+                   where: Path | None = None) -> EncodedRecords:
+    """Serialise ``records`` (the capture half of a staged commit: CPU only, no I/O).
+
+    ``should_stop`` is checked between records (``WriteStopped``)."""
+    lines = []
+    for index, record in enumerate(records):
+        _stop_if(should_stop, where or Path("."))
+        lines.append(_encode(record, index))
+    data = b"".join(lines)
+    return EncodedRecords(data, hashlib.sha256(data).hexdigest(), len(lines))
+
+
 def write_participant_state(
     checkpoint_dir: str | os.PathLike[str],
     kind: str,
     instance: str,
     checkpoint_id: str,
-    records: list[dict[str, Any]],
+    records: list[dict[str, Any]] | EncodedRecords,
     *,
     should_stop: Callable[[], bool] | None = None,
 ) -> ParticipantManifest:
-    """Write ``records`` and publish the manifest once.
+    """Write ``records`` (or records encoded earlier) and publish the manifest once.
 
     Identical content committed again returns the existing manifest; other
     content for an existing manifest is an error. ``should_stop`` (checked
-    between records and before each rename) lets a resume abandon a write
-    that is not yet published; it then raises ``WriteStopped``.
+    before each rename) lets a resume abandon a write that is not yet
+    published; it then raises ``WriteStopped``.
     """
     _check_checkpoint_id(checkpoint_id)
     directory = participant_dir(checkpoint_dir, kind, instance)
@@ -109,28 +136,23 @@ def write_participant_state(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointStoreError(f"cannot create {directory}: {exc}") from None
+    encoded = records if isinstance(records, EncodedRecords) else encode_records(
+        records, should_stop=should_stop, where=directory)
     manifest_path = directory / MANIFEST_NAME
     tmp = directory / f".records-{uuid.uuid4().hex}.tmp"
-    digest = hashlib.sha256()
-    count = 0
     try:
+        _stop_if(should_stop, directory)
         with open(tmp, "xb") as out:
-            for index, record in enumerate(records):
-                _stop_if(should_stop, directory)
-                line = _encode(record, index)
-                digest.update(line)
-                out.write(line)
-                count += 1
+            out.write(encoded.data)
             out.flush()
             os.fsync(out.fileno())
-        sha = digest.hexdigest()
         manifest = ParticipantManifest(
             kind=kind,  # type: ignore[arg-type]
             instance=instance,
             checkpoint_id=checkpoint_id,
-            records_file=f"records-{sha}.jsonl",
-            records_sha256=sha,
-            record_count=count,
+            records_file=f"records-{encoded.sha256}.jsonl",
+            records_sha256=encoded.sha256,
+            record_count=encoded.count,
         )
         if manifest_path.exists():
             existing = _same_or_raise(manifest_path, manifest)

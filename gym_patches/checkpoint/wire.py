@@ -62,6 +62,12 @@ class CommitRequest(CheckpointRequest):
     checkpoint_dir: str = Field(min_length=1, max_length=4096)
     # None = every episode the participant can export.
     episode_ids: list[EpisodeId] | None = Field(default=None, max_length=MAX_EPISODES_PER_REQUEST)
+    # True: capture only (export and serialise in memory); ``persist`` writes it after resume.
+    staged: bool = False
+
+
+class PersistRequest(CheckpointRequest):
+    """Write the records a staged commit captured; allowed after resume (the id stays persistable)."""
 
 
 class RestoreRequest(CheckpointRequest):
@@ -135,8 +141,14 @@ class ParticipantManifest(BaseModel):
 
 class CommitReply(BaseModel):
     phase: Literal["committed"]
-    manifest: ParticipantManifest
+    manifest: ParticipantManifest | None  # None for a staged commit: ``persist`` returns it
     episode_ids: list[str]  # capture keys actually exported
+    staged: bool = False
+    captured_bytes: int = 0  # size of the in-memory copy a staged commit holds until persist
+
+
+class PersistReply(BaseModel):
+    manifest: ParticipantManifest
 
 
 class RestoreReply(BaseModel):

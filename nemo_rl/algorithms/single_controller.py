@@ -118,7 +118,11 @@ class SingleController:
         await self.restore_if_any()
         if self.coordinator is not None:
             self.snapshotter = RolloutSnapshotter(
-                SnapshotInputs(self.ledger, self.data_plane, self.dataloader, lambda: self.step, self.anchor_dir),
+                SnapshotInputs(
+                    self.ledger, self.data_plane, self.dataloader, lambda: self.step, self.anchor_dir,
+                    agent_servers={iid: self.shard_set.agent_servers.get(inst.shard_name, {})
+                                   for iid, inst in self.shard_set.instances.items()},
+                ),
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes,
             )
         try:

@@ -55,6 +55,7 @@ class GymCheckpointCommitSummary:
     checkpoint_dir: str
     exported_by_server: dict[str, list[str]]
     agent_exported: list[str]  # episodes an agent saved: these continue at turn level
+    captured_bytes: dict[str, int] = field(default_factory=dict)  # staged: the in-memory copy per server
 
     def episodes_for(self, server: str) -> list[EpisodeId]:
         return [EpisodeId.from_capture_key(k) for k in self.exported_by_server.get(server, [])]
@@ -121,21 +122,36 @@ class GymCheckpointAdapter:
             await coordination.retire(self.participants, checkpoint_id, deadline_ts, episodes)
 
     async def commit(
-        self, checkpoint_id: str, deadline_ts: float, root: str | Path, episodes: list[EpisodeId]
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        root: str | Path,
+        episodes: list[EpisodeId] | dict[str, list[EpisodeId]],
+        staged: bool = False,
     ) -> GymCheckpointCommitSummary:
+        """Commit (``staged``: capture only) ``episodes``: one list for all servers, or per server."""
         target = self.instance.checkpoint_dir(root)
-        target.mkdir(parents=True, exist_ok=True)
-        replies = await coordination.commit(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
-        wanted = {e.capture_key for e in episodes}
+        if not staged:
+            target.mkdir(parents=True, exist_ok=True)
+        replies = await coordination.commit(
+            self.participants, checkpoint_id, deadline_ts, str(target), episodes, staged=staged
+        )
         exported: dict[str, list[str]] = {}
         for name, reply in replies.items():
-            outside = sorted(set(reply.episode_ids) - wanted)
+            scope = episodes.get(name, []) if isinstance(episodes, dict) else episodes
+            outside = sorted(set(reply.episode_ids) - {e.capture_key for e in scope})
             if outside:
                 raise RuntimeError(f"Gym server {name!r} exported episodes outside the commit scope: {outside[:5]}")
             exported[name] = sorted(reply.episode_ids)
         agents = {p.name for p in self.participants.by_kind("agent")}
         agent_exported = sorted({k for name in agents for k in exported.get(name, [])})
-        return GymCheckpointCommitSummary(str(target), exported, agent_exported)
+        captured = {name: reply.captured_bytes for name, reply in replies.items()}
+        return GymCheckpointCommitSummary(str(target), exported, agent_exported, captured)
+
+    async def persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
+        """Write every participant's staged capture; returns server -> records sha256."""
+        replies = await coordination.persist(self.participants, checkpoint_id, deadline_ts)
+        return {name: reply.manifest.records_sha256 for name, reply in replies.items()}
 
     async def restore(
         self,

@@ -200,9 +200,13 @@ class NemoGym:
         await self._named(self._adapter().retire(checkpoint_id, deadline_ts, episodes))
 
     async def checkpoint_commit(
-        self, checkpoint_id: str, deadline_ts: float, root: str, episodes: list[EpisodeId]
+        self, checkpoint_id: str, deadline_ts: float, root: str,
+        episodes: list[EpisodeId] | dict[str, list[EpisodeId]], staged: bool = False,
     ) -> GymCheckpointCommitSummary:
-        return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes))
+        return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes, staged))
+
+    async def checkpoint_persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
+        return await self._named(self._adapter().persist(checkpoint_id, deadline_ts))
 
     async def checkpoint_restore(
         self, restore_id: str, deadline_ts: float, root: str, exported_by_server: dict[str, list[str]],
@@ -263,6 +267,8 @@ class NemoGymShardSet:
     instances: dict[str, GymCheckpointInstance]
     agent_shards: dict[str, str] = field(default_factory=dict)  # agent name -> shard
     restart_only_servers: dict[str, list[str]] = field(default_factory=dict)  # instance id -> names
+    # shard -> agent -> the Gym servers its rollouts touch (itself, its model and resources servers)
+    agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     # instance id -> server -> prepare policy, for restart-only servers no turn-level rollout passes through
     prepare_policy_overrides: dict[str, dict[str, RestartOnlyPolicy]] = field(default_factory=dict)
     _cycle: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -488,6 +488,13 @@ class RolloutRecoveryLedger:
             out[attempt.gym_instance_id].append(attempt.episode(group.group_id, g))
         return out
 
+    def agent_of(self, episode: EpisodeId) -> str | None:
+        """The Gym agent that runs ``episode`` (its group's ``agent_name``)."""
+        where = self._by_base.get(episode.rollout_id)
+        if where is None:
+            raise LedgerError(f"unknown rollout {episode.capture_key}")
+        return self.groups[where[0]].agent_name
+
     def owned_live_episodes(self, instance_id: str) -> set[EpisodeId]:
         """Turn-level episodes this ledger expects ``instance_id`` to hold right now."""
         return {

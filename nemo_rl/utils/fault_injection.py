@@ -16,7 +16,9 @@ disk for the next run to restore. ``train`` and ``restore`` count per run.
 Phases (where the controller calls ``crash_point``):
 
 - ``prepare``: a snapshot has Gym prepared, before anything is committed;
-- ``commit``: Gym has committed its records, before the snapshot is published;
+- ``commit``: Gym has committed (or, staged, captured) its records, before the snapshot is published;
+- ``persist``: staged commit only: rollouts have resumed, Gym has not written its captured
+  records and the snapshot is not published (the previous one must stay the newest valid);
 - ``publish``: the snapshot's temporary directory is fully written, before it
   is sealed and renamed into place;
 - ``restore``: Gym has restored the snapshot's episodes, before the ledger is
@@ -37,7 +39,7 @@ import sys
 from collections import Counter
 
 CRASH_ENV = "NEMO_RL_TEST_ONLY_CRASH_AT"
-PHASES: tuple[str, ...] = ("prepare", "commit", "publish", "restore", "train")
+PHASES: tuple[str, ...] = ("prepare", "commit", "persist", "publish", "restore", "train")
 
 _reached: Counter[tuple[str, object]] = Counter()
 

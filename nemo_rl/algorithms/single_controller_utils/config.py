@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from omegaconf import OmegaConf
@@ -195,6 +195,9 @@ class RolloutRecoveryConfig(_Section):
 
 class RolloutCheckpointConfig(_Section):
     snapshot_attempt_interval_s: float | None = Field(default=None, gt=0)  # None: off
+    # staged: Gym captures its records in memory while rollouts are held and writes them after resume
+    # (the pause is the capture only); blocking: everything is written before rollouts resume.
+    commit_mode: Literal["staged", "blocking"] = "staged"
     max_consecutive_failures: int = Field(default=3, ge=1)
     keep_latest_k: int = Field(default=2, ge=1)
 

@@ -173,15 +173,25 @@ class GymCheckpointCoordinator:
                 logger.warning("lease renewal for %s failed: %s", checkpoint_id, exc)
 
     async def commit(
-        self, prepared: PreparedGym, root: str, scope: dict[str, list[EpisodeId]]
+        self, prepared: PreparedGym, root: str, scope: dict[str, dict[str, list[EpisodeId]]], *, staged: bool
     ) -> dict[str, GymCheckpointCommitSummary]:
+        """Each replica's servers commit (``staged``: capture) only their own episodes: ``scope[iid][server]``."""
         deadline = time.time() + self.prepare_timeout_s
         return await self._collect(
             "commit",
             {
-                iid: h.checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, []))
+                iid: h.checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, {}), staged)
                 for iid, h in self._handles().items()
             },
+            deadline,
+        )
+
+    async def persist(self, checkpoint_id: str) -> dict[str, dict[str, str]]:
+        """Every replica writes what its staged commit captured (Gym is already resumed)."""
+        deadline = time.time() + self.prepare_timeout_s
+        return await self._collect(
+            "persist",
+            {iid: h.checkpoint_persist.remote(checkpoint_id, deadline) for iid, h in self._handles().items()},
             deadline,
         )
 

@@ -203,6 +203,12 @@ def _spinup_gym(
                 if inst.server_type == "responses_api_agents"
             }
             shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], agent_resources)
+            shard_set.agent_servers[shard.name] = {
+                name: sorted({name, *(((inst.config.get(key) or {}).get("name")) for key in
+                                      ("model_server", "resources_server") if (inst.config.get(key) or {}).get("name"))})
+                for name, inst in parsed.instances.items()
+                if inst.server_type == "responses_api_agents"
+            }
             for name, inst in parsed.instances.items():
                 server_types[name] = inst.server_type
                 if inst.server_type == "responses_api_agents":

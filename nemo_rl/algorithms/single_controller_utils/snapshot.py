@@ -38,6 +38,7 @@ from nemo_rl.algorithms.single_controller_utils.snapshot_cut import (
     check_cut,
     cut_counts,
     plan_cut,
+    server_scopes,
 )
 from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.experience.data_plane import DataPlaneStore
@@ -107,6 +108,7 @@ class SnapshotInputs:
     dataloader: PromptDataloader
     step: Callable[[], int]
     anchor_dir: Callable[[], Path]
+    agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # instance -> agent -> servers
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,17 @@ def _next_older_valid(anchor: Path, below: int, skipped: list[tuple[Path, str]])
     return None, None
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """Everything captured in the pause that the publish needs."""
+
+    step: int
+    tmp: Path
+    final: Path
+    index: GymCheckpointIndex
+    capture: ControllerStateCapture
+
+
 @dataclass
 class SnapshotOutcome:
     """One snapshot attempt as ``snapshots.jsonl`` records it.
@@ -193,7 +206,9 @@ class SnapshotOutcome:
     saved: int = 0
     unsaved: int = 0  # turn-level rollouts on restart-only servers (restart from the prompt)
     not_admitted: int = 0  # turn-level rollouts Gym had refused while closed (restart from the prompt)
-    pause_s: float = 0.0
+    pause_s: float = 0.0  # rollouts held (the dispatch gate closed and Gym prepared)
+    persist_s: float = 0.0  # staged: Gym's writes and the publish, after rollouts resumed
+    captured_bytes: int = 0  # the in-memory copies the cut took (Gym records and the data plane)
     path: str | None = None
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     post_publish_error: str | None = None
@@ -219,12 +234,23 @@ class RolloutSnapshotter:
         self.consecutive_failures = 0
 
     async def attempt(self) -> SnapshotOutcome:
+        """One snapshot. ``staged``: the pause covers capture only; Gym persists and the
+        controller publishes after rollouts resume. ``blocking``: all of it in the pause.
+        The pump awaits this, so at most one snapshot is ever persisting."""
         outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}")
+        staged = self.settings.commit_mode == "staged"
         started = time.monotonic()
         try:
             async with self.gate.closed():
                 async with self.coordinator.prepared(outcome.checkpoint_id) as prepared:
-                    await self._commit_and_publish(prepared, outcome)
+                    cut = await self._capture(prepared, outcome, staged)
+                    if not staged:
+                        await self._publish(cut, outcome, staged)
+            outcome.pause_s = time.monotonic() - started
+            if staged:
+                crash_point("persist", cut.step)  # test-only: rollouts resumed, snapshot not persisted
+                await self._publish(cut, outcome, staged)
+                outcome.persist_s = time.monotonic() - started - outcome.pause_s
             outcome.reason = "committed"
             self.consecutive_failures = 0
         except BaseException as exc:
@@ -245,7 +271,8 @@ class RolloutSnapshotter:
                 outcome.blockers = exc.blockers
             self._failed(exc)
         finally:
-            outcome.pause_s = time.monotonic() - started
+            if not outcome.pause_s:
+                outcome.pause_s = time.monotonic() - started
             if outcome.reason:
                 self.records.snapshot_attempt(
                     checkpoint_id=outcome.checkpoint_id,
@@ -255,6 +282,9 @@ class RolloutSnapshotter:
                     unsaved=outcome.unsaved,
                     not_admitted=outcome.not_admitted,
                     pause_s=outcome.pause_s,
+                    persist_s=round(outcome.persist_s, 4),
+                    commit_mode=self.settings.commit_mode,
+                    captured_bytes=outcome.captured_bytes,
                     step=self.inputs.step(),
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
@@ -286,7 +316,9 @@ class RolloutSnapshotter:
                 f"(rollout_checkpointing.max_consecutive_failures={limit}); last error: {exc}"
             ) from exc
 
-    async def _commit_and_publish(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> None:
+    async def _capture(self, prepared: PreparedGym, outcome: SnapshotOutcome, staged: bool) -> "_Cut":
+        """Inside the pause: Gym commits (or captures) its records, replies on the wire drain,
+        the cut is checked, and the controller's state is serialised in memory."""
         inputs = self.inputs
         step = inputs.step()
         crash_point("prepare", step)  # test-only: Gym is prepared, nothing committed
@@ -294,8 +326,9 @@ class RolloutSnapshotter:
         plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids})
         tmp, final = prepare_snapshot_paths(inputs.anchor_dir())
         try:
-            commits = await self.coordinator.commit(prepared, str(tmp), plan.scope)
-            crash_point("commit", step)  # test-only: Gym records written, snapshot not published
+            scopes = server_scopes(inputs.ledger, plan, inputs.agent_servers)
+            commits = await self.coordinator.commit(prepared, str(tmp), scopes, staged=staged)
+            crash_point("commit", step)  # test-only: Gym records committed, snapshot not published
             exported = {iid: set(commits[iid].agent_exported) for iid in plan.instance_ids}
             await self._drain(plan.scope, exported, prepared.deadline_ts)
             # Exclusive cut: no awaits until the state is captured in memory.
@@ -312,22 +345,31 @@ class RolloutSnapshotter:
                 unsaved={iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids},
             )
             capture = ControllerStateCapture.take(inputs)
-            # Files, fsync and the atomic rename run off the event loop (rollouts and lease renewals go on).
-            await asyncio.to_thread(self._write_and_publish, tmp, final, index, capture, step)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        outcome.committed, outcome.path = True, str(final)
         outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
+        outcome.captured_bytes = sum(sum(c.captured_bytes.values()) for c in commits.values()) + len(capture.data_plane)
+        return _Cut(step, tmp, final, index, capture)
 
-    def _write_and_publish(
-        self, tmp: Path, final: Path, index: GymCheckpointIndex, capture: ControllerStateCapture, step: int
-    ) -> None:
-        index.write(tmp)
-        capture.write(tmp)
-        crash_point("publish", step)  # test-only: tmp dir written, not sealed or renamed
-        commit_snapshot(tmp, final, self.settings.keep_latest_k,
-                        metadata={"checkpoint_id": index.checkpoint_id, "step": step})
+    async def _publish(self, cut: "_Cut", outcome: SnapshotOutcome, staged: bool) -> None:
+        """Gym persists (staged), then the controller's files are written and the directory is
+        sealed and renamed, off the event loop. Only a complete write becomes a snapshot."""
+        try:
+            if staged:
+                await self.coordinator.persist(cut.index.checkpoint_id)
+            await asyncio.to_thread(self._write_and_publish, cut)
+        except BaseException:
+            shutil.rmtree(cut.tmp, ignore_errors=True)
+            raise
+        outcome.committed, outcome.path = True, str(cut.final)
+
+    def _write_and_publish(self, cut: "_Cut") -> None:
+        cut.index.write(cut.tmp)
+        cut.capture.write(cut.tmp)
+        crash_point("publish", cut.step)  # test-only: tmp dir written, not sealed or renamed
+        commit_snapshot(cut.tmp, cut.final, self.settings.keep_latest_k,
+                        metadata={"checkpoint_id": cut.index.checkpoint_id, "step": cut.step})
 
     async def _drain(self, scope: dict[str, list[EpisodeId]], exported: dict[str, set[str]], deadline_ts: float) -> None:
         """Wait for replies already on the wire: in scope, not exported, must seal, fail or be refused."""

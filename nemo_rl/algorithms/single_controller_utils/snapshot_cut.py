@@ -56,6 +56,32 @@ def plan_cut(
     return CutPlan(iids, scope, unsaved)
 
 
+def server_scopes(
+    ledger: RolloutRecoveryLedger, plan: CutPlan, agent_servers: Mapping[str, Mapping[str, list[str]]]
+) -> dict[str, dict[str, list[EpisodeId]]]:
+    """Per instance, per Gym server: only the episodes that server takes part in.
+
+    ``agent_servers[instance][agent]`` lists the servers an agent's rollouts
+    touch (the agent, its model server, its resources server); a server no
+    episode touches gets an empty scope and exports nothing.
+    """
+    out: dict[str, dict[str, list[EpisodeId]]] = {}
+    for iid in plan.instance_ids:
+        servers_of = agent_servers.get(iid, {})
+        by_server: dict[str, list[EpisodeId]] = {}
+        for episode in plan.scope[iid]:
+            agent = ledger.agent_of(episode)
+            if agent not in servers_of:
+                raise GymOwnershipError(
+                    f"rollout {episode.capture_key} on Gym instance {iid} belongs to agent {agent!r}, "
+                    f"which that instance does not serve (agents: {sorted(servers_of)})"
+                )
+            for server in servers_of[agent]:
+                by_server.setdefault(server, []).append(episode)
+        out[iid] = by_server
+    return out
+
+
 def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> None:
     """On every instance: nothing exported outside the scope; owned minus exported is unsaved."""
     problems = []

@@ -87,7 +87,7 @@ class SingleController:
         self.rows = rows
         self.on_progress = on_progress or (lambda _: None)
         self.checkpoint_dir = Path(config.checkpointing.checkpoint_dir)
-        self.records = RunRecords(config.logger.log_dir)
+        self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file)
         self.ledger = RolloutRecoveryLedger()
         self.data_plane = DataPlaneStore()
         self.dataloader = PromptDataloader(rows, seed=config.data.seed, shuffle=config.data.shuffle)
@@ -103,7 +103,7 @@ class SingleController:
                 recovery.gym_prepare_timeout_s,
                 "best_effort" if recovery.allow_restart_only_gym_servers else "block",
             )
-            if recovery.turn_checkpointing_enabled
+            if recovery.turn_checkpointing_enabled and config.checkpointing.enabled
             else None
         )
         self.snapshotter: RolloutSnapshotter | None = None  # built after restore, over the restored state
@@ -168,8 +168,11 @@ class SingleController:
                 **{k: v for k, v in metrics.items() if k not in ("step",)},
             }
             self.records.metrics(record)
-            if self.step % self.config.checkpointing.save_period == 0 or self.step == self.config.grpo.max_num_steps:
+            last = self.step == self.config.grpo.max_num_steps
+            if self.config.checkpointing.enabled and (self.step % self.config.checkpointing.save_period == 0 or last):
                 await self.save_trainer_checkpoint()
+            elif not self.config.checkpointing.enabled:
+                self.anchor_step = self.step
             self.on_progress(record)
 
     # ------------------------------------------------------------ generation
@@ -302,6 +305,8 @@ class SingleController:
 
     # ---------------------------------------------------------------- restore
     async def restore_if_any(self) -> None:
+        if not self.config.checkpointing.enabled:
+            return  # checkpointing.enabled=false: every start is a new run
         removed = remove_stale_tmp_dirs(self.checkpoint_dir)
         for path in removed:
             logger.warning("removed a half-written checkpoint directory left by a crash: %s", path)

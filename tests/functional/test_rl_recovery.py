@@ -169,3 +169,17 @@ def test_prefix_target_fails_at_config_validation_saying_why(dirs):
     assert "rollout_recovery.target_level=prefix needs generation cuts" in proc.stderr
     assert "Gym ready" not in proc.stdout and not dirs.logs.exists()
     print(f"\nprefix rejected in {time.monotonic() - started:.1f}s")
+
+
+def test_checkpointing_disabled_writes_no_checkpoint_and_metrics_go_where_asked(dirs):
+    args = WORKPLACE + SCRIPTED + dirs.overrides() + [
+        "checkpointing.enabled=false", "rollout_checkpointing.snapshot_attempt_interval_s=null",
+        "grpo.max_num_steps=1", "grpo.num_prompts_per_step=2", "logger.metrics_file=steps.jsonl",
+    ]
+    for _ in range(2):  # a second start is a new run, not a resume
+        proc = run_grpo(args, env=env_for())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not dirs.ckpt.exists() or not any(dirs.ckpt.rglob("manifest.json"))
+    assert not (dirs.logs / "restore.json").exists()
+    assert [m["step"] for m in dirs.records("steps.jsonl")] == [1, 1]
+    assert not (dirs.logs / "metrics.jsonl").exists()

@@ -27,7 +27,6 @@ def test_embedded_default_is_valid_turn_recovery():
     assert cfg.rollout_recovery.target_level is L.TURN
     assert cfg.rollout_recovery.turn_checkpointing_enabled
     assert cfg.rollout_recovery.allow_restart_only_gym_servers is False
-    assert cfg.env.should_use_nemo_gym
     assert cfg.env.nemo_gym.instance_ids() == ["nemo_gym/replica-0"]
     assert cfg.cluster.gpus_per_node == 0
     # The default dict is not shared with callers.
@@ -224,8 +223,33 @@ def test_cross_section_rules_name_both_keys():
         load_config(None, ["checkpointing.enabled=false"])
     assert "rollout_checkpointing.snapshot_attempt_interval_s" in str(exc.value)
     assert "checkpointing.enabled" in str(exc.value)
-    with pytest.raises(ConfigError, match=r"env\.should_use_nemo_gym"):
-        load_config(None, ["env.should_use_nemo_gym=false"])
+    with pytest.raises(ConfigError, match=r"env\.should_use_nemo_gym was removed"):
+        load_config(None, ["++env.should_use_nemo_gym=false"])
+
+
+def _leaves(data, schema, prefix=""):
+    """(dotted key, value, schema default); free-form mappings (e.g. Gym config) are one leaf."""
+    for key, value in data.items():
+        default = schema[key]
+        if isinstance(value, dict) and value and isinstance(default, dict) and default:
+            yield from _leaves(value, default, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value, default
+
+
+def test_the_embedded_default_only_sets_what_differs_from_the_schema():
+    from nemo_rl.algorithms.single_controller_utils.config import DEFAULT_CONFIG
+
+    schema = MasterConfig.model_validate({"data": {"train_data_path": "x"}}).to_dict()
+    for key, value, default in _leaves(DEFAULT_CONFIG, schema):
+        if key != "data.train_data_path":
+            assert default != value, f"{key}={value!r} repeats the schema default: drop it from DEFAULT_CONFIG"
+
+
+def test_metrics_file_must_be_a_plain_name():
+    assert load_config(None, ["logger.metrics_file=steps.jsonl"]).logger.metrics_file == "steps.jsonl"
+    with pytest.raises(ConfigError, match="logger.metrics_file"):
+        load_config(None, ["logger.metrics_file=../x.jsonl"])
 
 
 def test_shards_and_instance_ids():

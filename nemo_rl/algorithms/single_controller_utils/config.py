@@ -100,18 +100,32 @@ class NemoGymEnvConfig(_Section):
 
 
 class EnvConfig(_Section):
-    should_use_nemo_gym: bool = True
     nemo_gym: NemoGymEnvConfig = Field(default_factory=NemoGymEnvConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "should_use_nemo_gym" in data:
+            raise ValueError("env.should_use_nemo_gym was removed: every rollout runs in Gym (env.nemo_gym)")
+        return data
 
 
 class LoggerConfig(_Section):
     log_dir: str = "logs/grpo"
-    metrics_file: str = "metrics.jsonl"  # relative to log_dir
+    metrics_file: str = "metrics.jsonl"  # per-step metrics, relative to log_dir
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not value or "/" in value or value in (".", ".."):
+            raise ValueError(f"logger.metrics_file must be a file name inside logger.log_dir, got {value!r}")
+        return value
     progress_bar: bool = True
     plot: bool = True
 
 
 class CheckpointingConfig(_Section):
+    # false: no trainer checkpoints, no restore, no rollout snapshots (every start is a new run)
     enabled: bool = True
     checkpoint_dir: str = "results/grpo"
     save_period: int = Field(default=1, ge=1)
@@ -222,11 +236,6 @@ class MasterConfig(_Section):
                 "rollout_checkpointing.snapshot_attempt_interval_s is set but "
                 "checkpointing.enabled=false (snapshots are anchored to trainer checkpoints)"
             )
-        if self.rollout_recovery.turn_checkpointing_enabled and not self.env.should_use_nemo_gym:
-            problems.append(
-                f"rollout_recovery.target_level={self.rollout_recovery.target_level.value} needs Gym "
-                "but env.should_use_nemo_gym=false"
-            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -249,33 +258,21 @@ DEFAULT_NEMO_GYM_CONFIG: dict[str, Any] = {
 }
 
 DEFAULT_CONFIG: dict[str, Any] = {
+    # Only what the main job sets differently from the schema defaults above (one source per
+    # key; tests/unit/test_config.py checks that no value here repeats its schema default).
     # 32 rollouts per step for 30 steps: enough group signal for GRPO to lift reward
     # on 2 CPU cores in a few minutes (tuned with nemo_rl/algorithms/local_learning_check.py).
-    "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": 30, "seed": 42},
-    "loss_fn": {},
-    "policy": {
-        "model_name": "tiny-causal-lm",
-        "device": "cpu",
-        "generation": {"backend": "torch", "max_new_tokens": 96},
-    },
+    "grpo": {"num_generations_per_prompt": 8, "max_num_steps": 30},
+    "policy": {"device": "cpu"},
     "data": {
         "train_data_path": "examples/data/workplace_train.jsonl",
         "val_data_path": "examples/data/workplace_val.jsonl",
     },
-    "env": {
-        "should_use_nemo_gym": True,
-        "nemo_gym": {
-            "config_paths": DEFAULT_NEMO_GYM_CONFIG_PATHS,
-            "config": DEFAULT_NEMO_GYM_CONFIG,
-            "shards": [{"name": DEFAULT_GYM_SHARD, "replicas": 1}],
-            "spinup_timeout_s": 120.0,
-        },
-    },
-    "logger": {"log_dir": "logs/grpo"},
-    "checkpointing": {"enabled": True, "checkpoint_dir": "results/grpo", "save_period": 1},
-    "cluster": {"ray_address": None, "num_cpus": 2, "gpus_per_node": 0},
-    "rollout_recovery": {"target_level": "turn", "allow_restart_only_gym_servers": False},
-    "rollout_checkpointing": {"snapshot_attempt_interval_s": 5.0, "keep_latest_k": 2},
+    "env": {"nemo_gym": {"config_paths": DEFAULT_NEMO_GYM_CONFIG_PATHS, "config": DEFAULT_NEMO_GYM_CONFIG}},
+    "cluster": {"num_cpus": 2},
+    # The main job shows turn recovery; the schema's default level is sibling.
+    "rollout_recovery": {"target_level": "turn"},
+    "rollout_checkpointing": {"snapshot_attempt_interval_s": 5.0},
 }
 
 
@@ -405,7 +402,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 f"override {text!r}: key '{key}' does not exist in the config "
                 f"(use '++{key}=...' to add it)"
             )
-        if mode == "+" and exists:
+        if mode == "+" and (exists or _schema_knows(MasterConfig, parts)):
             raise ConfigError(f"override {text!r}: key '{key}' already exists (use '++{key}=...')")
         _assign(data, parts, value, key)
     return data

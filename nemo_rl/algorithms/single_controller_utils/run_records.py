@@ -11,8 +11,9 @@ from nemo_rl.utils.snapshot_store import write_json_atomic
 
 
 class RunRecords:
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, metrics_file: str = "metrics.jsonl"):
         self.log_dir = Path(log_dir)
+        self.metrics_file = metrics_file  # ``logger.metrics_file``
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
@@ -39,7 +40,7 @@ class RunRecords:
         )
 
     def metrics(self, record: dict[str, Any]) -> None:
-        self._append("metrics.jsonl", record)
+        self._append(self.metrics_file, record)
 
     def restore(self, record: dict[str, Any]) -> None:
         write_json_atomic(self.log_dir / "restore.json", record)

@@ -189,8 +189,9 @@ def _report(config: MasterConfig, summary: dict[str, Any]) -> None:
     from nemo_rl.utils.plots import plot_run, summary_table
 
     log_dir = Path(config.logger.log_dir)
-    metrics = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-        if (log_dir / "metrics.jsonl").exists() else []
+    metrics_path = log_dir / config.logger.metrics_file
+    metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
+        if metrics_path.exists() else []
     if config.logger.plot and metrics:
         path = plot_run(metrics, log_dir / "reward_curve.png")
         print(f"Reward curve: {path}")

@@ -20,6 +20,11 @@ class GRPOConfig(_Section):
     # Use the logprobs the generation worker returned as the PPO "old" logprobs
     # instead of recomputing them with the trainer's weights before the update.
     use_generation_logprobs: bool = False
+    # Validation on data.val_data_path: one rollout per row (the first max_val_samples rows)
+    # every val_period steps (0: never) and, if val_at_start, before the first step.
+    val_period: int = Field(default=0, ge=0)
+    val_at_start: bool = False
+    max_val_samples: int = Field(default=16, ge=1)
 
 
 class LossConfig(_Section):

@@ -78,9 +78,11 @@ class SingleController:
         generation: GenerationBackend | None,
         rows: list[dict[str, Any]],
         *,
+        val_rows: list[dict[str, Any]] | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.config = config
+        self.val_rows = list(val_rows or [])
         self.shard_set = shard_set
         self.trainer = trainer
         self.generation = generation
@@ -139,6 +141,9 @@ class SingleController:
         return {"step": self.step, "trained_groups": list(self.ledger.trained_group_ids)}
 
     async def _train(self, tasks: asyncio.TaskGroup) -> None:
+        grpo = self.config.grpo
+        if grpo.val_at_start and self.step == 0 and self.val_rows:
+            self.records.metrics({"step": 0, **await self._validate(tasks)})
         while self.step < self.config.grpo.max_num_steps:
             target = self.step + 1
             self._reserve_groups(target)
@@ -167,6 +172,8 @@ class SingleController:
                 "snapshots_failed": self.snapshot_counts["failed"],
                 **{k: v for k, v in metrics.items() if k not in ("step",)},
             }
+            if grpo.val_period and self.step % grpo.val_period == 0 and self.val_rows:
+                record.update(await self._validate(tasks))
             self.records.metrics(record)
             last = self.step == self.config.grpo.max_num_steps
             if self.config.checkpointing.enabled and (self.step % self.config.checkpointing.save_period == 0 or last):
@@ -174,6 +181,32 @@ class SingleController:
             elif not self.config.checkpointing.enabled:
                 self.anchor_step = self.step
             self.on_progress(record)
+
+    # ------------------------------------------------------------ validation
+    async def _validate(self, tasks: asyncio.TaskGroup) -> dict[str, Any]:
+        """One rollout per validation row with the current weights; never trained, never snapshotted
+        (it runs between steps, when no group is generating, so no snapshot is taken meanwhile)."""
+        t0 = time.monotonic()
+        tag = uuid.uuid4().hex[:12]
+
+        async def one(i: int, row: dict[str, Any]) -> float | None:
+            instance = self.shard_set.pick_instance((row.get("agent_ref") or {}).get("name") or "")
+            try:
+                reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, f"val_s{self.step}_{i}_{tag}")
+            except GymRolloutError as exc:
+                if not exc.infra:
+                    raise
+                logger.warning("validation rollout %d failed on %s: %s", i, instance, exc)
+                return None
+            return float(reply["reward"])
+
+        runs = [tasks.create_task(one(i, row), name=f"validation:{i}") for i, row in enumerate(self.val_rows)]
+        rewards = [r for r in await asyncio.gather(*runs) if r is not None]
+        return {
+            "val_reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "val_samples": len(rewards),
+            "validation_s": round(time.monotonic() - t0, 3),
+        }
 
     # ------------------------------------------------------------ generation
     def _reserve_groups(self, target_step: int) -> None:

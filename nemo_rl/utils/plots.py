@@ -13,10 +13,14 @@ def plot_run(metrics: list[dict[str, Any]], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    validation = [(m["step"], m["val_reward_mean"]) for m in metrics if m.get("val_reward_mean") is not None]
+    metrics = training_records(metrics)
     steps = [m["step"] for m in metrics]
     rewards = [m.get("reward_mean", 0.0) for m in metrics]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, rewards, marker="o", label="mean reward")
+    ax.plot(steps, rewards, marker="o", label="mean reward (train rollouts)")
+    if validation:
+        ax.plot(*zip(*validation), marker="s", linestyle="--", color="tab:green", label="validation reward")
     if len(rewards) >= 3:
         k = 3
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1]) for i in range(len(rewards))]
@@ -33,7 +37,14 @@ def plot_run(metrics: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+def training_records(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-step training records (a validation-at-start record has no ``reward_mean``)."""
+    return [m for m in metrics if "reward_mean" in m]
+
+
 def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path) -> str:
+    validation = [m for m in metrics if m.get("val_reward_mean") is not None]
+    metrics = training_records(metrics)
     log_dir = Path(log_dir)
     snaps = []
     if (log_dir / "snapshots.jsonl").exists():
@@ -50,6 +61,9 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path) -> str:
         ("snapshots committed / attempted", f"{len(committed)} / {len(snaps)}"),
         ("rollouts saved at turn level (sum)", str(sum(s.get("saved", 0) for s in committed))),
         ("rollouts unsaved (sum)", str(sum(s.get("unsaved", 0) for s in committed))),
+        *([("validation reward, first -> last", f"{validation[0]['val_reward_mean']:.3f} (step "
+            f"{validation[0]['step']}) -> {validation[-1]['val_reward_mean']:.3f} (step {validation[-1]['step']})")]
+          if validation else []),
         ("generation s (total)", f"{sum(m.get('generation_s', 0.0) for m in metrics):.1f}"),
         ("training s (total)", f"{sum(m.get('training_s', 0.0) for m in metrics):.1f}"),
     ]

@@ -183,3 +183,29 @@ def test_checkpointing_disabled_writes_no_checkpoint_and_metrics_go_where_asked(
     assert not (dirs.logs / "restore.json").exists()
     assert [m["step"] for m in dirs.records("steps.jsonl")] == [1, 1]
     assert not (dirs.logs / "metrics.jsonl").exists()
+
+
+def test_validation_reward_at_start_and_every_val_period_steps(dirs):
+    proc = run_grpo(
+        MIXED + SCRIPTED + dirs.overrides() + [
+            "rollout_recovery.allow_restart_only_gym_servers=true", "grpo.max_num_steps=3", "grpo.val_period=2",
+            "grpo.val_at_start=true", "grpo.max_val_samples=5",
+        ],
+        env=env_for(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = dirs.records("metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    validated = {m["step"]: m for m in metrics if "val_reward_mean" in m}
+    assert sorted(validated) == [0, 2]  # at start, then every 2 steps
+    assert all(m["val_samples"] == 5 and m["val_reward_mean"] == 1.0 for m in validated.values())
+    assert "reward_mean" not in validated[0]  # the start record is validation only
+    assert "validation reward, first -> last   | 1.000 (step 0) -> 1.000 (step 2)" in proc.stdout
+    assert (dirs.logs / "reward_curve.png").stat().st_size > 1000
+
+
+def test_validation_without_val_data_is_a_config_error(dirs):
+    proc = run_grpo(WORKPLACE + SCRIPTED + dirs.overrides() + ["data.val_data_path=null", "grpo.val_period=1"],
+                    env=env_for())
+    assert proc.returncode == 2
+    assert "grpo.val_period / grpo.val_at_start ask for validation but data.val_data_path is not set" in proc.stderr

@@ -236,6 +236,8 @@ class MasterConfig(_Section):
                 "rollout_checkpointing.snapshot_attempt_interval_s is set but "
                 "checkpointing.enabled=false (snapshots are anchored to trainer checkpoints)"
             )
+        if (self.grpo.val_period or self.grpo.val_at_start) and not self.data.val_data_path:
+            problems.append("grpo.val_period / grpo.val_at_start ask for validation but data.val_data_path is not set")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -262,7 +264,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # key; tests/unit/test_config.py checks that no value here repeats its schema default).
     # 32 rollouts per step for 30 steps: enough group signal for GRPO to lift reward
     # on 2 CPU cores in a few minutes (tuned with nemo_rl/algorithms/local_learning_check.py).
-    "grpo": {"num_generations_per_prompt": 8, "max_num_steps": 30},
+    "grpo": {"num_generations_per_prompt": 8, "max_num_steps": 30, "val_period": 10},
     "policy": {"device": "cpu"},
     "data": {
         "train_data_path": "examples/data/workplace_train.jsonl",

@@ -131,25 +131,28 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.yaml").write_text(config.to_yaml())
     rows = load_jsonl(config.data.train_data_path)
+    wants_val = config.grpo.val_period > 0 or config.grpo.val_at_start
+    val_rows = load_jsonl(config.data.val_data_path)[: config.grpo.max_val_samples] if wants_val else []
     scripted = config.policy.model_name == SCRIPTED_TEST_BACKEND
 
     reaper = _RunReaper.start()
     try:
-        summary = _run(config, launched_at, log_dir, rows, scripted, skip_restart_only_check)
+        summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, skip_restart_only_check)
     finally:
         reaper.stop()
     _report(config, summary)
     return 0
 
 
-def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]], scripted: bool,
-         skip_restart_only_check: bool) -> dict[str, Any]:
+def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
+         val_rows: list[dict[str, Any]], scripted: bool, skip_restart_only_check: bool) -> dict[str, Any]:
     init_ray(config)
     generation = None
     shard_set = None
     try:
         if scripted:
-            generation = ScriptedTestGeneration(rows, delay_s=float(os.environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")))
+            generation = ScriptedTestGeneration(rows + val_rows,
+                                                delay_s=float(os.environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")))
             policy_url, port = generation.base_url, 0
         else:
             policy_url, port = reserve_policy_url(config)
@@ -165,7 +168,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
             trainer = RecordingTrainer(log_dir)
         else:
             trainer, generation = build_real(config, rows, port)
-        summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows))
+        summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows))
     finally:
         if shard_set is not None:
             shard_set.shutdown()
@@ -175,12 +178,13 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     return summary
 
 
-async def _run_controller(config, shard_set, trainer, generation, rows) -> dict[str, Any]:
+async def _run_controller(config, shard_set, trainer, generation, rows, val_rows) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
     with StepProgress(total=config.grpo.max_num_steps, enabled=config.logger.progress_bar) as progress:
-        controller = SingleController(config, shard_set, trainer, generation, rows, on_progress=progress.update)
+        controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
+                                      on_progress=progress.update)
         summary = await controller.run()
     return summary
 

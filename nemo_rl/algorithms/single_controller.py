@@ -45,6 +45,7 @@ from nemo_rl.experience.rollout_recovery import (
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.fault_injection import crash_point
+from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
     ensure_bootstrap_anchor,
@@ -80,8 +81,10 @@ class SingleController:
         *,
         val_rows: list[dict[str, Any]] | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
+        startup: StartupClock | None = None,
     ):
         self.config = config
+        self.startup = startup or StartupClock(None)
         self.val_rows = list(val_rows or [])
         self.shard_set = shard_set
         self.trainer = trainer
@@ -118,6 +121,7 @@ class SingleController:
     async def run(self) -> dict[str, Any]:
         """Restore, then train; rollouts and the snapshot pump are tasks of one group owned here."""
         await self.restore_if_any()
+        self.startup.mark("restore")
         if self.coordinator is not None:
             self.snapshotter = RolloutSnapshotter(
                 SnapshotInputs(
@@ -253,6 +257,7 @@ class SingleController:
         row = self.rows[group.prompt_index]
         instance = req.gym_instance_id or self.shard_set.pick_instance(group.agent_name or "")
         self.ledger.mark_dispatched(req.rollout_id, instance)
+        self.startup.mark("first_dispatch")
         self._rollouts[req.rollout_id] = tasks.create_task(
             self._run_rollout(req.rollout_id, req.group_id, req.generation_index, instance, row),
             name=f"rollout:{req.rollout_id}",
@@ -344,6 +349,7 @@ class SingleController:
         for path in removed:
             logger.warning("removed a half-written checkpoint directory left by a crash: %s", path)
         point = resolve_restore_point(self.checkpoint_dir)
+        self.startup.resumed = point is not None and point.step > 0
         if point is None:
             ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
             return
@@ -352,6 +358,7 @@ class SingleController:
             point.anchor, required_snapshot_files(self.coordinator is not None)))
         if point.step > 0:
             extra = await asyncio.to_thread(self.trainer.load, point.anchor)
+            self.startup.mark("trainer_load")
             self.step = self.anchor_step = int(extra["step"])
             self.dataloader.load_state_dict(extra["dataloader"])
             self.ledger.load_state_dict(extra["ledger"])

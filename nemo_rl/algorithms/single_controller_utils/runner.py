@@ -28,6 +28,7 @@ from nemo_rl.algorithms.single_controller_utils.components import (
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
+from nemo_rl.utils.startup_clock import StartupClock
 
 
 def _warn_to_stderr(message, category, filename, lineno, file=None, line=None) -> None:
@@ -129,6 +130,8 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
     warnings.showwarning = _warn_to_stderr
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    startup = StartupClock(log_dir)
+    startup.mark("config")
     (log_dir / "config.yaml").write_text(config.to_yaml())
     rows = load_jsonl(config.data.train_data_path)
     wants_val = config.grpo.val_period > 0 or config.grpo.val_at_start
@@ -137,7 +140,7 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
 
     reaper = _RunReaper.start()
     try:
-        summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, skip_restart_only_check)
+        summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, skip_restart_only_check, startup)
     finally:
         reaper.stop()
     _report(config, summary)
@@ -145,8 +148,10 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
 
 
 def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
-         val_rows: list[dict[str, Any]], scripted: bool, skip_restart_only_check: bool) -> dict[str, Any]:
+         val_rows: list[dict[str, Any]], scripted: bool, skip_restart_only_check: bool,
+         startup: StartupClock) -> dict[str, Any]:
     init_ray(config)
+    startup.mark("ray")
     generation = None
     shard_set = None
     try:
@@ -160,6 +165,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
             config, policy_base_url=policy_url, log_dir=log_dir, rows=rows,
             skip_restart_only_check=skip_restart_only_check,
         )
+        startup.mark("gym")
         print(f"Gym ready in {time.monotonic() - launched_at:.1f}s: "
               f"{sum(len(h) for h in shard_set.handles.values())} replica(s)", flush=True)
         if scripted:
@@ -168,7 +174,8 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
             trainer = RecordingTrainer(log_dir)
         else:
             trainer, generation = build_real(config, rows, port)
-        summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows))
+        startup.mark("model")
+        summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup))
     finally:
         if shard_set is not None:
             shard_set.shutdown()
@@ -178,13 +185,13 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     return summary
 
 
-async def _run_controller(config, shard_set, trainer, generation, rows, val_rows) -> dict[str, Any]:
+async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
     with StepProgress(total=config.grpo.max_num_steps, enabled=config.logger.progress_bar) as progress:
         controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
-                                      on_progress=progress.update)
+                                      on_progress=progress.update, startup=startup)
         summary = await controller.run()
     return summary
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import json
 import re
 import os
@@ -60,6 +61,7 @@ class SettingsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     delay_s: float | None = Field(default=None, ge=0.0, le=600.0)
+    jitter_s: float | None = Field(default=None, ge=0.0, le=600.0)
     respect_max_tokens: bool | None = None
 
 
@@ -115,6 +117,8 @@ class ScriptedState:
         self.calls: list[dict[str, Any]] = []
         self.pending = 0
         self.delay_s = 0.0  # every reply waits this long (keeps rollouts in flight in RL tests)
+        self.jitter_s = 0.0  # plus up to this long more, drawn from a fixed-seed generator
+        self.jitter = random.Random(0)
         self.respect_max_tokens = True  # False: plans play out whole (fake tokens are bytes, not words)
 
     def turn_for(self, user: str, turn: int, tool_text: str = "") -> ScriptedTurn:
@@ -187,8 +191,9 @@ def build_app() -> web.Application:
                     state.waiting[key] -= 1
                     if not state.waiting[key]:
                         del state.waiting[key]
-            if state.delay_s:
-                await asyncio.sleep(state.delay_s)
+            wait = state.delay_s + (state.jitter.uniform(0.0, state.jitter_s) if state.jitter_s else 0.0)
+            if wait:
+                await asyncio.sleep(wait)
             limit = max_tokens if state.respect_max_tokens else None
             tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
             reply = _completion(messages, state.turn_for(user, turn_index, tool_text), turn_index, body.get("model"), limit)
@@ -236,9 +241,12 @@ def build_app() -> web.Application:
         req = await _body(request, SettingsRequest)
         if req.delay_s is not None:
             state.delay_s = req.delay_s
+        if req.jitter_s is not None:
+            state.jitter_s = req.jitter_s
         if req.respect_max_tokens is not None:
             state.respect_max_tokens = req.respect_max_tokens
-        return web.json_response({"delay_s": state.delay_s, "respect_max_tokens": state.respect_max_tokens})
+        return web.json_response({"delay_s": state.delay_s, "jitter_s": state.jitter_s,
+                                  "respect_max_tokens": state.respect_max_tokens})
 
     async def reset(_: web.Request) -> web.Response:
         for key in list(state.holds):
@@ -433,9 +441,12 @@ class ScriptedBackend:
         self._call("POST", "/scripted/plans", {"variants": variants, "replace": replace})
         return {user: plans[0] for user, plans in variants.items()}
 
-    def configure(self, *, delay_s: float | None = None, respect_max_tokens: bool | None = None) -> None:
-        """``delay_s``: every reply waits that long; ``respect_max_tokens=False``: plans are never cut."""
-        self._call("POST", "/scripted/settings", {"delay_s": delay_s, "respect_max_tokens": respect_max_tokens})
+    def configure(self, *, delay_s: float | None = None, respect_max_tokens: bool | None = None,
+                  jitter_s: float | None = None) -> None:
+        """``delay_s``: every reply waits that long (plus up to ``jitter_s``); ``respect_max_tokens=False``:
+        plans are never cut."""
+        self._call("POST", "/scripted/settings",
+                   {"delay_s": delay_s, "jitter_s": jitter_s, "respect_max_tokens": respect_max_tokens})
 
     def hold(self, user: str, turn: int) -> None:
         self._call("POST", "/scripted/hold", {"user": user, "turn": turn})

@@ -50,6 +50,7 @@ from nemo_rl.utils.snapshot_store import (
     anchor_dir,
     ensure_bootstrap_anchor,
     prepare_trainer_step,
+    prune_trainer_steps,
     publish_trainer_step,
     remove_stale_tmp_dirs,
     resolve_restore_point,
@@ -122,7 +123,7 @@ class SingleController:
         """Restore, then train; rollouts and the snapshot pump are tasks of one group owned here."""
         await self.restore_if_any()
         self.startup.mark("restore")
-        if self.coordinator is not None:
+        if self.config.checkpointing.enabled:
             self.snapshotter = RolloutSnapshotter(
                 SnapshotInputs(
                     self.ledger, self.data_plane, self.dataloader, lambda: self.step, self.anchor_dir,
@@ -337,6 +338,7 @@ class SingleController:
             tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
             self.trainer.save(tmp, extra)
             publish_trainer_step(tmp, final, metadata={"step": step})
+            prune_trainer_steps(self.checkpoint_dir, self.config.checkpointing.keep_latest_k)
 
         await asyncio.to_thread(write)
         self.anchor_step = step

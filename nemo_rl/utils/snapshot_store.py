@@ -371,6 +371,33 @@ def publish_trainer_step(
     return manifest
 
 
+def prune_trainer_steps(checkpoint_dir: str | Path, keep_latest_k: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_latest_k`` valid trainer steps (and ``bootstrap/`` once a
+    step exists), each with its rollout snapshots. A directory is first renamed to a ``.tmp-``
+    name, so a crash mid-delete leaves nothing that looks valid (startup removes the rest)."""
+    if keep_latest_k is None:
+        return []
+    if keep_latest_k < 1:
+        raise SnapshotStoreError(f"keep_latest_k must be >= 1, got {keep_latest_k}")
+    steps = [s for s in list_trainer_steps(checkpoint_dir) if s > 0]
+    if not steps:
+        return []
+    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_latest_k]]
+    bootstrap = anchor_dir(checkpoint_dir, 0)
+    if bootstrap.exists():
+        doomed.append(bootstrap)
+    removed = []
+    for path in doomed:
+        trash = path.parent / f"{TMP_PREFIX}deleted-{path.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def list_trainer_steps(checkpoint_dir: str | Path) -> list[int]:
     """Steps with a valid anchor, ascending; 0 stands for a valid ``bootstrap/``."""
     root = Path(checkpoint_dir)

@@ -209,3 +209,55 @@ def test_validation_without_val_data_is_a_config_error(dirs):
                     env=env_for())
     assert proc.returncode == 2
     assert "grpo.val_period / grpo.val_at_start ask for validation but data.val_data_path is not set" in proc.stderr
+
+
+def _sealed_siblings_in_flight(snapshot_path: str) -> int:
+    """Sealed siblings of still-generating groups in a published snapshot (0 if it was pruned)."""
+    import json
+    from pathlib import Path
+
+    try:
+        state = json.loads((Path(snapshot_path) / "controller_state.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return sum(
+        1 for g in state["ledger"]["groups"] if g["status"] == "generating"
+        for s in g["siblings"] if s["attempts"][-1]["status"] == "sealed"
+    )
+
+
+def test_sibling_level_snapshots_keep_sealed_siblings_after_a_kill(dirs):
+    marker = uuid.uuid4().hex
+    # replies wait 0.2-1.0 s, so siblings of one group finish at different times
+    env = env_for(delay_s=0.2, extra={"NEMO_RL_TEST_RUN_ID": marker, "NEMO_RL_SCRIPTED_JITTER_S": "0.8"})
+    args = MIXED + SCRIPTED + dirs.overrides() + [
+        "rollout_recovery.target_level=sibling", "grpo.max_num_steps=6",
+        "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
+    ]
+
+    def newest_snapshot_holds_sealed_siblings() -> bool:
+        committed = [s for s in dirs.records("snapshots.jsonl") if s["committed"]]
+        return bool(committed) and committed[-1]["step"] >= 1 and _sealed_siblings_in_flight(committed[-1]["path"]) > 0
+
+    run_until_then_kill(args, env=env, until=newest_snapshot_holds_sealed_siblings)
+    assert wait_for_no_processes(marker) == []
+    snaps = dirs.records("snapshots.jsonl")
+    assert all(s["commit_mode"] == "ledger_only" and s["saved"] == 0 for s in snaps)  # Gym was never asked
+    newest = [s for s in snaps if s["committed"]][-1]
+    sealed_in_flight = _sealed_siblings_in_flight(newest["path"])  # before the rerun prunes it
+    assert sealed_in_flight > 0
+
+    proc = run_grpo(args, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restore = dirs.restore_json()
+    assert restore["snapshot"] == newest["path"]
+    assert restore["kept_siblings"] >= sealed_in_flight
+    assert restore["restored_turn"] == 0
+    import json
+
+    batches = json.loads((dirs.ckpt / "step_6" / "recording_trainer.json").read_text())["batches"]
+    groups = [g for b in batches for g in b["groups"]]
+    assert len(groups) == len(set(groups)) == 6 * 4
+    trained = {r for b in batches for r in b["rollout_ids"]}
+    assert len(trained) == 6 * 4 * 4
+    assert set(restore["kept_rollout_ids"]) <= trained and set(restore["restarted_rollout_ids"]) <= trained

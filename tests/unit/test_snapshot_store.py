@@ -17,6 +17,7 @@ from nemo_rl.utils.snapshot_store import (
     next_snapshot_name,
     prepare_snapshot_paths,
     prepare_trainer_step,
+    prune_trainer_steps,
     publish_trainer_step,
     remove_stale_tmp_dirs,
     resolve_latest_snapshot,
@@ -253,3 +254,20 @@ def test_remove_stale_tmp_dirs(tmp_path):
     assert sorted(removed) == sorted([t1, t2, t3])
     assert not any(p.exists() for p in (t1, t2, t3))
     assert list_trainer_steps(tmp_path) == [0, 1]
+
+
+def test_prune_trainer_steps_keeps_the_newest_k_with_their_snapshots(tmp_path):
+    ensure_bootstrap_anchor(tmp_path)
+    for step in (1, 2, 3, 4):
+        _trainer_step(tmp_path, step)
+    tmp, final = prepare_snapshot_paths(anchor_dir(tmp_path, 4))
+    (tmp / "x.json").write_text("{}")
+    commit_snapshot(tmp, final, 2)
+    assert prune_trainer_steps(tmp_path, None) == []  # null keeps everything
+    removed = prune_trainer_steps(tmp_path, 2)
+    assert sorted(p.name for p in removed) == ["bootstrap", "step_1", "step_2"]
+    assert list_trainer_steps(tmp_path) == [3, 4]
+    assert resolve_latest_snapshot(anchor_dir(tmp_path, 4)).path == final  # the kept step keeps its snapshots
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]  # no trash left
+    with pytest.raises(SnapshotStoreError, match="keep_latest_k"):
+        prune_trainer_steps(tmp_path, 0)

@@ -26,13 +26,13 @@ SCRIPTED_TEST_BACKEND = "scripted-test-backend"
 class ScriptedTestGeneration:
     """Test backend: plays each row's ground truth; refit is a no-op (it has no weights)."""
 
-    def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0):
+    def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0, jitter_s: float = 0.0):
         from gym_patches.testing.scripted_backend import ScriptedBackend
 
         self._backend = ScriptedBackend().start()
         self._backend.plans_from_rows(rows)
         # Fake tokens are bytes, so a row's max_output_tokens would cut a scripted call short.
-        self._backend.configure(delay_s=delay_s, respect_max_tokens=False)
+        self._backend.configure(delay_s=delay_s, jitter_s=jitter_s, respect_max_tokens=False)
         self.base_url = self._backend.base_url
 
     def refit(self, trainer: Any) -> None:

@@ -129,6 +129,8 @@ class CheckpointingConfig(_Section):
     enabled: bool = True
     checkpoint_dir: str = "results/grpo"
     save_period: int = Field(default=1, ge=1)
+    # Trainer steps kept on disk (each with its rollout snapshots); null keeps every step.
+    keep_latest_k: int | None = Field(default=3, ge=1)
 
 
 class ClusterConfig(_Section):

@@ -157,7 +157,8 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     try:
         if scripted:
             generation = ScriptedTestGeneration(rows + val_rows,
-                                                delay_s=float(os.environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")))
+                                                delay_s=float(os.environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")),
+                                                jitter_s=float(os.environ.get("NEMO_RL_SCRIPTED_JITTER_S", "0")))
             policy_url, port = generation.base_url, 0
         else:
             policy_url, port = reserve_policy_url(config)

@@ -187,7 +187,8 @@ class _Cut:
     step: int
     tmp: Path
     final: Path
-    index: GymCheckpointIndex
+    checkpoint_id: str
+    index: GymCheckpointIndex | None  # None: a ledger-only snapshot (no level needs Gym saves)
     capture: ControllerStateCapture
 
 
@@ -220,7 +221,7 @@ class RolloutSnapshotter:
     def __init__(
         self,
         inputs: SnapshotInputs,
-        coordinator: GymCheckpointCoordinator,
+        coordinator: GymCheckpointCoordinator | None,
         records: RunRecords,
         settings: RolloutCheckpointConfig,
         changes: LedgerChanges,
@@ -241,6 +242,16 @@ class RolloutSnapshotter:
         staged = self.settings.commit_mode == "staged"
         started = time.monotonic()
         try:
+            if self.coordinator is None:
+                # sibling / prompt_group: sealed samples and the ledger only; Gym is not asked, nothing is held.
+                cut = self._capture_ledger_only(outcome.checkpoint_id)
+                outcome.captured_bytes = len(cut.capture.data_plane)
+                outcome.pause_s = time.monotonic() - started
+                await self._publish(cut, outcome, staged=False)
+                outcome.persist_s = time.monotonic() - started - outcome.pause_s
+                outcome.reason = "committed"
+                self.consecutive_failures = 0
+                return outcome
             async with self.gate.closed():
                 async with self.coordinator.prepared(outcome.checkpoint_id) as prepared:
                     cut = await self._capture(prepared, outcome, staged)
@@ -283,7 +294,7 @@ class RolloutSnapshotter:
                     not_admitted=outcome.not_admitted,
                     pause_s=outcome.pause_s,
                     persist_s=round(outcome.persist_s, 4),
-                    commit_mode=self.settings.commit_mode,
+                    commit_mode=self.settings.commit_mode if self.coordinator is not None else "ledger_only",
                     captured_bytes=outcome.captured_bytes,
                     step=self.inputs.step(),
                     path=outcome.path,
@@ -350,14 +361,21 @@ class RolloutSnapshotter:
             raise
         outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
         outcome.captured_bytes = sum(sum(c.captured_bytes.values()) for c in commits.values()) + len(capture.data_plane)
-        return _Cut(step, tmp, final, index, capture)
+        return _Cut(step, tmp, final, prepared.checkpoint_id, index, capture)
+
+    def _capture_ledger_only(self, checkpoint_id: str) -> "_Cut":
+        """The controller's state alone (no awaits: a consistent cut of ledger and data plane)."""
+        tmp, final = prepare_snapshot_paths(self.inputs.anchor_dir())
+        capture = ControllerStateCapture.take(self.inputs)
+        return _Cut(self.inputs.step(), tmp, final, checkpoint_id, None, capture)
 
     async def _publish(self, cut: "_Cut", outcome: SnapshotOutcome, staged: bool) -> None:
         """Gym persists (staged), then the controller's files are written and the directory is
         sealed and renamed, off the event loop. Only a complete write becomes a snapshot."""
         try:
             if staged:
-                await self.coordinator.persist(cut.index.checkpoint_id)
+                assert self.coordinator is not None
+                await self.coordinator.persist(cut.checkpoint_id)
             await asyncio.to_thread(self._write_and_publish, cut)
         except BaseException:
             shutil.rmtree(cut.tmp, ignore_errors=True)
@@ -365,11 +383,12 @@ class RolloutSnapshotter:
         outcome.committed, outcome.path = True, str(cut.final)
 
     def _write_and_publish(self, cut: "_Cut") -> None:
-        cut.index.write(cut.tmp)
+        if cut.index is not None:
+            cut.index.write(cut.tmp)
         cut.capture.write(cut.tmp)
         crash_point("publish", cut.step)  # test-only: tmp dir written, not sealed or renamed
         commit_snapshot(cut.tmp, cut.final, self.settings.keep_latest_k,
-                        metadata={"checkpoint_id": cut.index.checkpoint_id, "step": cut.step})
+                        metadata={"checkpoint_id": cut.checkpoint_id, "step": cut.step})
 
     async def _drain(self, scope: dict[str, list[EpisodeId]], exported: dict[str, set[str]], deadline_ts: float) -> None:
         """Wait for replies already on the wire: in scope, not exported, must seal, fail or be refused."""

@@ -63,6 +63,11 @@ class ServerCallError(RuntimeError):
         self.server, self.path, self.status, self.body = server, path, status, body
 
 
+def new_client_session() -> aiohttp.ClientSession:
+    """A client session with no total timeout and no cap on open connections."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
+
+
 class ServerClient:
     """Resolves Gym server names to URLs and calls them over HTTP."""
 
@@ -74,7 +79,7 @@ class ServerClient:
     @classmethod
     async def load_from_global_config(cls, head_url: str, *, timeout_s: float = 30.0) -> "ServerClient":
         """Read the resolved config from a deployment's head server."""
-        session = aiohttp.ClientSession()
+        session = new_client_session()
         try:
             async with session.get(
                 f"{head_url.rstrip('/')}/global_config_dict_yaml",
@@ -93,8 +98,10 @@ class ServerClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # No total timeout by default: model calls may be held across a checkpoint.
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            # No total timeout by default: model calls may be held across a checkpoint. No connection
+            # limit either (aiohttp's default is 100): rollouts parked for a checkpoint keep their
+            # connections open, and the checkpoint's own control calls must still get through.
+            self._session = new_client_session()
             self._owns_session = True
         return self._session
 

@@ -1,0 +1,329 @@
+"""Run ``examples/run_grpo.py`` as a real process, kill it on a condition, reap it, read its records.
+
+One harness for everything that starts GRPO runs from the outside: the
+functional tests (``tests/functional/rl_run.py``), the crash matrix
+(``examples/crash_matrix.py``) and the recovery benchmark
+(``examples/bench/``).
+
+- A run is started in its own session (its own process group), with a
+  *marker* in its environment (``NEMO_RL_TEST_RUN_ID=<hex>``). Ray workers, the
+  Gym actors and every Gym server inherit the environment, so the marker finds
+  every process of the run through ``/proc`` (``gym_patches.utils.processes``)
+  even after they have left the group.
+- ``run_once`` runs it until it exits, until ``kill_when(elapsed_s)`` holds
+  (then SIGKILL of the group, or of the driver alone) or until a timeout, then
+  waits until no marked process is left and SIGKILLs (by pid) any that outlive
+  the wait, reporting them.
+- ``RunDirs`` and ``read_jsonl`` read what a run wrote: ``metrics.jsonl``,
+  ``snapshots.jsonl`` (a line torn by a SIGKILL is skipped) and ``restore.json``;
+  ``JsonlFollower`` reads a growing JSONL file while the run writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Iterable
+
+from gym_patches.utils.processes import processes_with_env, wait_until_gone
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_GRPO = REPO / "examples" / "run_grpo.py"
+MARKER_ENV = "NEMO_RL_TEST_RUN_ID"
+CRASH_ENV = "NEMO_RL_TEST_ONLY_CRASH_AT"  # see nemo_rl/utils/fault_injection.py
+SCRIPTED_DELAY_ENV = "NEMO_RL_SCRIPTED_DELAY_S"  # reply delay of policy.model_name=scripted-test-backend
+REAP_TIMEOUT_S = 30.0
+
+
+# ----------------------------------------------------------------------------- records
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``path`` ([] if it does not exist); a line torn by a kill is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class RunDirs:
+    """Where a run writes: ``<root>/logs`` (``logger.log_dir``) and ``<root>/ckpt`` (checkpoints)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.root / "ckpt"
+
+    def overrides(self) -> list[str]:
+        return [f"logger.log_dir={self.logs}", f"checkpointing.checkpoint_dir={self.ckpt}", "logger.progress_bar=false"]
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        """``metrics.jsonl``, ``snapshots.jsonl``, ...: every complete line."""
+        return read_jsonl(self.logs / name)
+
+    def restore_json(self) -> dict[str, Any]:
+        return json.loads((self.logs / "restore.json").read_text())
+
+    def restore_record(self) -> dict[str, Any] | None:
+        path = self.logs / "restore.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def restore_mtime_ns(self) -> int | None:
+        path = self.logs / "restore.json"
+        return path.stat().st_mtime_ns if path.exists() else None
+
+
+class JsonlFollower:
+    """The new complete lines of a JSONL file a run is writing, each with the wall time it was first seen."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.offset = 0
+        self.items: list[tuple[float, dict[str, Any]]] = []
+
+    def poll(self) -> list[tuple[float, dict[str, Any]]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        now = time.time()
+        new = []
+        for line in data[:end].splitlines():
+            if line.strip():
+                try:
+                    new.append((now, json.loads(line)))
+                except ValueError:
+                    continue
+        self.offset += end
+        self.items += new
+        return new
+
+    def records(self) -> list[dict[str, Any]]:
+        return [r for _, r in self.items]
+
+
+# ----------------------------------------------------------------------------- environment
+def new_marker() -> str:
+    return uuid.uuid4().hex
+
+
+def run_env(
+    *,
+    delay_s: float | None = None,
+    marker: str | None = None,
+    crash: str | None = None,
+    pythonpath: Iterable[str | Path] = (),
+    extra: dict[str, str] | None = None,
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of a run: this process's, plus the scripted backend's delay, the marker,
+    the test-only crash hook (removed unless ``crash`` is given), directories put first on
+    ``PYTHONPATH`` (e.g. a ``sitecustomize`` that instruments the run) and ``extra``."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    if delay_s is not None:
+        env[SCRIPTED_DELAY_ENV] = str(delay_s)
+    if marker is not None:
+        env[MARKER_ENV] = marker
+    env.pop(CRASH_ENV, None)
+    if crash:
+        env[CRASH_ENV] = crash
+    paths = [str(p) for p in pythonpath]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env.update(extra or {})
+    return env
+
+
+def grpo_command(args: Iterable[str]) -> list[str]:
+    return [sys.executable, str(RUN_GRPO), *args]
+
+
+# ----------------------------------------------------------------------------- processes
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs whose environment carries ``NEMO_RL_TEST_RUN_ID=<marker>`` (every process a run started)."""
+    return processes_with_env(MARKER_ENV, marker)
+
+
+def wait_for_no_processes(marker: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
+    """Wait until no process of the run is left; the PIDs still there at the timeout."""
+    return wait_until_gone(MARKER_ENV, marker, timeout_s)
+
+
+def reap(marker: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
+    """Wait until no process of the run is left; SIGKILL (by pid) any that outlive the wait and return them."""
+    left = wait_for_no_processes(marker, timeout_s)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def start_run(args: Iterable[str], *, env: dict[str, str], stdout: IO | int | None = subprocess.DEVNULL,
+              stderr: IO | int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    """``run_grpo.py args`` in its own session (so one ``killpg`` reaches its whole group)."""
+    return subprocess.Popen(grpo_command(args), cwd=REPO, env=env, stdout=stdout, stderr=stderr,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+    """SIGKILL the run's process group (started by ``start_run``) and wait for the driver."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=wait_s)
+
+
+def kill_driver(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+    """SIGKILL the driver process only (as an OOM kill would); its children must die with it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=wait_s)
+
+
+def run_grpo(args: list[str], *, env: dict[str, str], timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Run to the end and capture its output (``subprocess.TimeoutExpired`` after ``timeout_s``)."""
+    return subprocess.run(grpo_command(args), env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+
+
+@dataclass
+class RunOutcome:
+    """How one run of ``run_once`` ended."""
+
+    returncode: int | None
+    killed_by: str | None  # "group" / "driver" (kill_when held), "timeout", or None (it exited by itself)
+    wall_s: float  # start to end of the driver
+    marker: str
+    stdout_path: Path | None = None
+    stderr_path: Path | None = None
+    leftover: list[int] = field(default_factory=list)  # processes still alive after the reap wait (then killed)
+    cleanup_s: float = 0.0  # from the driver's end until no marked process was left
+    killed_at: float | None = None  # time.time() of the kill
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace") if self.stdout_path and self.stdout_path.exists() else ""
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace") if self.stderr_path and self.stderr_path.exists() else ""
+
+    def tail(self, lines: int = 12) -> str:
+        text = self.stderr() if self.stderr_path != self.stdout_path else ""
+        return "\n".join((self.stdout() + text).strip().splitlines()[-lines:])
+
+
+def run_once(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    stdout_path: str | Path | None = None,
+    stderr_path: str | Path | None = None,
+    kill_when: Callable[[float], bool] | None = None,
+    kill_driver_only: bool = False,
+    timeout_s: float = 240.0,
+    poll_s: float = 0.02,
+    reap_after: bool = True,
+    reap_timeout_s: float = REAP_TIMEOUT_S,
+) -> RunOutcome:
+    """Run ``run_grpo.py args`` once.
+
+    ``kill_when(elapsed_s)`` is polled every ``poll_s`` while the run lives; once
+    it holds, the group (or with ``kill_driver_only`` the driver alone) is
+    SIGKILLed. After ``timeout_s`` the group is SIGKILLed (``killed_by="timeout"``).
+    Output goes to ``stdout_path``/``stderr_path`` (the same path merges them;
+    none: discarded). ``env`` gets a fresh marker if it has none; with
+    ``reap_after`` the call returns only once no process of the run is left
+    (stragglers are killed by pid and listed in ``leftover``).
+    """
+    env = dict(env)
+    marker = env.setdefault(MARKER_ENV, new_marker())
+    out_p = Path(stdout_path) if stdout_path else None
+    err_p = Path(stderr_path) if stderr_path else None
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(out_p, "wb")) if out_p else subprocess.DEVNULL
+        if err_p is not None and err_p == out_p:
+            err: Any = subprocess.STDOUT
+        else:
+            err = stack.enter_context(open(err_p, "wb")) if err_p else subprocess.DEVNULL
+        started = time.monotonic()
+        proc = start_run(args, env=env, stdout=out, stderr=err)
+        killed_by = killed_at = None
+        try:
+            while proc.poll() is None:
+                elapsed = time.monotonic() - started
+                if elapsed > timeout_s:
+                    killed_by, killed_at = "timeout", time.time()
+                    kill_group(proc)
+                    break
+                if kill_when is not None and kill_when(elapsed):
+                    killed_at = time.time()
+                    if kill_driver_only:
+                        killed_by = "driver"
+                        kill_driver(proc)
+                    else:
+                        killed_by = "group"
+                        kill_group(proc)
+                    break
+                time.sleep(poll_s)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)
+    ended = time.monotonic()
+    outcome = RunOutcome(proc.returncode, killed_by, ended - started, marker, out_p, err_p, killed_at=killed_at)
+    if reap_after:
+        outcome.leftover = reap(marker, reap_timeout_s)
+        outcome.cleanup_s = time.monotonic() - ended
+    return outcome
+
+
+# ----------------------------------------------------------------------------- kill conditions
+def after_committed_snapshots(dirs: RunDirs, nth: int, extra_s: float = 0.0) -> Callable[[float], bool]:
+    """Holds ``extra_s`` after the ``nth`` snapshot committed from now on (counted in ``snapshots.jsonl``)."""
+    before = sum(1 for s in dirs.records("snapshots.jsonl") if s.get("committed"))
+    seen_at: list[float] = []
+
+    def check(elapsed: float) -> bool:
+        if not seen_at:
+            if sum(1 for s in dirs.records("snapshots.jsonl") if s.get("committed")) - before >= nth:
+                seen_at.append(elapsed)
+            return False
+        return elapsed >= seen_at[0] + extra_s
+    return check
+
+
+def after_committed_in_step(dirs: RunDirs, step: int, extra_s: float = 0.0) -> Callable[[float], bool]:
+    """Holds ``extra_s`` after a snapshot of trainer step >= ``step`` that saved rollouts is committed."""
+    seen_at: list[float] = []
+
+    def check(elapsed: float) -> bool:
+        if not seen_at:
+            if any(s.get("committed") and s.get("step", 0) >= step and s.get("saved", 0) > 0
+                   for s in dirs.records("snapshots.jsonl")):
+                seen_at.append(elapsed)
+            return False
+        return elapsed >= seen_at[0] + extra_s
+    return check

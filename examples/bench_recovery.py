@@ -1,8 +1,15 @@
 """Measure turn-level rollout recovery on this machine.
 
-    python examples/bench_recovery.py            # full run (about 20 minutes on 2 cores)
-    python examples/bench_recovery.py --quick    # small N, few repeats (under 3 minutes)
+    python examples/bench_recovery.py            # full run (about 30 minutes on 2 cores)
+    python examples/bench_recovery.py --quick    # small N, few repeats (a few minutes)
     python examples/bench_recovery.py --only snapshot_cost,stall --out /tmp/bench
+    python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
+
+Every snapshot measured as the product's is taken by the controller itself in
+a real ``examples/run_grpo.py`` run (scripted backend, recording trainer),
+started and reaped through ``nemo_rl.utils.run_harness``. ``--variant LABEL
+OVERRIDE...`` (repeatable) runs measurements 1, 2 and 5 once per variant with
+those config overrides laid over each run, and prints them side by side.
 
 Measurements (see docs/benchmarks.md for the method behind each):
   snapshot_cost  1. snapshot pause, prepare/commit/publish time and bytes versus rollouts in flight
@@ -41,7 +48,8 @@ from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check)}
 ORDER = list(MODULES)
-SHARED = {"stall", "alternative", "overhead"}  # these use one deployment between them
+SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
+VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="scratch space (default: a temp dir, removed at the end)")
     p.add_argument("--keep-workdir", action="store_true", help="keep run logs and checkpoints")
     p.add_argument("--sizes", default=None, help="override snapshot_cost sizes, e.g. 8,64,512")
+    p.add_argument("--variant", nargs="+", action="append", default=None, metavar=("LABEL", "OVERRIDE"),
+                   help="a label and config overrides for every controller run of measurements 1, 2 and 5; "
+                        "repeat to compare variants side by side")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="measure nothing: re-derive the verdicts and redraw tables and plots from a recovery.json")
     return p.parse_args(argv)
@@ -94,23 +105,24 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     lines = []
     if "snapshot_cost" in results:
         g = results["snapshot_cost"]["goal"]
-        disk = g.get("disk", {})
-        shm = g.get("tmpfs", {})
-        detail = ""
-        if disk.get("excess_ms_median") is not None:
-            detail = (f" (disk: median {disk['excess_ms_median']:.0f} ms over the tool, worst "
-                      f"{disk['excess_ms_max']:.0f} ms")
-            if shm.get("excess_ms_median") is not None:
-                detail += (f"; tmpfs: median {shm['excess_ms_median']:.0f} ms, worst {shm['excess_ms_max']:.0f} ms, "
-                           f"{yes(shm.get('met'))}")
-            detail += ")"
-        lines.append(f"1. pause at N={g['at_n']} within {g['pause_within_ms_of_longest_tool']:g} ms of the longest "
-                     f"tool call in flight: {yes(g.get('pause_met'))}{detail}")
-        slopes = ", ".join(f"{k} {v:.2f}" for k, v in (g.get("pause_loglog_slope") or {}).items() if v is not None)
-        steps = g.get("every_step_within_linear") or {}
-        worse = [k for k, v in steps.items() if v is False]
-        lines.append(f"1. growth no worse than linear: {yes(g.get('linear_met'))} (log-log slope of the pause: {slopes}"
-                     + (f"; a step grew faster than N on {', '.join(worse)}" if worse else "") + ")")
+        for variant, gv in g.get("by_variant", {}).items():
+            tag = f" [{variant}]" if len(g["by_variant"]) > 1 else ""
+            disk, shm = gv.get("disk", {}), gv.get("tmpfs", {})
+            detail = ""
+            if disk.get("excess_ms_median") is not None:
+                detail = (f" (disk: median {disk['excess_ms_median']:.0f} ms over the tool, worst "
+                          f"{disk['excess_ms_max']:.0f} ms")
+                if shm.get("excess_ms_median") is not None:
+                    detail += (f"; tmpfs: median {shm['excess_ms_median']:.0f} ms, worst "
+                               f"{shm['excess_ms_max']:.0f} ms, {yes(shm.get('met'))}")
+                detail += ")"
+            lines.append(f"1.{tag} pause at N={g['at_n']} within {g['pause_within_ms_of_longest_tool']:g} ms of the "
+                         f"longest tool call in flight: {yes(disk.get('met'))}{detail}")
+            slope = gv.get("pause_loglog_slope")
+            lines.append(f"1.{tag} growth no worse than linear: {yes(gv.get('linear_met'))} (log-log slope of the "
+                         f"pause: {'—' if slope is None else f'{slope:.2f}'}"
+                         + ("; a step grew faster than N" if gv.get("every_step_within_linear") is False else "")
+                         + ")")
     if "stall" in results:
         g = results["stall"]["goal"]
         lines.append(f"2. block commits 0 snapshots: {yes(g['block_commits_none'])}; "
@@ -124,7 +136,10 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         c = results["alternative"]["comparison"]
         ratio = c["best_effort_over_alternative"]
         shown = "∞" if ratio == float("inf") else (f"{ratio:.1f}x" if ratio else "n/a")
-        lines.append(f"4. best effort / rejected alternative, rollouts per minute: {shown}")
+        kept_b, kept_a = c.get("best_effort_vs_none"), c.get("alternative_vs_none")
+        lines.append(f"4. share of the no-snapshot throughput kept: best effort (controller) "
+                     f"{'—' if kept_b is None else f'{kept_b * 100:.0f}%'}, rejected alternative (baseline loop) "
+                     f"{'—' if kept_a is None else f'{kept_a * 100:.0f}%'}; ratio {shown}")
     if "overhead" in results:
         g = results["overhead"]["goal"]
         extra = ""
@@ -132,8 +147,10 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
             extra = f"; snapshots on tmpfs: {g['tmpfs_overhead_pct_median']:.1f}%, {yes(g.get('tmpfs_met'))}"
         if g.get("reference_spread_pct") is not None:
             extra += f"; the no-snapshot reference itself varies by {g['reference_spread_pct']:.1f}% between repeats"
+        med = g.get("overhead_pct_median")
+        shown_med = "—" if med is None else f"{med:.1f}"
         lines.append(f"5. overhead at most {g['max_overhead_pct_at_10_turns']:g}% at T = 10 turns: {yes(g.get('met'))} "
-                     f"(median {g.get('overhead_pct_median', float('nan')):.1f}%{extra})")
+                     f"(median {shown_med}%{extra})")
     if "setup_check" in results:
         rows = {r["part"]: r["seconds"]["median"] for r in results["setup_check"]["rows"]}
         lines.append(f"6. mixed config as shipped fails after {rows['to_error_s']:.1f}s (process exits after "
@@ -180,7 +197,7 @@ def render(path: Path, out: Path) -> int:
     if "snapshot_cost" in results:
         r = results["snapshot_cost"]
         g = r["goal"]
-        r["goal"] = snapshot_cost.goal_of(r["rows"], r["fits"], r["config"]["storages"], g["at_n"],
+        r["goal"] = snapshot_cost.goal_of(r["rows"], [v["label"] for v in r["config"]["variants"]], g["at_n"],
                                           g["pause_within_ms_of_longest_tool"])
     out.mkdir(parents=True, exist_ok=True)
     for name, res in results.items():
@@ -215,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "examples/bench_recovery.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(), "parameters": preset, "workdir": str(workdir),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": git_state(),
+        "variants": [{"label": v[0], "overrides": list(v[1:])} for v in args.variant or []],
     }
     meta["machine"]["fsync_4k_ms_workdir"] = round(fsync_latency_ms(workdir), 2)
     log(f"{preset_name} run of {', '.join(chosen)}; scratch in {workdir}; fsync of 4 KiB takes "
@@ -225,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in chosen:
             module = MODULES[name]
             params = dict(preset[name])
+            if args.variant and name in VARIANT_AWARE:
+                params["variants"] = [(v[0], list(v[1:])) for v in args.variant]
             if name in SHARED:
                 if shared is None:
                     log("starting the shared Gym deployment (model, Workplace, simple_agent, plain_loop_agent)")

@@ -34,28 +34,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gym_patches.utils.processes import processes_with_env, wait_until_gone  # noqa: E402
+from nemo_rl.utils.run_harness import (  # noqa: E402
+    CRASH_ENV,  # noqa: F401 - the hook's variable, for readers of this module
+    MARKER_ENV,  # noqa: F401
+    REPO,  # noqa: F401
+    RUN_GRPO as SCRIPT,  # noqa: F401
+    RunDirs,
+    after_committed_in_step,
+    after_committed_snapshots,
+    new_marker,
+    processes_with_marker,  # noqa: F401 - re-exported for the tests
+    run_env,
+    run_once,
+    wait_for_no_processes,  # noqa: F401 - re-exported for the tests
+)
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "examples" / "run_grpo.py"
-CRASH_ENV = "NEMO_RL_TEST_ONLY_CRASH_AT"
-MARKER_ENV = "NEMO_RL_TEST_RUN_ID"
 HOOK_PHASES = ("prepare", "commit", "publish", "restore", "train")
 ALL_PHASES = (*HOOK_PHASES, "between", "driver")
 _ROLLOUT_ID = re.compile(r"^(?P<group>.+)_g(?P<g>[0-9]+)_a[0-9a-f]+(?:-a(?P<attempt>[0-9]+))?$")
@@ -99,20 +105,10 @@ class RunSpec:
         ]
 
     def records(self, name: str) -> list[dict[str, Any]]:
-        path = self.logs / name
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by the kill
-        return out
+        return RunDirs(self.root).records(name)
 
     def restore_record(self) -> dict[str, Any] | None:
-        path = self.logs / "restore.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return RunDirs(self.root).restore_record()
 
 
 @dataclass
@@ -132,15 +128,6 @@ class RunResult:
         return self.returncode == -signal.SIGKILL and "TEST-ONLY crash" in self.stderr
 
 
-def processes_with_marker(marker: str) -> list[int]:
-    """PIDs whose environment carries ``NEMO_RL_TEST_RUN_ID=<marker>`` (every process a run started)."""
-    return processes_with_env(MARKER_ENV, marker)
-
-
-def wait_for_no_processes(marker: str, timeout_s: float = 30.0) -> list[int]:
-    return wait_until_gone(MARKER_ENV, marker, timeout_s)
-
-
 class Runner:
     """Starts the same command again and again; every run gets its own marker and output files."""
 
@@ -149,16 +136,6 @@ class Runner:
         self.log = log
         self.count = 0
         self.results: list[RunResult] = []
-
-    def _env(self, marker: str, crash: str | None) -> dict[str, str]:
-        env = dict(os.environ)
-        env["NEMO_RL_SCRIPTED_DELAY_S"] = str(self.spec.delay_s)
-        env.setdefault("RAY_AUTH_MODE", "disabled")
-        env[MARKER_ENV] = marker
-        env.pop(CRASH_ENV, None)
-        if crash:
-            env[CRASH_ENV] = crash
-        return env
 
     def run(
         self,
@@ -171,51 +148,19 @@ class Runner:
         """Run once. ``crash``: the hook spec; ``kill_when(elapsed_s)``: SIGKILL from here once it holds."""
         self.count += 1
         index = self.count
-        marker = uuid.uuid4().hex
-        out_path = self.spec.root / f"run-{index}.out"
-        err_path = self.spec.root / f"run-{index}.err"
-        restore_path = self.spec.logs / "restore.json"
-        before = restore_path.stat().st_mtime_ns if restore_path.exists() else None
+        dirs = RunDirs(self.spec.root)
         self.spec.root.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        killed_by = "hook" if crash else None
-        with open(out_path, "w") as out, open(err_path, "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), *self.spec.args()], cwd=REPO, env=self._env(marker, crash),
-                stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-            try:
-                while proc.poll() is None:
-                    elapsed = time.monotonic() - started
-                    if elapsed > timeout_s:
-                        killed_by = "timeout"
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        break
-                    if kill_when is not None and kill_when(elapsed):
-                        killed_by = "driver" if kill_driver_only else "group"
-                        if kill_driver_only:
-                            os.kill(proc.pid, signal.SIGKILL)
-                        else:
-                            os.killpg(proc.pid, signal.SIGKILL)
-                        break
-                    time.sleep(0.02)
-                proc.wait(timeout=60)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=60)
-        ended = time.monotonic()
-        leftover = wait_for_no_processes(marker)
-        cleanup_s = time.monotonic() - ended
-        for pid in leftover:  # never leave them behind, but report them
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        after = restore_path.stat().st_mtime_ns if restore_path.exists() else None
-        restore = self.spec.restore_record() if after is not None and after != before else None
-        result = RunResult(index, proc.returncode, out_path.read_text(), err_path.read_text(),
-                           time.monotonic() - started, leftover, restore, killed_by, cleanup_s)
+        before = dirs.restore_mtime_ns()
+        outcome = run_once(
+            self.spec.args(), env=run_env(delay_s=self.spec.delay_s, marker=new_marker(), crash=crash),
+            stdout_path=self.spec.root / f"run-{index}.out", stderr_path=self.spec.root / f"run-{index}.err",
+            kill_when=kill_when, kill_driver_only=kill_driver_only, timeout_s=timeout_s,
+        )
+        after = dirs.restore_mtime_ns()
+        restore = dirs.restore_record() if after is not None and after != before else None
+        killed_by = outcome.killed_by or ("hook" if crash else None)
+        result = RunResult(index, outcome.returncode, outcome.stdout(), outcome.stderr(), outcome.wall_s,
+                           outcome.leftover, restore, killed_by, outcome.cleanup_s)
         self.results.append(result)
         return result
 
@@ -400,30 +345,12 @@ def _finish(runner: Runner, row: Row, log: Callable[[str], None],
 
 def _after_new_snapshots(spec: RunSpec, nth: int, extra_s: float) -> Callable[[float], bool]:
     """True ``extra_s`` after the ``nth`` snapshot this run commits (counted from when it is created)."""
-    before = sum(1 for s in spec.records("snapshots.jsonl") if s.get("committed"))
-    seen_at: list[float] = []
-
-    def check(elapsed: float) -> bool:
-        if not seen_at:
-            if sum(1 for s in spec.records("snapshots.jsonl") if s.get("committed")) - before >= nth:
-                seen_at.append(elapsed)
-            return False
-        return elapsed >= seen_at[0] + extra_s
-    return check
+    return after_committed_snapshots(RunDirs(spec.root), nth, extra_s)
 
 
 def committed_in_step(spec: RunSpec, step: int, extra_s: float = 0.0) -> Callable[[float], bool]:
     """True ``extra_s`` after a snapshot of trainer step >= ``step`` that saved rollouts is committed."""
-    seen_at: list[float] = []
-
-    def check(elapsed: float) -> bool:
-        if not seen_at:
-            if any(s.get("committed") and s.get("step", 0) >= step and s.get("saved", 0) > 0
-                   for s in spec.records("snapshots.jsonl")):
-                seen_at.append(elapsed)
-            return False
-        return elapsed >= seen_at[0] + extra_s
-    return check
+    return after_committed_in_step(RunDirs(spec.root), step, extra_s)
 
 
 def scenario(phase: str, root: Path, log: Callable[[str], None] = print,

@@ -1,10 +1,16 @@
-"""Shared pieces of the recovery benchmark: statistics, tables, Gym deployments,
-a closed-loop rollout client, and one controller-like snapshot cycle.
+"""Shared pieces of the recovery benchmark: statistics, tables, real GRPO runs
+measured from outside, and (for the rejected-alternative baseline only) a Gym
+deployment with a closed-loop rollout client.
 
-Everything talks to real server processes over HTTP on 127.0.0.1. The policy
-is the scripted test backend (``gym_patches.testing.scripted_backend``): it
-answers with each row's demonstration, so a measurement isolates the control
-plane from generation.
+Every snapshot the benchmark reports as the product's is taken by the
+controller itself: ``controller_run`` starts ``examples/run_grpo.py`` through
+the shared run harness (``nemo_rl.utils.run_harness``) with the scripted test
+backend as policy and the recording trainer, and reads what the run recorded
+(``snapshots.jsonl``, ``metrics.jsonl``) plus timings that
+``instrument/sitecustomize.py`` takes around the product's own functions.
+The policy is the scripted backend (``gym_patches.testing.scripted_backend``):
+it answers with each row's demonstration after a fixed delay, so a measurement
+isolates the control plane from generation.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -35,7 +41,7 @@ from gym_patches.checkpoint.identity import EpisodeId  # noqa: E402
 from gym_patches.launch import GymDeployment  # noqa: E402
 from gym_patches.server_utils import ServerClient  # noqa: E402
 from gym_patches.testing.scripted_backend import ScriptedBackend, first_user_text  # noqa: E402
-from nemo_rl.utils.snapshot_store import commit_snapshot, prepare_snapshot_paths, write_json_atomic  # noqa: E402
+from nemo_rl.utils.run_harness import RunDirs, RunOutcome, read_jsonl, run_env, run_once  # noqa: E402
 
 DATA = REPO / "examples" / "data"
 TOKEN = "bench-recovery-control-token"
@@ -372,80 +378,8 @@ class ClosedLoop:
         return [f for f in self.finished if f.status != 200 and t0 <= f.ended < t1]
 
 
-# -- one controller-like snapshot ------------------------------------------------------------------
-@dataclass
-class SnapshotResult:
-    checkpoint_id: str
-    committed: bool
-    prepare_s: float = 0.0
-    commit_s: float = 0.0
-    publish_s: float = 0.0
-    resume_s: float = 0.0
-    pause_s: float = 0.0
-    saved: int = 0
-    unsaved: int = 0
-    bytes: int = 0
-    blockers: dict[str, list[str]] = field(default_factory=dict)
-    prepare_started: float = 0.0  # time.monotonic()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (
-            "checkpoint_id", "committed", "prepare_s", "commit_s", "publish_s", "resume_s", "pause_s",
-            "saved", "unsaved", "bytes", "blockers")}
-
-
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
-async def take_snapshot(parts: co.Participants, *, checkpoint_id: str, policy: str, deadline_s: float,
-                        scope: list[EpisodeId], anchor: Path, keep_latest_k: int = 2) -> SnapshotResult:
-    """What the controller does for one snapshot (DESIGN §4.4, minus the ledger):
-    prepare -> commit the continued rollouts into a temp dir -> write
-    ``gym_checkpoint.json`` and publish the directory atomically
-    (``prepare_snapshot_paths``/``commit_snapshot``) -> resume (always).
-    ``pause_s`` runs from the start of prepare to the end of resume."""
-    res = SnapshotResult(checkpoint_id, committed=False)
-    t0 = time.perf_counter()
-    res.prepare_started = time.monotonic()
-    deadline = time.time() + deadline_s
-    final: Path | None = None
-    try:
-        prep = await co.prepare(parts, checkpoint_id, deadline, policy)  # type: ignore[arg-type]
-        t1 = time.perf_counter()
-        res.prepare_s = t1 - t0
-        res.unsaved = len(prep.unsaved_keys())
-        res.blockers = {name: list(keys) for name, keys in prep.blockers.items()}
-        if prep.prepared:
-            continued = prep.continued(scope)
-            tmp, final = prepare_snapshot_paths(anchor)
-            try:
-                commits = await co.commit(parts, checkpoint_id, deadline, str(tmp), continued)
-                t2 = time.perf_counter()
-                res.commit_s = t2 - t1
-                agents = {p.name for p in parts.by_kind("agent")}
-                exported = {name: list(r.episode_ids) for name, r in commits.items()}
-                res.saved = sum(len(keys) for name, keys in exported.items() if name in agents)
-                write_json_atomic(tmp / "gym_checkpoint.json", {
-                    "checkpoint_id": checkpoint_id, "exported_by_server": exported,
-                    "unsaved": sorted(prep.unsaved_keys()),
-                })
-                commit_snapshot(tmp, final, keep_latest_k, metadata={"checkpoint_id": checkpoint_id})
-                res.publish_s = time.perf_counter() - t2
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                final = None
-                raise
-            res.committed = True
-    finally:
-        t3 = time.perf_counter()
-        await co.resume(parts, checkpoint_id, time.time() + 60)
-        t4 = time.perf_counter()
-        res.resume_s = t4 - t3
-        res.pause_s = t4 - t0
-    if final is not None:
-        res.bytes = dir_bytes(final)
-    return res
 
 
 def new_id(prefix: str) -> str:
@@ -459,45 +393,100 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
-# -- processes of RL runs ------------------------------------------------------------------------
-MARKER_ENV = "BENCH_RUN_MARKER"
+# -- real GRPO runs ----------------------------------------------------------------------------
+INSTRUMENT = Path(__file__).resolve().parent / "instrument"
+SCRIPTED = "policy.model_name=scripted-test-backend"
+Variant = tuple[str, list[str]]  # (label, overrides laid over every controller run of a measurement)
+DEFAULT_VARIANTS: list[Variant] = [("default", [])]
 
 
-def marked_processes(marker: str) -> list[int]:
-    """PIDs whose environment carries ``BENCH_RUN_MARKER=<marker>``: every process an RL run started."""
-    needle = f"{MARKER_ENV}={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+def inline_gym(config: dict[str, Any]) -> str:
+    """An ``env.nemo_gym.config=...`` override: inline Gym YAML (JSON is YAML flow style)."""
+    return "env.nemo_gym.config=" + json.dumps(config, separators=(", ", ": "))
 
 
-def reap_marked(marker: str, timeout_s: float = 30.0) -> list[int]:
-    """Wait until no process of this run is left; SIGKILL (by pid) any that outlive the wait.
-    Returns the pids that had to be killed."""
-    import signal
-
-    deadline = time.monotonic() + timeout_s
-    while (left := marked_processes(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return left
+def workplace_tool_delays(seconds: float) -> str:
+    """Every Workplace tool takes ``seconds`` (the resources server's ``tool_delay_s``)."""
+    tools = sorted({t for row in load_rows("workplace_train.jsonl") for t in tools_of(row)})
+    return inline_gym({"workplace_assistant": {"resources_servers": {"workplace_assistant": {
+        "tool_delay_s": {t: seconds for t in tools}}}}})
 
 
-def kill_group(proc: Any) -> None:
-    """SIGKILL a process started with ``start_new_session=True`` and its whole group."""
-    import signal
+@dataclass
+class ControllerRun:
+    """What one ``run_grpo.py`` process did, read from outside."""
 
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    dirs: RunDirs
+    outcome: RunOutcome
+    args: list[str]
+    snapshots: list[dict[str, Any]]  # snapshots.jsonl
+    metrics: list[dict[str, Any]]  # metrics.jsonl
+    attempts: list[dict[str, Any]]  # one per snapshot attempt, with its timed phases (see ``timed_attempts``)
+    tool_calls: list[dict[str, Any]]  # resources servers' tool calls, when ``tool_log``
+
+    @property
+    def command(self) -> str:
+        return " ".join(["python", "examples/run_grpo.py", *self.args])
+
+
+def controller_run(root: Path, *, config: str, overrides: list[str], delay_s: float, timeout_s: float = 300.0,
+                   kill_when: Callable[[RunDirs, float], bool] | None = None, tool_log: bool = False,
+                   extra_env: dict[str, str] | None = None, checkpoint_dir: Path | None = None) -> ControllerRun:
+    """Run ``run_grpo.py --config <config>`` with the scripted backend (reply delay ``delay_s``) and the
+    recording trainer until it exits or ``kill_when(dirs, elapsed_s)`` holds (then SIGKILL of its
+    group); every process of it is gone when this returns."""
+    root = fresh_dir(Path(root))
+    dirs = RunDirs(root)
+    ckpt = checkpoint_dir or dirs.ckpt
+    args = ["--config", config, SCRIPTED, f"logger.log_dir={dirs.logs}", f"checkpointing.checkpoint_dir={ckpt}",
+            "logger.progress_bar=false", "logger.plot=false", *overrides]
+    timing = root / "snapshot-timing.jsonl"
+    tools = root / "tool-calls.jsonl"
+    env_extra = {"BENCH_SNAPSHOT_TIMING": str(timing), **({"BENCH_TOOL_LOG": str(tools)} if tool_log else {}),
+                 **(extra_env or {})}
+    env = run_env(delay_s=delay_s, pythonpath=[INSTRUMENT], extra=env_extra)
+    outcome = run_once(args, env=env, stdout_path=root / "run.out", stderr_path=root / "run.out",
+                       kill_when=None if kill_when is None else (lambda elapsed: kill_when(dirs, elapsed)),
+                       timeout_s=timeout_s)
+    return ControllerRun(dirs, outcome, args, dirs.records("snapshots.jsonl"), dirs.records("metrics.jsonl"),
+                         timed_attempts(read_jsonl(timing)), read_jsonl(tools) if tool_log else [])
+
+
+def timed_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Snapshot attempts (wall-clock windows) with the time of each timed call inside them:
+    ``phases_s[name]`` sums ``gym:<operation>`` calls (``renew`` excluded) and ``publish``;
+    ``first_start[name]`` is when the first such call began."""
+    attempts = sorted((dict(e) for e in events if e.get("event") == "attempt"), key=lambda e: e["start"])
+    calls = [e for e in events if e.get("event") not in ("attempt", "gym:renew")]
+    for a in attempts:
+        phases: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for c in calls:
+            if a["start"] <= c["start"] <= a["end"]:
+                name = c["event"].removeprefix("gym:")
+                phases[name] = phases.get(name, 0.0) + (c["end"] - c["start"])
+                first[name] = min(first.get(name, c["start"]), c["start"])
+        a["phases_s"], a["first_start"] = phases, first
+    return attempts
+
+
+def in_flight(snapshot: dict[str, Any]) -> int:
+    """Turn-level rollouts a snapshot dealt with: saved + unsaved + not admitted."""
+    return int(snapshot.get("saved", 0)) + int(snapshot.get("unsaved", 0)) + int(snapshot.get("not_admitted", 0))
+
+
+def committed_count(dirs: RunDirs) -> int:
+    return sum(1 for s in dirs.records("snapshots.jsonl") if s.get("committed"))
+
+
+def generation_rate(run: ControllerRun, skip_steps: int = 0) -> dict[str, Any]:
+    """Rollouts per minute of generation (samples over ``generation_s``) from ``metrics.jsonl``,
+    ignoring the first ``skip_steps`` steps (warm-up)."""
+    steps = [m for m in run.metrics if m.get("step", 0) > skip_steps]
+    samples = sum(float(m.get("num_samples", 0)) for m in steps)
+    seconds = sum(float(m.get("generation_s", 0)) for m in steps)
+    return {"steps": len(steps), "samples": samples, "generation_s": seconds,
+            "per_min": samples / seconds * 60 if seconds else None}
 
 
 def machine_info() -> dict[str, Any]:

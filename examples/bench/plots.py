@@ -32,40 +32,50 @@ def _bars(ax, labels, stats, scale=1.0, color=None):
     return meds
 
 
+def _line(ax, rows, field, scale, fmt, color, label):
+    rows = [r for r in rows if r.get(field) and r[field].get("n")]
+    if not rows:
+        return
+    meds = [r[field]["median"] * scale for r in rows]
+    errs = [[m - r[field]["min"] * scale for m, r in zip(meds, rows)],
+            [r[field]["max"] * scale - m for m, r in zip(meds, rows)]]
+    ax.errorbar([r["n"] for r in rows], meds, yerr=errs, fmt=fmt, color=color, capsize=3, label=label)
+
+
 def snapshot_cost(res: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     styles = {"disk": "-", "tmpfs": "--"}
-    for storage in res["config"]["storages"]:
-        rows = [r for r in res["rows"] if r["storage"] == storage]
-        ns = [r["n"] for r in rows]
-        for field, color in (("pause_s", "C0"), ("prepare_s", "C1"), ("commit_s", "C2"), ("publish_s", "C3")):
-            meds = [r[field]["median"] * 1e3 for r in rows]
-            errs = [[r[field]["median"] * 1e3 - r[field]["min"] * 1e3 for r in rows],
-                    [r[field]["max"] * 1e3 - r[field]["median"] * 1e3 for r in rows]]
-            axes[0].errorbar(ns, meds, yerr=errs, fmt="o" + styles.get(storage, "-"), color=color, capsize=3,
-                             label=f"{field[:-2]} ({storage})")
-        excess = [r["excess_s"]["median"] * 1e3 for r in rows]
-        errs = [[r["excess_s"]["median"] * 1e3 - r["excess_s"]["min"] * 1e3 for r in rows],
-                [r["excess_s"]["max"] * 1e3 - r["excess_s"]["median"] * 1e3 for r in rows]]
-        axes[1].errorbar(ns, excess, yerr=errs, fmt="o" + styles.get(storage, "-"), capsize=3,
-                         label=f"pause − tool time left ({storage})")
-    disk = [r for r in res["rows"] if r["storage"] == res["config"]["storages"][0]]
-    axes[2].plot([r["n"] for r in disk], [r["bytes"]["median"] / 1e6 for r in disk], "o-", color="C4")
+    variants = [v["label"] for v in res["config"]["variants"]]
+    for vi, variant in enumerate(variants):
+        tag = f"{variant}, " if len(variants) > 1 else ""
+        for storage in ("disk", "tmpfs"):
+            rows = [r for r in res["rows"] if r["variant"] == variant and r["storage"] == storage]
+            if not rows:
+                continue
+            style = "o" + styles[storage] if vi == 0 else "s" + styles[storage]
+            fields = (("pause_s", "C0"), ("prepare_s", "C1"), ("commit_s", "C2"), ("publish_s", "C3"),
+                      ("persist_s", "C5")) if storage == "disk" else (("pause_s", "C0"),)
+            for field, color in fields:
+                _line(axes[0], rows, field, 1e3, style, color, f"{field[:-2]} ({tag}{storage})")
+            _line(axes[1], rows, "excess_s", 1e3, style, "C0", f"pause − tool time left ({tag}{storage})")
+            _line(axes[1], rows, "tool_pause_s", 1e3, style, "C7", f"pause ({tag}{storage})")
+            if storage == "disk":
+                _line(axes[2], rows, "bytes", 1e-6, style, "C4", f"{tag}MB per snapshot")
     goal = res["goal"].get("pause_within_ms_of_longest_tool")
     if goal:
         axes[1].axhline(goal, color="red", linestyle=":", label=f"goal: {goal:g} ms")
-    for ax, title, ylabel in ((axes[0], "Snapshot pause and its parts (no tool in flight)", "ms"),
-                              (axes[1], f"Pause beyond a {res['config']['tool_s']:g}s tool call in flight", "ms"),
-                              (axes[2], "Bytes written per snapshot", "MB")):
+    for ax, title, ylabel in ((axes[0], "Controller's snapshot pause and its parts (tools instant)", "ms"),
+                              (axes[1], f"Pause with {res['config']['tool_s']:g}s tool calls in flight", "ms"),
+                              (axes[2], "Bytes per published snapshot", "MB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("rollouts in flight (N)")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7, ncol=2)
-    axes[1].legend(fontsize=7)
-    fig.suptitle("Snapshot cost versus rollouts in flight (median, bars: min–max)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle("Snapshot cost versus rollouts in flight, through the controller (median, bars: min–max)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -75,7 +85,8 @@ def snapshot_cost(res: dict[str, Any], path: Path) -> Path:
 def stall(res: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = res["rows"]
-    meds = _bars(ax, [r["policy"] for r in rows], [r["time_per_attempt_s"] for r in rows], color=["C3", "C2"])
+    labels = [r["policy"] if len(rows) <= 2 else f"{r['variant']}\n{r['policy']}" for r in rows]
+    meds = _bars(ax, labels, [r["time_per_attempt_s"] for r in rows], color=["C3", "C2"] * (len(rows) // 2))
     for i, r in enumerate(rows):
         ax.text(i, meds[i], f"{r['committed']}/{r['attempts']} committed", ha="center", va="bottom")
     ax.set_ylabel("seconds per snapshot attempt")
@@ -105,9 +116,17 @@ def work_lost(res: dict[str, Any], path: Path) -> Path:
 
 def alternative(res: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {"none": "no snapshots", "best_effort": "best effort", "alternative": "retire blockers\n+ prepare again"}
+    labels = {"none": "baseline loop:\nno snapshots", "alternative": "baseline loop:\nretire blockers\n+ prepare again",
+              "controller_none": "controller:\nno snapshots", "best_effort": "controller:\nbest effort"}
     rows = res["rows"]
-    _bars(ax, [labels[r["mode"]] for r in rows], [r["rollouts_per_min"] for r in rows], color=["C7", "C2", "C3"])
+    kept = {"alternative": res["comparison"].get("alternative_vs_none"),
+            "best_effort": res["comparison"].get("best_effort_vs_none")}
+    meds = _bars(ax, [labels[r["mode"]] for r in rows], [r["rollouts_per_min"] for r in rows],
+                 color=["C7", "C3", "C7", "C2"][: len(rows)])
+    for i, r in enumerate(rows):
+        if kept.get(r["mode"]) is not None:
+            ax.text(i, meds[i], f"{kept[r['mode']] * 100:.0f}% of its reference", ha="center", va="bottom",
+                    fontsize=8)
     ax.set_ylabel("rollouts completed per minute")
     ax.set_title(f"Restart-only agent, snapshot every {res['config']['interval_s']:g}s "
                  f"(rollout ≈ {res['config']['rollout_s_median']:.2f}s)", fontsize=10)
@@ -120,15 +139,16 @@ def alternative(res: dict[str, Any], path: Path) -> Path:
 def overhead(res: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = res["rows"]
+    several = len({r["variant"] for r in rows if r["mode"] != "none"}) > 1
     labels = ["none" if r["mode"] == "none" else
-              f"every {r['turns']:g} turns\n({r['interval_s']:.1f}s{', ' + r['storage'] if r['storage'] != 'disk' else ''})"
+              f"{r['variant'] + ': ' if several else ''}every {r['turns']:g} turns\n({r['interval_s']:.1f}s)"
               for r in rows]
-    meds = _bars(ax, labels, [r["rollouts_per_min"] for r in rows], color=["C7", "C0", "C1", "C2", "C3"][: len(rows)])
+    meds = _bars(ax, labels, [r["rollouts_per_min"] for r in rows], color=[f"C{i}" for i in (7, 0, 1, 2, 3, 4, 5)][: len(rows)])
     for i, r in enumerate(rows):
         if r["mode"] != "none":
             ax.text(i, meds[i], f"{r['overhead_pct']['median']:+.1f}%", ha="center", va="bottom")
-    ax.set_ylabel("rollouts completed per minute")
-    ax.set_title("Throughput with periodic snapshots (Workplace, every server saves)", fontsize=10)
+    ax.set_ylabel("rollouts per minute of generation")
+    ax.set_title("Controller throughput with periodic snapshots (Workplace, every server saves)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

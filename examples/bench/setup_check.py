@@ -12,20 +12,16 @@ check, and the shutdown before the process exits with the error.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import MARKER_ENV, REPO, Log, fmt, fresh_dir, kill_group, make_log, md_table, reap_marked, summary
+from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, summary
+from nemo_rl.utils.run_harness import run_env, run_once
 
 NAME = "setup_check"
 TITLE = "6. Setup check: launch to the error, mixed config as shipped"
 CONFIG = "examples/configs/grpo_mixed_turn.yaml"
-INSTRUMENT = Path(__file__).resolve().parent / "instrument"
 EXPECTED = ("agent 'workplace_restart_only_agent'", "resources server 'python_sandbox'",
             "rollout_recovery.allow_restart_only_gym_servers=true")
 PARTS = (
@@ -58,39 +54,29 @@ def measure(*, repeats: int, workdir: Path, log: Log | None = None, timeout_s: f
 
 def _one(run_dir: Path, timeout_s: float) -> dict[str, Any]:
     timing = run_dir / "timing.jsonl"
-    env = dict(os.environ)
-    env.update(RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"), BENCH_TIMING_FILE=str(timing),
-               PYTHONPATH=os.pathsep.join(p for p in (str(INSTRUMENT), str(REPO), env.get("PYTHONPATH", "")) if p))
-    args = [sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", CONFIG,
-            f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}",
+    env = run_env(pythonpath=[INSTRUMENT], extra={"BENCH_TIMING_FILE": str(timing)})
+    args = ["--config", CONFIG, f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}",
             "logger.progress_bar=false"]
-    marker = uuid.uuid4().hex
-    env[MARKER_ENV] = marker
-    try:
-        spawned = time.time()
-        with open(run_dir / "stdout.txt", "wb") as out, open(run_dir / "stderr.txt", "wb") as err:
-            proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                kill_group(proc)
-                raise RuntimeError(f"the setup check run did not exit within {timeout_s:g}s") from None
-        exited = time.time()
-    finally:
-        stragglers = reap_marked(marker)
+    spawned = time.time()
+    run = run_once(args, env=env, stdout_path=run_dir / "stdout.txt", stderr_path=run_dir / "stderr.txt",
+                   timeout_s=timeout_s)
+    exited = spawned + run.wall_s
+    stragglers = run.leftover
+    if run.killed_by == "timeout":
+        raise RuntimeError(f"the setup check run did not exit within {timeout_s:g}s")
     stderr = (run_dir / "stderr.txt").read_text(errors="replace")
     events: dict[str, dict[str, Any]] = {}
     for line in timing.read_text().splitlines() if timing.exists() else []:
         e = json.loads(line)
         events.setdefault(e["event"], e)
     missing = [e for e in ("ray_init", "spinup_gym", "gym_deployment_start") if e not in events]
-    if proc.returncode == 0 or missing:
-        raise RuntimeError(f"setup check run: rc {proc.returncode}, missing timing events {missing}; "
+    if run.returncode == 0 or missing:
+        raise RuntimeError(f"setup check run: rc {run.returncode}, missing timing events {missing}; "
                            f"stderr tail: {stderr[-1500:]}")
     ray_init, spinup, gym = events["ray_init"], events["spinup_gym"], events["gym_deployment_start"]
     metrics = run_dir / "logs" / "metrics.jsonl"
     return {
-        "rc": proc.returncode,
+        "rc": run.returncode,
         "python_imports_config_s": ray_init["start"] - spawned,
         "ray_init_s": ray_init["end"] - ray_init["start"],
         "before_gym_s": spinup["start"] - ray_init["end"],

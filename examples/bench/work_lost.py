@@ -23,24 +23,19 @@ the redone calls that had finished before the restored snapshot ended.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import MARKER_ENV, REPO, Log, fmt, fresh_dir, kill_group, make_log, md_table, reap_marked, summary
+from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, summary
+from nemo_rl.utils.run_harness import JsonlFollower, new_marker, run_env, run_once
 
 NAME = "work_lost"
 TITLE = "3. Work lost per crash"
-SCRIPT = REPO / "examples" / "run_grpo.py"
-INSTRUMENT = Path(__file__).resolve().parent / "instrument"
 SETUPS = {
     "workplace": "examples/configs/grpo_workplace_turn.yaml",
     "mixed": "examples/configs/grpo_mixed_turn.yaml",
@@ -87,89 +82,49 @@ def _args(setup: str, level: str, run_dir: Path, interval_s: float, steps: int) 
 
 
 def _env(delay_s: float, audit_dir: Path, marker: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"), NEMO_RL_SCRIPTED_DELAY_S=str(delay_s),
-               BENCH_AUDIT_DIR=str(audit_dir), **{MARKER_ENV: marker},
-               PYTHONPATH=os.pathsep.join(p for p in (str(INSTRUMENT), str(REPO), env.get("PYTHONPATH", "")) if p))
-    return env
-
-
-class _Lines:
-    """New lines of a JSONL file, each with the time it was first seen."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.items = path, 0, []
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        now = time.time()
-        for line in data[:end].splitlines():
-            if line.strip():
-                self.items.append((now, json.loads(line)))
-        self.offset += end
+    return run_env(delay_s=delay_s, marker=marker, pythonpath=[INSTRUMENT], extra={"BENCH_AUDIT_DIR": str(audit_dir)})
 
 
 def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Path, *, delay_s: float,
                    interval_s: float, steps: int, log: Log, timeout_s: float = 240) -> dict[str, Any]:
     args = _args(setup, level, run_dir, interval_s, steps)
-    marker = uuid.uuid4().hex
+    marker = new_marker()
     base = {"setup": setup, "level": level, "seed": seed, "planned_delay_s": delay,
             "command": " ".join(["python", "examples/run_grpo.py", *args])}
     logs = run_dir / "logs"
-    snaps, metrics = _Lines(logs / "snapshots.jsonl"), _Lines(logs / "metrics.jsonl")
-    error = None
-    crashed_at = step1_at = None
-    left: list[int] = []
-    try:
-        with open(run_dir / "crash-run.out", "wb") as out:
-            proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=REPO, start_new_session=True,
-                                    env=_env(delay_s, run_dir / "audit-crash", marker), stdout=out,
-                                    stderr=subprocess.STDOUT)
-            try:
-                deadline = time.monotonic() + timeout_s
-                while True:
-                    time.sleep(POLL_S)
-                    snaps.poll()
-                    metrics.poll()
-                    if proc.poll() is not None:
-                        error = f"run ended (rc {proc.returncode}) before the crash point; see {out.name}"
-                        break
-                    if time.monotonic() > deadline:
-                        error = "crash point never reached"
-                        break
-                    if step1_at is None:
-                        step1_at = next((t for t, m in metrics.items if m.get("step") == 1), None)
-                        continue
-                    if time.time() < step1_at + delay:
-                        continue
-                    if level == "turn" and not any(s.get("committed") and s.get("step") == 1 for _, s in snaps.items):
-                        continue  # turn recovery needs a committed snapshot of step 2's rollouts
-                    crashed_at = time.time()
-                    break
-            finally:
-                kill_group(proc)
-        left += reap_marked(marker)
-        if error:
-            return {**base, "error": error, "stragglers": left}
+    snaps, metrics = JsonlFollower(logs / "snapshots.jsonl"), JsonlFollower(logs / "metrics.jsonl")
+    seen: dict[str, float] = {}
+
+    def crash_point(_elapsed: float) -> bool:
         snaps.poll()
-        crash_copy = run_dir / "ckpt-at-crash"
-        shutil.copytree(run_dir / "ckpt", crash_copy)
-        with open(run_dir / "rerun.out", "wb") as rerun_out:
-            rerun = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=REPO, start_new_session=True,
-                                     env=_env(delay_s, run_dir / "audit-rerun", marker), stdout=rerun_out,
-                                     stderr=subprocess.STDOUT)
-            try:
-                rc = rerun.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                kill_group(rerun)
-                rc = None
-    finally:
-        left += reap_marked(marker)
+        metrics.poll()
+        if "step1" not in seen:
+            at = next((t for t, m in metrics.items if m.get("step") == 1), None)
+            if at is None:
+                return False
+            seen["step1"] = at
+        if time.time() < seen["step1"] + delay:
+            return False
+        if level == "turn" and not any(s.get("committed") and s.get("step") == 1 for _, s in snaps.items):
+            return False  # turn recovery needs a committed snapshot of step 2's rollouts
+        return True
+
+    crashed = run_once(args, env=_env(delay_s, run_dir / "audit-crash", marker),
+                       stdout_path=run_dir / "crash-run.out", stderr_path=run_dir / "crash-run.out",
+                       kill_when=crash_point, timeout_s=timeout_s, poll_s=POLL_S)
+    left = list(crashed.leftover)
+    if crashed.killed_by != "group":
+        why = ("crash point never reached" if crashed.killed_by == "timeout"
+               else f"run ended (rc {crashed.returncode}) before the crash point; see {crashed.stdout_path}")
+        return {**base, "error": why, "stragglers": left}
+    snaps.poll()
+    crashed_at, step1_at = crashed.killed_at, seen["step1"]
+    crash_copy = run_dir / "ckpt-at-crash"
+    shutil.copytree(run_dir / "ckpt", crash_copy)
+    rerun = run_once(args, env=_env(delay_s, run_dir / "audit-rerun", marker),
+                     stdout_path=run_dir / "rerun.out", stderr_path=run_dir / "rerun.out", timeout_s=timeout_s)
+    left += rerun.leftover
+    rc = rerun.returncode if rerun.killed_by is None else None
     if rc != 0:
         tail = "\n".join((run_dir / "rerun.out").read_text(errors="replace").splitlines()[-12:])
         return {**base, "error": f"rerun exited {rc}; see {run_dir / 'rerun.out'}", "output_tail": tail,

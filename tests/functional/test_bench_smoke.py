@@ -1,16 +1,16 @@
 """Smoke test of ``examples/bench_recovery.py``: the tiniest configuration of every
-measurement, in-process, against real servers; checks each result's structure and
-the invariants the numbers must satisfy (not the numbers themselves).
+measurement, in-process, against real runs; checks each result's structure and the
+invariants the numbers must satisfy (not the numbers themselves).
 
-The two measurements that run ``run_grpo.py`` processes (work lost, setup check)
-run in background threads while the Gym-level ones run, to stay under 40 s.
+Every measurement but the rejected-alternative baseline runs ``examples/run_grpo.py``
+through the shared run harness and reads the controller's own snapshot records, so
+this is a chain of short real GRPO runs, one at a time.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from bench import alternative, overhead, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
-from bench.common import SharedGym  # noqa: E402
 from bench.plots import plot  # noqa: E402
 from bench.presets import TINY  # noqa: E402
 
-pytestmark = [pytest.mark.functional, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
 
 
 def _quiet(_: str) -> None:
@@ -36,27 +35,18 @@ def _finite(*values: Any) -> bool:
 
 
 def test_every_measurement_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        lost_future = pool.submit(work_lost.measure, workdir=tmp_path / "lost", log=_quiet, **TINY["work_lost"])
-        setup_future = pool.submit(setup_check.measure, workdir=tmp_path / "setup", log=_quiet,
-                                   **TINY["setup_check"])
-        try:
-            cost = snapshot_cost.measure(workdir=tmp_path / "cost", log=_quiet, **TINY["snapshot_cost"])
-            with SharedGym(tmp_path / "shared") as env:
-                stalled = stall.measure(workdir=tmp_path / "shared", env=env, log=_quiet, **TINY["stall"])
-                alt = alternative.measure(workdir=tmp_path / "shared", env=env, log=_quiet, **TINY["alternative"])
-                ovh = overhead.measure(workdir=tmp_path / "shared", env=env, log=_quiet, **TINY["overhead"])
-        finally:
-            lost, setup = lost_future.result(), setup_future.result()
+    results = {}
+    for module in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check):
+        results[module.NAME] = module.measure(workdir=tmp_path / module.NAME, log=_quiet, **TINY[module.NAME])
 
-    check_snapshot_cost(cost)
-    check_stall(stalled)
-    check_work_lost(lost)
-    check_alternative(alt)
-    check_overhead(ovh)
-    check_setup(setup)
-    for module, res in ((snapshot_cost, cost), (stall, stalled), (work_lost, lost), (alternative, alt),
-                        (overhead, ovh), (setup_check, setup)):
+    check_snapshot_cost(results["snapshot_cost"])
+    check_stall(results["stall"])
+    check_work_lost(results["work_lost"])
+    check_alternative(results["alternative"])
+    check_overhead(results["overhead"])
+    check_setup(results["setup_check"])
+    for module in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check):
+        res = results[module.NAME]
         assert res["name"] == module.NAME
         assert module.table(res).startswith("|")
         assert plot(module.NAME, res, tmp_path).stat().st_size > 1000
@@ -65,18 +55,21 @@ def test_every_measurement_runs_and_keeps_its_invariants(tmp_path: Path) -> None
 def check_snapshot_cost(res: dict[str, Any]) -> None:
     (row,) = res["rows"]
     n = TINY["snapshot_cost"]["sizes"][0]
-    assert (row["n"], row["storage"], row["agents"]) == (n, "disk", 1)
-    (idle,), (tool,) = row["raw"]["idle"], row["raw"]["tool"]
-    assert idle["committed"] and tool["committed"]
-    assert idle["saved"] == n and tool["saved"] == n + 1  # every parked session, plus the probe
-    for snap in (idle, tool):
-        parts = snap["prepare_s"] + snap["commit_s"] + snap["publish_s"] + snap["resume_s"]
-        assert 0 < parts <= snap["pause_s"] + 1e-6
-        assert snap["bytes"] > 1000 * n
-    # the probe's slow tool call was in flight: the pause waited for what was left of it
-    assert 0 < tool["tool_remaining_min_s"] <= res["config"]["tool_s"]
-    assert tool["pause_s"] >= tool["tool_remaining_min_s"]  # prepare waited for the rest of the call
-    assert math.isclose(tool["excess_s"], tool["pause_s"] - tool["tool_remaining_min_s"])
+    assert (row["variant"], row["n"], row["storage"], row["replicas"]) == ("default", n, "disk", 1)
+    idle, tool = row["idle"], row["tool"]
+    assert idle["stragglers"] == [] and tool["stragglers"] == []  # the harness reaped every run
+    assert len(idle["attempts"]) >= 1 and len(tool["with_tool"]) >= 1
+    for snap in idle["attempts"] + tool["attempts"]:
+        assert snap["in_flight"] == n  # the controller's own count: every rollout of the step
+        assert snap["prepare_s"] > 0 and snap["resume_s"] > 0  # the coordinator's own calls, timed
+        assert snap["prepare_s"] < snap["pause_s"]  # inside the pause the controller recorded
+        assert snap["bytes"] > 1000 * n  # published snapshot directory, read back
+    # the controller's pause waited for the tool call still running when prepare began
+    tool_s = res["config"]["tool_s"]
+    for snap in tool["with_tool"]:
+        assert 0 < snap["tool_left_s"] <= tool_s + 0.05
+        assert snap["pause_s"] >= snap["tool_left_s"] - 0.05
+        assert math.isclose(snap["excess_s"], snap["pause_s"] - snap["tool_left_s"])
     assert res["goal"]["pause_met"] is None  # N=512 is not part of the tiny run
 
 
@@ -85,11 +78,11 @@ def check_stall(res: dict[str, Any]) -> None:
     deadline = res["config"]["prepare_deadline_s"]
     block, best = rows["block"], rows["best_effort"]
     assert block["committed"] == 0 and block["attempts"] == TINY["stall"]["attempts"]
+    assert block["reasons"] == ["gym_unavailable"]
     assert block["time_per_attempt_s"]["min"] >= deadline * 0.9  # each attempt waited out the deadline
-    assert block["blocking_servers"] == [SharedGym.PLAIN]
+    assert set(block["blocking_servers"]) & {"workplace_restart_only_agent", "python_sandbox"}
     assert best["committed"] == best["attempts"] == TINY["stall"]["attempts"]
     assert best["time_per_attempt_s"]["max"] < block["time_per_attempt_s"]["min"]
-    assert best["unsaved"]["min"] >= 1 and best["saved"]["min"] >= 1
     assert res["goal"] == {"block_commits_none": True, "best_effort_commits_all": True}
 
 
@@ -112,25 +105,26 @@ def check_work_lost(res: dict[str, Any]) -> None:
 
 def check_alternative(res: dict[str, Any]) -> None:
     rows = {r["mode"]: r for r in res["rows"]}
+    assert set(rows) == {"none", "alternative", "controller_none", "best_effort"}
     assert res["config"]["interval_s"] < res["config"]["rollout_s_median"]  # shorter than a rollout
-    assert rows["best_effort"]["snapshots"]["min"] >= 1
-    assert rows["best_effort"]["committed"]["min"] == rows["best_effort"]["snapshots"]["min"]
     assert rows["alternative"]["snapshots"]["min"] >= 1
     assert rows["alternative"]["retired_total"]["min"] > 0  # every snapshot cancels the rollouts in flight
+    assert rows["best_effort"]["snapshots"]["min"] >= 1
+    assert rows["best_effort"]["committed"]["min"] == rows["best_effort"]["snapshots"]["min"]
     assert rows["best_effort"]["retired_total"]["max"] == 0 and rows["none"]["retired_total"]["max"] == 0
     assert all(r["rollouts_per_min"]["median"] >= 0 for r in rows.values())
+    c = res["comparison"]
+    assert _finite(c["best_effort_vs_none"], c["alternative_vs_none"])
 
 
 def check_overhead(res: dict[str, Any]) -> None:
     rows = {r["mode"]: r for r in res["rows"]}
-    assert set(rows) == {"none", "T10", "T3"}
+    assert set(rows) == {"none", "T3"}
     turn = res["config"]["typical_turn_s"]
     assert 0 < turn < 5
     assert rows["none"]["rollouts_per_min"]["median"] > 0
-    assert math.isclose(rows["T3"]["interval_s"], 3 * turn)
-    assert rows["T3"]["snapshots"]["median"] >= 1
-    assert _finite(rows["T3"]["overhead_pct"]["median"], rows["T10"]["overhead_pct"]["median"])
-    assert res["goal"]["met"] in (True, False)
+    assert math.isclose(rows["T3"]["interval_s"], 3 * turn, rel_tol=1e-2)
+    assert _finite(rows["T3"]["overhead_pct"]["median"])
 
 
 def check_setup(res: dict[str, Any]) -> None:

@@ -14,6 +14,14 @@ It only observes; with neither variable below set it does nothing.
 - ``BENCH_TIMING_FILE``: append ``{event, start, end, pid, ok}`` lines for
   ``ray.init``, ``_spinup_gym`` (driver) and ``GymDeployment.start`` (the Gym
   actor), plus one ``process_start`` line per process running ``run_grpo.py``.
+- ``BENCH_SNAPSHOT_TIMING``: in the controller (the ``run_grpo.py`` driver),
+  append one line per rollout snapshot attempt (``RolloutSnapshotter.attempt``:
+  start, end, checkpoint id, committed, pause_s, persist_s), per Gym checkpoint
+  call across the replicas (``GymCheckpointCoordinator._collect``: operation,
+  start, end) and per publish (``commit_snapshot`` as the snapshot module calls
+  it). The product's code runs unchanged; these only time it.
+- ``BENCH_TOOL_LOG``: in every resources server process, append one line per
+  tool call when it returns (server, tool, end time, HTTP status).
 
 Patches are applied right after the target module is first imported (a
 ``sys.meta_path`` finder), so processes that never import it pay nothing.
@@ -84,8 +92,8 @@ def _audit_model(audit_dir):
         original = cls._generate
 
         @functools.wraps(original)
-        async def _generate(self, ticket, chat_body):
-            resp = await original(self, ticket, chat_body)
+        async def _generate(self, ticket, chat_body, *rest, **kw):
+            resp = await original(self, ticket, chat_body, *rest, **kw)
             try:
                 messages = chat_body.get("messages") or []
                 turn = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
@@ -105,6 +113,75 @@ def _audit_model(audit_dir):
         cls._generate = _generate
 
     return hook
+
+
+# -- snapshot timing (controller) -----------------------------------------------------------
+def _snapshot_hooks(path):
+    def coordinator_hook(module):
+        cls = module.GymCheckpointCoordinator
+        original = cls._collect
+
+        @functools.wraps(original)
+        async def _collect(self, operation, calls, deadline_ts):
+            start, ok = time.time(), False
+            try:
+                result = await original(self, operation, calls, deadline_ts)
+                ok = True
+                return result
+            finally:
+                _append(path, {"event": f"gym:{operation}", "start": start, "end": time.time(), "ok": ok})
+
+        cls._collect = _collect
+
+    def snapshot_hook(module):
+        cls = module.RolloutSnapshotter
+        original = cls.attempt
+
+        @functools.wraps(original)
+        async def attempt(self):
+            start = time.time()
+            outcome = None
+            try:
+                outcome = await original(self)
+                return outcome
+            finally:
+                rec = {"event": "attempt", "start": start, "end": time.time()}
+                if outcome is not None:
+                    for name in ("checkpoint_id", "committed", "reason", "saved", "unsaved", "not_admitted",
+                                 "pause_s", "persist_s", "path"):
+                        if hasattr(outcome, name):
+                            rec[name] = getattr(outcome, name)
+                _append(path, rec)
+
+        cls.attempt = attempt
+        publish = getattr(module, "commit_snapshot", None)
+        if publish is not None:
+            module.commit_snapshot = _timed(path, "publish", publish)
+
+    return {"nemo_rl.algorithms.single_controller_utils.gym_coordinator": coordinator_hook,
+            "nemo_rl.algorithms.single_controller_utils.snapshot": snapshot_hook}
+
+
+# -- tool calls (resources servers) -----------------------------------------------------------
+def _tool_hook(path):
+    def hook(module):
+        cls = module.SimpleResourcesServer
+        original = cls._tool
+
+        @functools.wraps(original)
+        async def _tool(self, request):
+            status = 0
+            try:
+                resp = await original(self, request)
+                status = getattr(resp, "status", 200)
+                return resp
+            finally:
+                _append(path, {"server": getattr(self, "name", "?"), "tool": request.match_info.get("tool_name"),
+                               "end": time.time(), "status": status})
+
+        cls._tool = _tool
+
+    return {"gym_patches.resources_servers.base": hook}
 
 
 # -- setup timing --------------------------------------------------------------------------
@@ -142,6 +219,12 @@ def _install():
     audit_dir = os.environ.get("BENCH_AUDIT_DIR")
     if audit_dir and os.environ.get("NEMO_GYM_CONFIG_PATH") == os.environ.get("BENCH_AUDIT_MODEL", "policy_model"):
         hooks["gym_patches.responses_api_models.vllm_model.app"] = _audit_model(audit_dir)
+    snapshot_timing = os.environ.get("BENCH_SNAPSHOT_TIMING")
+    if snapshot_timing:
+        hooks.update(_snapshot_hooks(snapshot_timing))
+    tool_log = os.environ.get("BENCH_TOOL_LOG")
+    if tool_log:
+        hooks.update(_tool_hook(tool_log))
     timing = os.environ.get("BENCH_TIMING_FILE")
     if timing:
         hooks.update(_timing_hooks(timing))

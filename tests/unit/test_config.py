@@ -85,6 +85,7 @@ def test_overrides_parse_yaml_values():
             "++env.nemo_gym.config.agent.max_steps=6",
             "rollout_recovery.gym_prepare_timeout_s=2.5",
             "data.val_data_path=",
+            "grpo.val_period=0",
         ],
     )
     assert cfg.grpo.num_prompts_per_step == 8

@@ -258,6 +258,10 @@ class NemoGym:
     def ping(self) -> int:
         return os.getpid()
 
+    def where(self) -> dict[str, str]:
+        """The Ray node this replica (and its Gym server processes) runs on."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
 
 @dataclass
 class NemoGymShardSet:

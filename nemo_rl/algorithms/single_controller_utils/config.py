@@ -64,6 +64,17 @@ class ShardConfig(_Section):
     replicas: int = Field(default=1, ge=1)
     config_paths: list[str] = Field(default_factory=list)  # laid over the common ones
     config: dict[str, Any] = Field(default_factory=dict)  # inline Gym YAML, laid over last
+    # Ray custom resources each replica's actor asks for: places the shard on the nodes that offer
+    # them (``ray start --resources='{"gym_a": 4}'``); empty: anywhere.
+    ray_resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("ray_resources")
+    @classmethod
+    def _positive(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k, v in value.items() if not v > 0)
+        if bad:
+            raise ValueError(f"ray_resources {bad} must ask for a positive amount")
+        return value
 
     @field_validator("name")
     @classmethod

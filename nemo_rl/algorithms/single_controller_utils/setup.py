@@ -220,7 +220,9 @@ def _spinup_gym(
                 inst_id = GymCheckpointInstance(shard.name, i)
                 instances[inst_id.instance_id] = inst_id
                 handles[shard.name].append(
-                    NemoGym.options(name=None).remote(inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir))
+                    NemoGym.options(name=None, resources=dict(shard.ray_resources) or None).remote(
+                        inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir)
+                    )
                 )
         _gather(shard_set, lambda h: h.spinup.remote(env.spinup_timeout_s), "start", env.spinup_timeout_s + 30)
         if turn:

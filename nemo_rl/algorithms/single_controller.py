@@ -47,6 +47,7 @@ from nemo_rl.experience.rollout_recovery import (
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.fault_injection import crash_point
+from nemo_rl.utils.run_identity import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
@@ -374,6 +375,7 @@ class SingleController:
         self.startup.resumed = point is not None and point.step > 0
         if point is None:
             ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
+            record_run_identity(self.config)  # the directory now belongs to this run
             return
         # A turn-level run needs gym_checkpoint.json in the snapshot; one without it is skipped, not half-used.
         point = point._replace(snapshot=resolve_restorable_snapshot(

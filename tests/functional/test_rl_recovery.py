@@ -261,3 +261,29 @@ def test_sibling_level_snapshots_keep_sealed_siblings_after_a_kill(dirs):
     trained = {r for b in batches for r in b["rollout_ids"]}
     assert len(trained) == 6 * 4 * 4
     assert set(restore["kept_rollout_ids"]) <= trained and set(restore["restarted_rollout_ids"]) <= trained
+
+
+def test_a_checkpoint_dir_of_another_run_is_refused_naming_what_differs(dirs):
+    base = WORKPLACE + SCRIPTED + dirs.overrides() + ["grpo.num_prompts_per_step=2"]
+    proc = run_grpo(base + ["grpo.max_num_steps=1"], env=env_for())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    started = time.monotonic()
+    proc = run_grpo(base + [
+        "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=2", "data.train_data_path=examples/data/mixed_train.jsonl",
+        "env.nemo_gym.shards=[{name: nemo_gym, replicas: 2}]",
+    ], env=env_for())
+    assert proc.returncode == 1 and time.monotonic() - started < 30
+    err = proc.stderr
+    assert "holds checkpoints of a different run" in err
+    for what in ("other training data", "another group size (grpo.num_generations_per_prompt 4, this run's 2)",
+                 "another Gym topology", "checkpointing.allow_different_run=true"):
+        assert what in err, err[-2000:]
+    assert "another model" not in err
+    assert "Gym ready" not in proc.stdout  # refused before Ray or any Gym server started
+    assert [m["step"] for m in dirs.records("metrics.jsonl")] == [1]
+    # The explicit override goes ahead (here: the same run on two replicas instead of one).
+    proc = run_grpo(base + ["grpo.max_num_steps=2", "env.nemo_gym.shards=[{name: nemo_gym, replicas: 2}]",
+                            "checkpointing.allow_different_run=true"], env=env_for())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming anyway" in proc.stderr
+    assert [m["step"] for m in dirs.records("metrics.jsonl")] == [1, 2]

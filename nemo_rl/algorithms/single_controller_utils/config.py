@@ -142,6 +142,8 @@ class CheckpointingConfig(_Section):
     save_period: int = Field(default=1, ge=1)
     # Trainer steps kept on disk (each with its rollout snapshots); null keeps every step.
     keep_latest_k: int | None = Field(default=3, ge=1)
+    # Resume even if checkpoint_dir was written by a run with other data, model, group size or Gym topology.
+    allow_different_run: bool = False
 
 
 class ClusterConfig(_Section):

@@ -28,6 +28,7 @@ from nemo_rl.algorithms.single_controller_utils.components import (
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
+from nemo_rl.utils.run_identity import check_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
 
 
@@ -123,6 +124,7 @@ class _RunReaper:
 def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_only_check: bool = False) -> int:
     launched_at = launched_at or time.monotonic()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
+    check_run_identity(config)  # another run's checkpoint_dir is refused before anything starts
     finished = preflight(config)  # an unfetchable policy.model_name fails here too, in seconds
     if finished:
         print(finished, flush=True)

@@ -97,6 +97,19 @@ def check_gym_configs(config: MasterConfig) -> None:
             raise GymConfigError(f"{where}: {exc}") from None
 
 
+def shard_agents(config: MasterConfig) -> list[tuple[ShardConfig, list[str]]]:
+    """Each shard with the names of its Gym agents, from the config alone (nothing starts)."""
+    env = config.env.nemo_gym
+    out = []
+    for shard in env.shards:
+        parsed = parse_gym_config(build_gym_actor_config(
+            shard_gym_config(env, shard), policy_base_url="http://127.0.0.1:1/v1",
+            control_auth_token="config-check-only", checkpointing=False,
+        ))
+        out.append((shard, sorted(n for n, i in parsed.instances.items() if i.server_type == "responses_api_agents")))
+    return out
+
+
 def restart_only_check(
     config: MasterConfig,
     restart_only: dict[str, list[str]],

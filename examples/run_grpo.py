@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from nemo_rl.utils.fault_injection import check_crash_env
 
+    from gym_patches.testing.write_faults import WRITE_FAULT_ENV, parse_write_fault
+
     try:
         check_crash_env()  # test-only crash hook: a malformed value fails here, not silently later
+        parse_write_fault(os.environ.get(WRITE_FAULT_ENV))  # test-only write fault, likewise
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from typing import Any, Callable, get_args
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
+from gym_patches.testing.write_faults import check_write
 from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
 
 SCHEMA_VERSION = 1
@@ -142,6 +143,7 @@ def write_participant_state(
     tmp = directory / f".records-{uuid.uuid4().hex}.tmp"
     try:
         _stop_if(should_stop, directory)
+        check_write(directory / "records.jsonl")  # test-only fault injection; inert unless asked for
         with open(tmp, "xb") as out:
             out.write(encoded.data)
             out.flush()

@@ -13,6 +13,7 @@ off the event loop, so lease renewals and rollouts keep going meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -359,10 +360,12 @@ class SingleController:
             tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
             self.trainer.save(tmp, extra)
             publish_trainer_step(tmp, final, metadata={"step": step})
-            prune_trainer_steps(self.checkpoint_dir, self.config.checkpointing.keep_latest_k)
 
         await asyncio.to_thread(write)
         self.anchor_step = step
+        # Older anchors go, but not under a snapshot that is still being persisted.
+        async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
+            await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir, self.config.checkpointing.keep_latest_k)
 
     # ---------------------------------------------------------------- restore
     async def restore_if_any(self) -> None:

@@ -29,6 +29,8 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gym_patches.testing.write_faults import check_write
+
 MANIFEST_NAME = "manifest.json"
 SNAPSHOTS_DIRNAME = "rollout_snapshots"
 SNAPSHOT_PREFIX = "snapshot_"
@@ -58,6 +60,7 @@ def fsync_dir(path: str | Path) -> None:
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write via a temp file in the same directory, fsync, then rename over ``path``."""
     path = Path(path)
+    check_write(path)  # test-only fault injection; inert unless asked for
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:

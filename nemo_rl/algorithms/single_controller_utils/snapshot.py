@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import time
 import uuid
@@ -57,6 +58,7 @@ from nemo_rl.utils.snapshot_store import (
     write_json_atomic,
 )
 
+logger = logging.getLogger(__name__)
 GYM_CHECKPOINT_SCHEMA_VERSION = 3
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
@@ -180,6 +182,14 @@ def _next_older_valid(anchor: Path, below: int, skipped: list[tuple[Path, str]])
     return None, None
 
 
+def _leaf_codes(exc: BaseException) -> set[str | None]:
+    """The error codes of every server a (possibly nested) Gym failure names."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return set().union(*(_leaf_codes(e) for e in failures.values()))
+    return {getattr(exc, "code", None)}
+
+
 @dataclass(frozen=True)
 class _Cut:
     """Everything captured in the pause that the publish needs."""
@@ -213,6 +223,7 @@ class SnapshotOutcome:
     path: str | None = None
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     post_publish_error: str | None = None
+    error: str | None = None  # why an attempt that did not commit failed (names the file for an I/O error)
 
 
 class RolloutSnapshotter:
@@ -232,12 +243,19 @@ class RolloutSnapshotter:
         self.settings = settings
         self.changes = changes
         self.gate = DispatchGate(changes)  # owned here; the controller reads it
+        # Held for a whole attempt: pruning old trainer anchors waits for it, so a snapshot still
+        # persisting under an anchor (staged mode runs past the step's end) never loses its directory.
+        self.busy = asyncio.Lock()
         self.consecutive_failures = 0
 
     async def attempt(self) -> SnapshotOutcome:
         """One snapshot. ``staged``: the pause covers capture only; Gym persists and the
         controller publishes after rollouts resume. ``blocking``: all of it in the pause.
         The pump awaits this, so at most one snapshot is ever persisting."""
+        async with self.busy:
+            return await self._attempt()
+
+    async def _attempt(self) -> SnapshotOutcome:
         outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}")
         staged = self.settings.commit_mode == "staged"
         started = time.monotonic()
@@ -276,8 +294,10 @@ class RolloutSnapshotter:
                     return outcome
                 raise
             outcome.reason = self._classify(exc)
+            outcome.error = f"{type(exc).__name__}: {exc}"
             if outcome.reason == "invariant_error" or not isinstance(exc, Exception):
                 raise
+            logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
             if isinstance(exc, GymCheckpointNotReady):
                 outcome.blockers = exc.blockers
             self._failed(exc)
@@ -300,6 +320,7 @@ class RolloutSnapshotter:
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
                     **({"post_publish_error": outcome.post_publish_error} if outcome.post_publish_error else {}),
+                    **({"error": outcome.error} if outcome.error and not outcome.committed else {}),
                 )
         return outcome
 
@@ -311,6 +332,8 @@ class RolloutSnapshotter:
         if isinstance(exc, TimeoutError):
             return "timeout"
         if isinstance(exc, GymCheckpointOperationError):
+            if exc.failures and _leaf_codes(exc) == {"invalid_checkpoint_state"}:
+                return "io_error"  # Gym could not write its records (disk full, I/O error): names the file
             return "gym_unavailable" if is_transient_gym_checkpoint_failure(exc) else "invariant_error"
         if isinstance(exc, OSError):
             return "io_error"

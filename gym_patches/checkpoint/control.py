@@ -48,6 +48,8 @@ from gym_patches.checkpoint.wire import (
     PrepareRequest,
     RenewReply,
     RenewRequest,
+    ForgetReply,
+    ForgetRequest,
     PersistReply,
     PersistRequest,
     RestoreReply,
@@ -163,6 +165,7 @@ class ParticipantControlPlane:
             "retire": (RetireRequest, self._retire),
             "commit": (CommitRequest, self._commit_op),
             "persist": (PersistRequest, self._persist),
+            "forget": (ForgetRequest, self._forget),
             "restore": (RestoreRequest, self._restore),
             "resume": (ResumeRequest, self._resume),
         }
@@ -539,6 +542,12 @@ class ParticipantControlPlane:
         finally:
             if self._commit is work:
                 self._commit = None
+
+    async def _forget(self, req: ForgetRequest) -> dict[str, Any]:
+        """Drop what is kept about finished rollouts; idle only (no checkpoint can be holding them)."""
+        async with self._lock:
+            self._admit(req.checkpoint_id, "forget", {"idle"})
+            return dump(ForgetReply(forgotten=self.participant.forget(set(req.rollout_ids))))
 
     async def _persist(self, req: PersistRequest) -> dict[str, Any]:
         """Write what the staged commit of ``checkpoint_id`` captured (also after resume; retries share one write).

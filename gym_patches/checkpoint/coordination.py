@@ -26,6 +26,8 @@ from gym_patches.checkpoint.wire import (
     CheckpointRequest,
     CommitReply,
     CommitRequest,
+    ForgetReply,
+    ForgetRequest,
     ParticipantKind,
     PersistReply,
     PersistRequest,
@@ -318,6 +320,14 @@ async def commit(
         for p in participants
     }
     return await _gather_all("commit", calls)
+
+
+async def forget(
+    participants: Participants, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]
+) -> dict[str, ForgetReply]:
+    """Every participant drops what it keeps about these finished rollouts (while idle)."""
+    req = ForgetRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, rollout_ids=rollout_ids)
+    return await _fan_out(participants, participants.members, "forget", req, ForgetReply)
 
 
 async def persist(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, PersistReply]:

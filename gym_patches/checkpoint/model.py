@@ -184,6 +184,12 @@ class PolicyModelParticipant(CheckpointParticipant):
     def status_extra(self) -> dict[str, Any]:
         return {"accepting": self.accepting}
 
+    def forget(self, rollout_ids: set[str]) -> int:
+        gone = [e for e in self._delivered if e.rollout_id in rollout_ids]
+        for episode in gone:
+            del self._delivered[episode]
+        return len(gone) + super().forget(rollout_ids)
+
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         """One record per episode. Without a scope: every episode with delivered
         replies. With a scope: every in-scope episode that is not retired, also

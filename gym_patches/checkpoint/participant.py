@@ -61,6 +61,17 @@ class CheckpointParticipant(ABC):
             self.mark_retired(episode)
         return [e.capture_key for e in episodes]
 
+    def forget(self, rollout_ids: set[str]) -> int:
+        """Drop what is kept about finished rollouts (all their attempts); returns how many entries.
+
+        Subclasses that keep more per rollout extend this. Only the caller knows
+        no snapshot can bring these rollouts back (RL calls it once their group's
+        trainer step is durable)."""
+        gone = [r for r in self.retired if r in rollout_ids]
+        for rollout_id in gone:
+            del self.retired[rollout_id]
+        return len(gone)
+
     def status_extra(self) -> dict[str, Any]:
         return {}
 

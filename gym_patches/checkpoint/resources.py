@@ -213,6 +213,13 @@ class ResourcesParticipant(CheckpointParticipant):
             await self.end_session(session)
 
     # -- checkpoint lifecycle ---------------------------------------------------
+    def forget(self, rollout_ids: set[str]) -> int:
+        gone = [sid for sid, key in self._retired_sessions.items()
+                if EpisodeId.from_capture_key(key).rollout_id in rollout_ids]
+        for session_id in gone:
+            del self._retired_sessions[session_id]
+        return len(gone) + super().forget(rollout_ids)
+
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         if self.mode == "restart_only":
             return []

@@ -58,6 +58,12 @@ class RetireRequest(CheckpointRequest):
     episode_ids: list[EpisodeId] = Field(min_length=1, max_length=MAX_EPISODES_PER_REQUEST)
 
 
+class ForgetRequest(CheckpointRequest):
+    """Drop everything kept about these finished rollouts (every attempt): RL never sends them again."""
+
+    rollout_ids: list[str] = Field(min_length=1, max_length=MAX_EPISODES_PER_REQUEST)
+
+
 class CommitRequest(CheckpointRequest):
     checkpoint_dir: str = Field(min_length=1, max_length=4096)
     # None = every episode the participant can export.
@@ -123,6 +129,10 @@ class RenewReply(BaseModel):
 
 class RetireReply(BaseModel):
     retired: list[str]
+
+
+class ForgetReply(BaseModel):
+    forgotten: int  # entries dropped (retired marks, delivery counts, session records)
 
 
 class ParticipantManifest(BaseModel):

@@ -26,7 +26,11 @@ import ray
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
-from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
+from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
+    GymCheckpointCoordinator,
+    GymCheckpointOperationError,
+    is_transient_gym_checkpoint_failure,
+)
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.snapshot import (
@@ -203,6 +207,7 @@ class SingleController:
             last = self.step == self.config.grpo.max_num_steps
             if self.config.checkpointing.enabled and (self.step % self.config.checkpointing.save_period == 0 or last):
                 await self.save_trainer_checkpoint()
+                await self._forget_trained()
             elif not self.config.checkpointing.enabled:
                 self.anchor_step = self.step
             self.on_progress(record)
@@ -366,6 +371,22 @@ class SingleController:
         # Older anchors go, but not under a snapshot that is still being persisted.
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
             await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir, self.config.checkpointing.keep_latest_k)
+
+    async def _forget_trained(self) -> None:
+        """Trained groups whose step is durable leave the ledger, and Gym forgets their rollouts:
+        nothing this run does can bring them back, so neither grows with the length of the run."""
+        trained = [g.group_id for g in self.ledger.groups.values() if g.status is PromptGroupStatus.TRAINED]
+        rollout_ids = self.ledger.compact_trained(trained)
+        if self.coordinator is None or not rollout_ids:
+            return
+        async with self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext():
+            try:
+                await self.coordinator.forget(rollout_ids)
+            except GymCheckpointOperationError as exc:
+                if not is_transient_gym_checkpoint_failure(exc):
+                    raise
+                logger.warning("Gym could not forget %d finished rollouts (it keeps their records): %s",
+                               len(rollout_ids), exc)
 
     # ---------------------------------------------------------------- restore
     async def restore_if_any(self) -> None:

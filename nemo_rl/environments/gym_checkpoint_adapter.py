@@ -148,6 +148,13 @@ class GymCheckpointAdapter:
         captured = {name: reply.captured_bytes for name, reply in replies.items()}
         return GymCheckpointCommitSummary(str(target), exported, agent_exported, captured)
 
+    async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
+        """Every server drops what it keeps about these finished rollouts; returns the entries dropped."""
+        if not rollout_ids:
+            return 0
+        replies = await coordination.forget(self.participants, checkpoint_id, deadline_ts, rollout_ids)
+        return sum(reply.forgotten for reply in replies.values())
+
     async def persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
         """Write every participant's staged capture; returns server -> records sha256."""
         replies = await coordination.persist(self.participants, checkpoint_id, deadline_ts)

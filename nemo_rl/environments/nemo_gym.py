@@ -205,6 +205,9 @@ class NemoGym:
     ) -> GymCheckpointCommitSummary:
         return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes, staged))
 
+    async def checkpoint_forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
+        return await self._named(self._adapter().forget(checkpoint_id, deadline_ts, rollout_ids))
+
     async def checkpoint_persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
         return await self._named(self._adapter().persist(checkpoint_id, deadline_ts))
 

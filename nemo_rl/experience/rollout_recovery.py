@@ -272,10 +272,16 @@ class LedgerState(BaseModel):
         trained = {g.group_id for g in self.groups if g.status is PromptGroupStatus.TRAINED}
         if len(set(self.trained_group_ids)) != len(self.trained_group_ids):
             raise ValueError("trained_group_ids has duplicates")
-        if set(self.trained_group_ids) != trained:
+        if not trained <= set(self.trained_group_ids):  # trained groups may be compacted away, never unlisted
             raise ValueError(
-                "trained_group_ids does not match the groups with status trained: "
-                f"{sorted(set(self.trained_group_ids) ^ trained)}"
+                "groups with status trained are missing from trained_group_ids: "
+                f"{sorted(trained - set(self.trained_group_ids))}"
+            )
+        present = {g.group_id for g in self.groups}
+        if set(self.trained_group_ids) & present - trained:
+            raise ValueError(
+                "trained_group_ids lists groups that are not trained: "
+                f"{sorted(set(self.trained_group_ids) & present - trained)}"
             )
         return self
 
@@ -442,6 +448,8 @@ class RolloutRecoveryLedger:
         return [g for g in self.groups.values() if g.status is PromptGroupStatus.COMPLETE]
 
     def mark_group_trained(self, group_id: str) -> None:
+        if group_id in self.trained_group_ids:
+            raise LedgerError(f"group {group_id} was already trained")
         group = self._group(group_id)
         if group.status is PromptGroupStatus.TRAINED or group_id in self.trained_group_ids:
             raise LedgerError(f"group {group_id} was already trained")
@@ -449,6 +457,25 @@ class RolloutRecoveryLedger:
             raise LedgerError(f"group {group_id} is {group.status.value}, not complete")
         group.status = PromptGroupStatus.TRAINED
         self.trained_group_ids.append(group_id)
+
+    def compact_trained(self, group_ids) -> list[str]:
+        """Drop the records of trained groups (their ids stay in ``trained_group_ids``).
+
+        Returns the Gym rollout ids of every attempt they had, for Gym to forget.
+        Keeps the ledger, and every snapshot of it, as large as the work in flight.
+        """
+        rollout_ids = []
+        for group_id in group_ids:
+            group = self._group(group_id)
+            if group.status is not PromptGroupStatus.TRAINED:
+                raise LedgerError(f"group {group_id} is {group.status.value}; only trained groups are compacted")
+            for sibling in group.siblings:
+                for attempt in sibling.attempts:
+                    base = attempt.base_rollout_id(group_id, sibling.generation_index)
+                    rollout_ids.append(base)
+                    self._by_base.pop(base, None)
+            del self.groups[group_id]
+        return rollout_ids
 
     def attempt_status(self, rollout_id: str) -> RolloutAttemptStatus | None:
         """Status of a current attempt in a generating group; None if the id is

@@ -197,6 +197,9 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         self.checkpoint = Durable(self.ledger.state_dict(), [copy.deepcopy(s) for s in self.data_plane],
                                   self.position, list(self.trained))
         self.snapshot = None  # snapshots hang under the newest trainer step
+        # as the controller does once the step is durable: trained groups leave the ledger
+        trained_here = [g.group_id for g in self.ledger.groups.values() if g.status is PromptGroupStatus.TRAINED]
+        self.ledger.compact_trained(trained_here)
 
     @precondition(lambda self: self.snapshot is not None or len(self.ledger.groups) > len(self.trained))
     @rule()
@@ -229,7 +232,9 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
             return
         assert len(self.trained) == len(set(self.trained))
         assert self.trained == self.ledger.trained_group_ids
-        assert set(self.ledger.groups) == {f"p{i}" for i in range(self.position)}
+        live = {g for g, rec in self.ledger.groups.items() if rec.status is not PromptGroupStatus.TRAINED}
+        assert not live & set(self.trained)  # a group is live or trained, never both
+        assert live | set(self.trained) == {f"p{i}" for i in range(self.position)}  # every consumed prompt
 
     @invariant()
     def no_sample_lost_or_duplicated(self) -> None:

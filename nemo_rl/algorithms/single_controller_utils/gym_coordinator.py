@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable
 
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.wire import RestartOnlyPolicy
+from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
 from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary
 from nemo_rl.environments.nemo_gym import NemoGymShardSet
@@ -185,6 +186,20 @@ class GymCheckpointCoordinator:
             },
             deadline,
         )
+
+    async def forget(self, rollout_ids: list[str]) -> int:
+        """Every replica drops what its servers keep about these finished rollouts (chunked)."""
+        total = 0
+        for start in range(0, len(rollout_ids), MAX_EPISODES_PER_REQUEST):
+            chunk = rollout_ids[start:start + MAX_EPISODES_PER_REQUEST]
+            deadline = time.time() + self.prepare_timeout_s
+            cid = f"forget-{uuid.uuid4().hex[:12]}"
+            done = await self._collect(
+                "forget", {iid: h.checkpoint_forget.remote(cid, deadline, chunk) for iid, h in self._handles().items()},
+                deadline,
+            )
+            total += sum(done.values())
+        return total
 
     async def persist(self, checkpoint_id: str) -> dict[str, dict[str, str]]:
         """Every replica writes what its staged commit captured (Gym is already resumed)."""

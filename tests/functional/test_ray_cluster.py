@@ -40,8 +40,6 @@ from gym_patches.utils.processes import free_port, processes_with_env
 from tests.functional.rl_run import (
     RunDirs,
     env_for,
-    processes_with_marker,
-    run_grpo,
     wait_for_no_processes,
 )
 
@@ -408,12 +406,25 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     # The surviving replica's actor went with the run: Ray holds no NemoGym actor of it.
     assert not [a for a in cluster.query()["actors"] if a["class"] == "NemoGym" and a["state"] == "ALIVE"]
 
-    # 3. The node comes back (a new Ray node); the same command resumes from the newest snapshot and finishes.
+    # 3. The node comes back (a new Ray node); the same command resumes from the newest snapshot and finishes,
+    #    again with one replica per node.
+    old_worker = placement[lost]["node_id"]
     cluster.restart_worker()
-    proc = run_grpo(args, env=env, timeout_s=180)
-    print(f"run 2: exit {proc.returncode}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert processes_with_marker(marker) == []
+    again: dict = {}
+    out2 = tmp_path / "run2.txt"
+
+    def place_again() -> None:
+        if not again and "Gym ready in" in out2.read_text(errors="replace"):
+            again.update(cluster.gym_placement(dirs.logs))
+
+    started = time.monotonic()
+    returncode, hung = _run_watching(args, env, out2, place_again, timeout_s=180)
+    text = out2.read_text(errors="replace")
+    print(f"run 2: exit {returncode} after {time.monotonic() - started:.1f}s; placement {again}")
+    assert not hung and returncode == 0, text[-3000:]
+    assert wait_for_no_processes(marker) == []
+    assert set(again) == set(REPLICAS) and sorted(p["node"] for p in again.values()) == ["head", "worker"], again
+    assert old_worker not in {p["node_id"] for p in again.values()}
     restore = dirs.restore_json()
     print({k: v for k, v in restore.items() if not k.endswith("_ids") and k != "restored_instances"})
     assert restore["snapshot"] == newest["path"]
@@ -425,6 +436,8 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     saved = {key: iid for iid, keys in newest_turn.items() for key in keys}
     restored = restore["restored_instances"]
     assert saved and restored, (saved, restored)
+    print("saved in the snapshot, per replica:", {iid: len(keys) for iid, keys in newest_turn.items()},
+          "restored, per replica:", {iid: list(restored.values()).count(iid) for iid in REPLICAS})
     ran_on = {rid: iid for b in batches for rid, iid in b["gym_instances"].items()}
     continued = {rid: where for b in batches for rid, where in b["restored_from"].items()}
     for key, iid in restored.items():

@@ -403,8 +403,9 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     newest = committed[-1]
     newest_turn = _turn_level(newest["path"])
     assert newest_turn is not None
-    # The surviving replica's actor went with the run: Ray holds no NemoGym actor of it.
-    assert not [a for a in cluster.query()["actors"] if a["class"] == "NemoGym" and a["state"] == "ALIVE"]
+    # The surviving replica's actor went with the run: Ray holds no alive NemoGym actor.
+    cluster._wait_for(lambda s: not [a for a in s["actors"] if a["class"] == "NemoGym" and a["state"] == "ALIVE"],
+                      30, "the stopped run's NemoGym actors to go")
 
     # 3. The node comes back (a new Ray node); the same command resumes from the newest snapshot and finishes,
     #    again with one replica per node.

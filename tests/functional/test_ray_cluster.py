@@ -194,15 +194,15 @@ class LoopbackCluster:
 
     def start(self, timeout_s: float = 90) -> None:
         self.head.start()
-        self._wait_for(lambda s: self._alive_with(s, "node_a"), timeout_s, "the head node")
+        self.wait_for(lambda s: self._alive_with(s, "node_a"), timeout_s, "the head node")
         self.worker.start()
-        self._wait_for(lambda s: self._alive_with(s, "node_b"), timeout_s, "the worker node")
+        self.wait_for(lambda s: self._alive_with(s, "node_b"), timeout_s, "the worker node")
 
     def restart_worker(self, timeout_s: float = 90) -> None:
         """Bring the worker back (a new Ray node: a new node id) once Ray knows the old one is dead."""
-        self._wait_for(lambda s: not self._alive_with(s, "node_b"), timeout_s, "Ray to mark the lost node dead")
+        self.wait_for(lambda s: not self._alive_with(s, "node_b"), timeout_s, "Ray to mark the lost node dead")
         self.worker.start()
-        self._wait_for(lambda s: self._alive_with(s, "node_b"), timeout_s, "the restarted worker node")
+        self.wait_for(lambda s: self._alive_with(s, "node_b"), timeout_s, "the restarted worker node")
 
     @staticmethod
     def _alive_with(state: dict, resource: str) -> list[str]:
@@ -218,7 +218,7 @@ class LoopbackCluster:
                 return json.loads(line[len("QUERY"):])
         raise AssertionError(f"cluster query failed ({proc.returncode}): {proc.stderr[-2000:]}")
 
-    def _wait_for(self, cond, timeout_s: float, what: str) -> dict:
+    def wait_for(self, cond, timeout_s: float, what: str) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
             for node in (self.head, self.worker):
@@ -404,7 +404,7 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     newest_turn = _turn_level(newest["path"])
     assert newest_turn is not None
     # The surviving replica's actor went with the run: Ray holds no alive NemoGym actor.
-    cluster._wait_for(lambda s: not [a for a in s["actors"] if a["class"] == "NemoGym" and a["state"] == "ALIVE"],
+    cluster.wait_for(lambda s: not [a for a in s["actors"] if a["class"] == "NemoGym" and a["state"] == "ALIVE"],
                       30, "the stopped run's NemoGym actors to go")
 
     # 3. The node comes back (a new Ray node); the same command resumes from the newest snapshot and finishes,

@@ -42,7 +42,7 @@ from nemo_rl.algorithms.single_controller_utils.snapshot import (
     resolve_restorable_snapshot,
 )
 from nemo_rl.data.dataloader import PromptDataloader
-from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymRolloutError, NemoGymShardSet
+from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymReplicaLost, GymRolloutError, NemoGymShardSet
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import (
     PromptGroupStatus,
@@ -67,22 +67,6 @@ from nemo_rl.utils.snapshot_store import (
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
 MAX_REFUSALS_PER_ATTEMPT = 20
-
-
-class GymReplicaLost(RuntimeError):
-    """A Gym replica's Ray actor died (its node was lost, or the actor crashed): the run stops, naming it.
-
-    Nothing a committed snapshot holds is lost: the same command resumes from the newest
-    snapshot once the replica can be placed again (e.g. the node is back).
-    """
-
-    def __init__(self, instance: str, cause: BaseException):
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        super().__init__(
-            f"Gym replica {instance} was lost: its Ray actor died ({detail}). The run stops; run the same "
-            "command again once its node is back: it resumes from the newest committed snapshot"
-        )
-        self.instance = instance
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
@@ -300,7 +284,7 @@ class SingleController:
             try:
                 reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, rollout_id)
             except ray.exceptions.RayActorError as lost:
-                raise GymReplicaLost(instance, lost) from None
+                raise GymReplicaLost(instance, lost, self.shard_set.placement.get(instance)) from None
             except GymCheckpointParked:
                 refusals = self.ledger.mark_refused(rollout_id, MAX_REFUSALS_PER_ATTEMPT)
                 logger.warning("Gym instance %s refused rollout %s while closed for a checkpoint (%d/%d); "

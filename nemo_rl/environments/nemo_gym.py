@@ -46,6 +46,23 @@ def _rebuild_rollout_error(message, rollout_id, server, infra, code):
     return GymRolloutError(message, rollout_id=rollout_id, server=server, infra=infra, code=code)
 
 
+class GymReplicaLost(RuntimeError):
+    """A Gym replica's Ray actor died (its node was lost, or the actor crashed): the run stops, naming it.
+
+    Nothing a committed snapshot holds is lost: the same command resumes from the newest
+    snapshot once the replica can be placed again (e.g. the node is back).
+    """
+
+    def __init__(self, instance: str, cause: BaseException, node: dict[str, str] | None = None):
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        where = f" (Ray node {node['node_id']}, {node['ip']})" if node else ""
+        super().__init__(
+            f"Gym replica {instance}{where} was lost: its Ray actor died ({detail}). The run stops; run the same "
+            "command again once its node is back: it resumes from the newest committed snapshot"
+        )
+        self.instance, self.node = instance, node
+
+
 class GymCheckpointParked(GymRolloutError):
     """A ``/run`` refused because a checkpoint holds the agent closed; dispatch again later."""
 
@@ -276,6 +293,8 @@ class NemoGymShardSet:
     restart_only_servers: dict[str, list[str]] = field(default_factory=dict)  # instance id -> names
     # shard -> agent -> the Gym servers its rollouts touch (itself, its model and resources servers)
     agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # instance id -> {node_id, ip}: the Ray node each replica runs on (gym_placement.json)
+    placement: dict[str, dict[str, str]] = field(default_factory=dict)
     # instance id -> server -> prepare policy, for restart-only servers no turn-level rollout passes through
     prepare_policy_overrides: dict[str, dict[str, RestartOnlyPolicy]] = field(default_factory=dict)
     _cycle: dict[str, Any] = field(default_factory=dict, repr=False)

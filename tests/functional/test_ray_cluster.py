@@ -395,8 +395,12 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     assert returncode == 1, text[-3000:]
     error = [line for line in text.splitlines() if line.startswith("error: ")]
     print(error)
-    assert error and f"Gym replica {lost} was lost" in error[-1], text[-3000:]
-    assert "run the same command again once its node is back" in error[-1]
+    assert error and f"Gym replica {lost} (Ray node {placement[lost]['node_id']}," in error[-1], text[-3000:]
+    assert "was lost" in error[-1] and "run the same command again once its node is back" in error[-1]
+    assert "Task exception was never retrieved" not in text
+    # the run's own record of where each replica ran agrees with Ray's view
+    recorded = json.loads((dirs.logs / "gym_placement.json").read_text())
+    assert {r: p["node_id"] for r, p in recorded.items()} == {r: p["node_id"] for r, p in placement.items()}
     assert left == [], f"processes of the stopped run outlived it: {left}"
     assert len(dirs.records("metrics.jsonl")) < STEPS
     committed = [s for s in dirs.records("snapshots.jsonl") if s.get("committed")]

@@ -15,11 +15,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable
 
+import ray
+
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
 from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary
-from nemo_rl.environments.nemo_gym import NemoGymShardSet
+from nemo_rl.environments.nemo_gym import GymReplicaLost, NemoGymShardSet
 
 logger = logging.getLogger(__name__)
 _MAX_REPLY_GRACE_S = 5.0
@@ -102,7 +104,13 @@ class GymCheckpointCoordinator:
         grace = min(self.prepare_timeout_s, _MAX_REPLY_GRACE_S)
         timeout = max(0.1, deadline_ts - time.time() + grace)
         tasks = {iid: asyncio.ensure_future(c) for iid, c in calls.items()}
-        done, pending = await asyncio.wait(tasks.values(), timeout=timeout)
+        try:
+            done, pending = await asyncio.wait(tasks.values(), timeout=timeout)
+        except BaseException:  # cancelled: no replica call is left behind unobserved
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            raise
         failures: dict[str, BaseException] = {}
         out: dict[str, Any] = {}
         for iid, task in tasks.items():
@@ -115,6 +123,9 @@ class GymCheckpointCoordinator:
                 out[iid] = task.result()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        for iid, exc in sorted(failures.items()):
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
         if failures:
             raise GymCheckpointOperationError(operation, failures)
         return out

@@ -27,6 +27,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
 )
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.nemo_gym import NemoGym, NemoGymShardSet, build_gym_actor_config
+from nemo_rl.utils.snapshot_store import write_json_atomic
 
 logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -202,6 +203,7 @@ def _spinup_gym(
     shard_turn_users: dict[str, dict[str, list[str]]] = {}  # shard -> server -> turn-level agents using it
     shard_set = NemoGymShardSet(handles=handles, instances=instances, agent_shards=agent_shards)
     try:
+        _check_ray_resources(env)
         for shard in env.shards:
             gym_cfg = build_gym_actor_config(
                 shard_gym_config(env, shard),
@@ -238,6 +240,8 @@ def _spinup_gym(
                     )
                 )
         _gather(shard_set, lambda h: h.spinup.remote(env.spinup_timeout_s), "start", env.spinup_timeout_s + 30)
+        shard_set.placement = _gather(shard_set, lambda h: h.where.remote(), "locate", 30)
+        write_json_atomic(Path(log_dir) / "gym_placement.json", shard_set.placement)
         if turn:
             started = time.monotonic()
             names = _gather(
@@ -257,6 +261,26 @@ def _spinup_gym(
         shard_set.shutdown()
         raise
     return shard_set
+
+
+def _check_ray_resources(env: NemoGymEnvConfig) -> None:
+    """Fail at once, naming the shard and resource, if the cluster cannot hold every replica
+    (instead of waiting out ``spinup_timeout_s`` for actors that can never be placed)."""
+    wanted: dict[str, float] = {}
+    askers: dict[str, list[str]] = {}
+    for shard in env.shards:
+        for name, amount in shard.ray_resources.items():
+            wanted[name] = wanted.get(name, 0.0) + amount * shard.replicas
+            askers.setdefault(name, []).append(f"{shard.name} ({shard.replicas} x {amount:g})")
+    if not wanted:
+        return
+    offered = ray.cluster_resources()
+    short = {name: amount for name, amount in wanted.items() if offered.get(name, 0.0) < amount}
+    if short:
+        raise ShardSetupError("; ".join(
+            f"Gym shards {', '.join(askers[name])} ask for {amount:g} of Ray resource {name!r}, but the cluster "
+            f"offers {offered.get(name, 0.0):g} (is a node missing?)" for name, amount in sorted(short.items())
+        ))
 
 
 def _gather(shard_set: NemoGymShardSet, call, what: str, timeout_s: float) -> dict[str, Any]:

@@ -287,3 +287,12 @@ def test_a_checkpoint_dir_of_another_run_is_refused_naming_what_differs(dirs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming anyway" in proc.stderr
     assert [m["step"] for m in dirs.records("metrics.jsonl")] == [1, 2]
+
+
+def test_a_shard_asking_for_ray_resources_no_node_offers_fails_at_once(dirs):
+    started = time.monotonic()
+    proc = run_grpo(WORKPLACE + SCRIPTED + dirs.overrides() + [
+        "env.nemo_gym.shards=[{name: nemo_gym, replicas: 2, ray_resources: {gym_slot: 1}}]"], env=env_for())
+    assert proc.returncode == 1
+    assert "Gym shards nemo_gym (2 x 1) ask for 2 of Ray resource 'gym_slot', but the cluster offers 0" in proc.stderr
+    assert time.monotonic() - started < 60  # not the spin-up timeout

@@ -62,7 +62,7 @@ from nemo_rl.utils.run_harness import (  # noqa: E402
     wait_for_no_processes,  # noqa: F401 - re-exported for the tests
 )
 
-HOOK_PHASES = ("prepare", "commit", "publish", "restore", "train")
+HOOK_PHASES = ("prepare", "commit", "persist", "publish", "restore", "train")
 ALL_PHASES = (*HOOK_PHASES, "between", "driver")
 _ROLLOUT_ID = re.compile(r"^(?P<group>.+)_g(?P<g>[0-9]+)_a[0-9a-f]+(?:-a(?P<attempt>[0-9]+))?$")
 
@@ -361,7 +361,7 @@ def scenario(phase: str, root: Path, log: Callable[[str], None] = print,
     runner = Runner(spec, log)
     row = Row(phase, "")
     log(f"[{phase}] crash run")
-    if phase in ("prepare", "commit", "publish"):
+    if phase in ("prepare", "commit", "persist", "publish"):
         first = runner.run(crash=f"{phase}:2")
     elif phase == "train":
         first = runner.run(crash="train:2")

@@ -237,3 +237,14 @@ def test_lineage_check_catches_duplicates_and_losses(tmp_path):
     assert cm.check_lineage(spec, reference) == []
     assert cm.check_restore({"snapshot": "x", "restored_turn": 1, "restored_rollout_ids": ["s9p9_g0_aff-a1"],
                              "restarted_rollout_ids": [], "kept_rollout_ids": []}, set(), final=True)
+
+
+def test_a_kill_between_resume_and_publish_leaves_the_previous_snapshot_newest(tmp_path):
+    """Staged commit: SIGKILL after Gym resumed but before it persisted and the snapshot was published
+    (``persist:2``). The first snapshot of that step is the newest valid one; the rerun restores it and
+    finishes with every group trained exactly once."""
+    row = cm.scenario("persist", tmp_path / "persist", log=lambda _: None, **SPEC)
+    assert row.problems == [], row.problems
+    spec = cm.RunSpec(tmp_path / "persist", **SPEC)
+    restore = json.loads((spec.logs / "restore.json").read_text())
+    assert restore["snapshot"] is not None and restore["snapshot"].endswith("snapshot_000001")

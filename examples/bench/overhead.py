@@ -137,7 +137,7 @@ def table(res: dict[str, Any]) -> str:
         body.append(([r["variant"]] if several else []) + [
             f"T = {r['turns']:g} turns = {r['interval_s']:.2f} s", fmt(r["rollouts_per_min"]),
             f"{fmt(r['overhead_pct'], 1, 1)} %", fmt(r["snapshots"]), fmt(r["pause_s"], 1e3),
-            fmt(r["persist_s"], 1e3)])
+            fmt(r["persist_s"], 1e3) if r["persist_s"].get("max") else "—"])
     spread = res["goal"].get("reference_spread_pct")
     note = f"\n\nTypical turn: {turn * 1e3:.0f} ms (model call + its tools)."
     if spread is not None:

@@ -269,6 +269,12 @@ def goal_of(rows: list[dict[str, Any]], variants: list[str], goal_n: int, goal_m
     return goal
 
 
+def _persist(row: dict[str, Any]) -> str:
+    """Persist after resume: only staged commits have one (blocking records 0)."""
+    p = row.get("persist_s")
+    return "—" if not p or not p.get("n") or not p.get("max") else fmt(p, 1e3)
+
+
 def table(res: dict[str, Any]) -> str:
     tool_s = res["config"]["tool_s"]
     several = len(res["config"]["variants"]) > 1
@@ -281,7 +287,7 @@ def table(res: dict[str, Any]) -> str:
         body.append(([r["variant"]] if several else []) + [
             r["n"], r.get("replicas", "—"), r["storage"], fmt(r.get("in_flight")), fmt(r.get("pause_s"), 1e3),
             fmt(r.get("prepare_s"), 1e3), fmt(r.get("commit_s"), 1e3), fmt(r.get("publish_s"), 1e3),
-            fmt(r.get("resume_s"), 1e3), fmt(r.get("persist_s"), 1e3), fmt(r.get("bytes"), 1e-6, 2),
+            fmt(r.get("resume_s"), 1e3), _persist(r), fmt(r.get("bytes"), 1e-6, 2),
             fmt(r.get("bytes_per_rollout"), 1e-3, 1), fmt(r.get("tool_pause_s"), 1e3),
             fmt(r.get("tool_left_s"), 1e3), fmt(r.get("excess_s"), 1e3)])
     out = [md_table(head, body)]

@@ -116,7 +116,9 @@ class VerifyReply(BaseModel):
 
 
 Boundary = Literal["B0", "P1", "P2"]
-TerminationReason = Literal["final_answer", "max_steps", "incomplete"]
+# "model_rejected": the model server refused the request as invalid (4xx, e.g. a prompt over the
+# context length): the episode ends there and is verified as it stands, like an incomplete reply.
+TerminationReason = Literal["final_answer", "max_steps", "incomplete", "model_rejected"]
 
 
 class RunReply(BaseModel):

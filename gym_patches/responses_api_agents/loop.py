@@ -73,6 +73,13 @@ class LoopError(RuntimeError):
     """Another Gym server failed or answered nonsense; names the server and route."""
 
 
+class ModelRequestRejected(LoopError):
+    """The model server answered 4xx: this request can never succeed (e.g. over the context length).
+
+    Not an infrastructure failure: retrying the rollout would only meet it again, so the episode
+    ends with ``termination_reason="model_rejected"`` and is verified as it stands."""
+
+
 class Activation(Protocol):
     """What the loop reports to a checkpointing agent (see checkpoint/agent.py)."""
 
@@ -181,8 +188,12 @@ async def run_turns(
         await act.boundary("P2", state)
     while True:
         await act.boundary("B0", state)
-        async with act.awaiting_model():
-            body = await io.call_model(capture_key, model_request(state))
+        try:
+            async with act.awaiting_model():
+                body = await io.call_model(capture_key, model_request(state))
+        except ModelRequestRejected as exc:
+            logger.warning("%s: %s; the episode ends here", capture_key, exc)
+            return "model_rejected"
         try:
             reply = ResponsesReply.model_validate(body)
         except ValidationError as exc:
@@ -277,7 +288,10 @@ class ServerLoopIO:
         path = f"{ROLLOUT_PREFIX}/{capture_key}/v1/responses"
         resp = await self._post(self.model_server, path, json=body)
         if resp.status != 200 or not isinstance(resp.body, dict):
-            raise self._fail(self.model_server, path, resp)
+            error = self._fail(self.model_server, path, resp)
+            if 400 <= resp.status < 500 and resp.status not in (408, 409, 429) and type(error) is LoopError:
+                raise ModelRequestRejected(str(error))
+            raise error
         return resp.body
 
     async def call_tool(self, name: str, arguments: dict[str, Any], cookies: dict[str, str]) -> str:

@@ -321,3 +321,32 @@ def test_a_good_reply_through_the_fake_is_a_valid_response(refusing):
     finally:
         c.close()
     assert reply.output_text == "fine" and reply.top_p == 1.0 and reply.metadata == {"run": "r1"}
+
+
+def test_a_rejected_model_request_ends_the_episode_instead_of_failing_the_rollout():
+    """A 4xx from the model (here: a prompt over the context length, through the fake backend) is not an
+    infrastructure failure: simple_agent ends the episode as ``model_rejected`` and verifies it (reward 0),
+    so RL trains on it instead of retrying a rollout that would only meet the same refusal."""
+    from pathlib import Path
+
+    row = json.loads((Path(__file__).resolve().parents[2] / "examples/data/workplace_train.jsonl").read_text()
+                     .splitlines()[0])
+    row["responses_create_params"]["input"][1]["content"] = "x" * (CONTEXT_LIMIT_CHARS + 1)
+    cfg = gym_config("")
+    cfg.update({
+        "workplace_assistant": {"resources_servers": {"workplace_assistant": {}}},
+        "agent": {"responses_api_agents": {"simple_agent": {
+            "max_steps": 4, "model_server": {"type": "responses_api_models", "name": "policy_model"},
+            "resources_server": {"type": "resources_servers", "name": "workplace_assistant"}}}},
+    })
+    with RefusingBackend() as backend:
+        cfg["policy_base_url"] = backend.base_url
+        with GymDeployment.start(cfg) as dep:
+            req = urllib.request.Request(
+                dep.url("agent") + "/run", data=json.dumps({**row, "_ng_rollout_id": "long-prompt-1"}).encode(),
+                headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                reply = json.loads(resp.read())
+    assert reply["termination_reason"] == "model_rejected"
+    assert reply["reward"] == 0.0 and reply["num_model_calls"] == 0
+    assert len(backend.received) == 1  # asked once, not retried

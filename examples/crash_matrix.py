@@ -7,7 +7,8 @@
 Each scenario runs ``examples/run_grpo.py`` as a real process (the mixed Gym
 setup in best effort, the scripted test backend, the recording trainer) in its
 own session, crashes it, then runs the same command again without the crash
-until it finishes. Then it checks what the final trainer checkpoint trained:
+until it finishes. Runs are started, killed and reaped through the run harness
+the tests and the benchmarks share (``nemo_rl/utils/run_harness.py``). Then it checks what the final trainer checkpoint trained:
 
 - every prompt group exactly once, every expected group present (no prompt lost);
 - every group with one rollout per generation, no rollout id twice (no sample

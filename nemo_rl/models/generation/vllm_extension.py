@@ -47,7 +47,7 @@ def _install_cpu_patch() -> bool:
     import vllm
     from vllm.model_executor.layers import utils as layer_utils
 
-    if vllm.__version__ != PINNED_VLLM:
+    if vllm.__version__.split("+")[0] != PINNED_VLLM:  # local build tags (+cu129, +cpu) do not matter
         raise RuntimeError(
             f"nemo_rl's vLLM refit extension is verified on vllm {PINNED_VLLM}; this is {vllm.__version__}")
     current = layer_utils.dispatch_cpu_unquantized_gemm

@@ -63,8 +63,10 @@ async def _chat(session, url: str, temperature: float) -> dict:
         return await r.json()
 
 
-@needs_vllm
-def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
+def _refit_scenario(tmp_path, *, patched: bool) -> dict:
+    """Serve a tiny Qwen, refit twice to fresh random weights; after the start and each refit, vLLM's
+    logprobs must be transformers' for the same weights (to 1e-4) and every vLLM parameter must hold the
+    trainer's values (fused q/k/v and gate/up included)."""
     import torch
     from aiohttp import ClientSession
 
@@ -95,17 +97,8 @@ def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
                         policy.load_state(state)
                         info = await server.refit(state, version)
                         assert info["weight_version"] == version and info["written"] == info["params"]
-                        assert info["dispatch_patched"] is True
-                    # every parameter of vLLM's model holds the trainer's values
-                    sums = await server.weight_sums()
-                    expected = _vllm_sums_expected(
-                        {k: v for k, v in policy.state_dict_cpu().items() if k != "lm_head.weight"})
-                    assert set(sums) == set(expected), (sorted(sums), sorted(expected))
-                    for name, (s, a, _n) in sums.items():
-                        es, ea = expected[name]
-                        assert abs(a - ea) <= 1e-4 * max(ea, 1.0), (version, name, a, ea)
-                        assert abs(s - es) <= 1e-4 * max(ea, 1.0), (version, name, s, es)
-                    # and its logprobs are transformers' for the same weights
+                        assert info["dispatch_patched"] is patched
+                    # vLLM's logprobs are transformers' for the same weights
                     for temperature in (1.0, 0.7):
                         reply = await _chat(session, url, temperature)
                         assert reply["weight_version"] == version and reply["model"] == "tiny"
@@ -114,15 +107,42 @@ def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
                         assert [c["logprob"] for c in reply["choices"][0]["logprobs"]["content"]] == lps
                         ref = policy.token_logprobs(reply["prompt_token_ids"], gen_ids, temperature).tolist()
                         err = max(abs(a - b) for a, b in zip(ref, lps))
-                        assert err < 1e-4, (version, temperature, err)
+                        assert err < 1e-4, f"version {version}, temperature {temperature}: logprob error {err}"
+                    # and every parameter of vLLM's model holds the trainer's values
+                    if not patched and version == 0:
+                        continue  # the negative control: let the refit, not the dropped parameters, fail
+                    sums = await server.weight_sums()
+                    expected = _vllm_sums_expected(
+                        {k: v for k, v in policy.state_dict_cpu().items() if k != "lm_head.weight"})
+                    assert set(sums) == set(expected), (sorted(sums), sorted(expected))
+                    for name, (s, a, _n) in sums.items():
+                        es, ea = expected[name]
+                        assert abs(a - ea) <= 1e-4 * max(ea, 1.0), (version, name, a, ea)
+                        assert abs(s - es) <= 1e-4 * max(ea, 1.0), (version, name, s, es)
             stats = await server.get_stats()
             assert stats["refits"] == 2
             return stats
         finally:
             await server.stop()
 
-    stats = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+@needs_vllm
+def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
+    stats = _refit_scenario(tmp_path, patched=True)
     print(f"vLLM load {stats['load_s']} s, refits {stats['refit_s']} s")
+
+
+@needs_vllm
+def test_the_refit_check_catches_vllms_cpu_weight_packing(tmp_path, monkeypatch):
+    """Negative control: with vLLM's own CPU dispatch (weights packed, parameters dropped) the same
+    refit must be caught, so the check above is not vacuous."""
+    monkeypatch.setenv("NEMO_RL_VLLM_KEEP_CPU_PACKING", "1")
+    with pytest.raises((AssertionError, RuntimeError)) as caught:
+        _refit_scenario(tmp_path, patched=False)
+    print(f"caught: {type(caught.value).__name__}: {str(caught.value)[:300]}")
+    assert "version 1" in str(caught.value) or "collective_rpc" in str(caught.value), caught.value
 
 
 @needs_vllm

@@ -26,6 +26,7 @@ The extension's methods run in every worker through ``collective_rpc``:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -59,7 +60,10 @@ def _install_cpu_patch() -> bool:
 
 
 _ORIGINAL_DISPATCH: Any = None
-_install_cpu_patch()
+# NEMO_RL_VLLM_KEEP_CPU_PACKING=1 leaves vLLM's packing in place: only for the test that shows the
+# refit check catches it (refits are then wrong on CPU).
+if os.environ.get("NEMO_RL_VLLM_KEEP_CPU_PACKING") != "1":
+    _install_cpu_patch()
 
 
 class VllmRefitExtension:

@@ -171,6 +171,8 @@ def test_prompt_ids_are_the_chat_templates(tmp_path):
                 async with session.post(url + "/chat/completions", json={"messages": "nope"}) as r:
                     assert r.status == 400
                     bad = await r.json()
+                async with session.post(url + "/chat/completions", json={"messages": MESSAGES, "n": 2}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "n"
                 async with session.get(url + "/models") as r:
                     models = await r.json()
             return reply, bad, models

@@ -320,7 +320,8 @@ class VllmGenerationServer:
         out["logprobs"] = True
         out["return_token_ids"] = True
         out["skip_special_tokens"] = False
-        out.pop("n", None) if body.get("n") in (None, 1) else None
+        if body.get("n") not in (None, 1):
+            raise ValueError("n: only n=1 is supported (Gym asks for one choice per call)")
         return out
 
     async def _handle_chat(self, request: web.Request) -> web.Response:

@@ -115,7 +115,15 @@ def _lease_grace_seconds(block: Any) -> float:
     return float(value)
 
 
-@ray.remote(max_restarts=0, num_cpus=0)
+# Rollouts (``/run`` calls held across a checkpoint) and checkpoint calls get separate concurrency
+# groups: with thousands of rollouts parked in one replica, a prepare, commit or resume must never
+# queue behind them (it is what releases them).
+ROLLOUT_CONCURRENCY = 100_000
+CONTROL_CONCURRENCY = 32
+
+
+@ray.remote(max_restarts=0, num_cpus=0, max_concurrency=ROLLOUT_CONCURRENCY,
+            concurrency_groups={"control": CONTROL_CONCURRENCY})
 class NemoGym:
     """One Gym deployment and its checkpoint adapter, for one shard replica."""
 
@@ -134,7 +142,8 @@ class NemoGym:
         self.log_dir = Path(log_dir) / "gym-instances" / instance.shard_name / f"replica-{instance.replica_index}"
         self.rollout_timeout_s = rollout_timeout_s
         self.deployment: GymDeployment | None = None
-        self.client: ServerClient | None = None
+        self.client: ServerClient | None = None  # rollouts (the default concurrency group's loop)
+        self.control_client: ServerClient | None = None  # checkpoint calls (the control group's loop)
         self.adapter: GymCheckpointAdapter | None = None
 
     async def spinup(self, startup_timeout_s: float = 60.0) -> list[dict[str, str]]:
@@ -147,10 +156,15 @@ class NemoGym:
             for s in self.deployment.servers
         ]
 
+    @ray.method(concurrency_group="control")
     async def initialize_checkpoint_adapter(self, timeout_s: float = 30.0) -> list[str]:
-        """Discover participants; return the restart-only server names."""
-        assert self.client is not None, "spinup() first"
-        self.adapter = GymCheckpointAdapter(self.instance, self.client, self.control_auth_token)
+        """Discover participants; return the restart-only server names.
+
+        Checkpoint calls run on the ``control`` group's own event loop, so they get their own HTTP
+        client (an aiohttp session belongs to the loop that made it)."""
+        assert self.deployment is not None, "spinup() first"
+        self.control_client = ServerClient(self.deployment.config)
+        self.adapter = GymCheckpointAdapter(self.instance, self.control_client, self.control_auth_token)
         return await self.adapter.discover(timeout_s=timeout_s)
 
     async def run_rollout(self, row: dict[str, Any], rollout_id: str) -> dict[str, Any]:
@@ -199,6 +213,7 @@ class NemoGym:
         return sorted(name for name, ok in self.deployment.alive().items() if not ok)
 
     # -- checkpoint calls (thin: the adapter does the work) -----------------------
+    @ray.method(concurrency_group="control")
     async def checkpoint_prepare(
         self,
         checkpoint_id: str,
@@ -210,24 +225,30 @@ class NemoGym:
             self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy, policy_overrides)
         )
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_renew(self, checkpoint_id: str, deadline_ts: float) -> None:
         await self._named(self._adapter().renew(checkpoint_id, deadline_ts))
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_retire(self, checkpoint_id: str, deadline_ts: float, episodes: list[EpisodeId]) -> None:
         await self._named(self._adapter().retire(checkpoint_id, deadline_ts, episodes))
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_commit(
         self, checkpoint_id: str, deadline_ts: float, root: str,
         episodes: list[EpisodeId] | dict[str, list[EpisodeId]], staged: bool = False,
     ) -> GymCheckpointCommitSummary:
         return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes, staged))
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
         return await self._named(self._adapter().forget(checkpoint_id, deadline_ts, rollout_ids))
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
         return await self._named(self._adapter().persist(checkpoint_id, deadline_ts))
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_restore(
         self, restore_id: str, deadline_ts: float, root: str, exported_by_server: dict[str, list[str]],
         source_checkpoint_id: str,
@@ -236,6 +257,7 @@ class NemoGym:
             self._adapter().restore(restore_id, deadline_ts, root, exported_by_server, source_checkpoint_id)
         )
 
+    @ray.method(concurrency_group="control")
     async def checkpoint_resume(self, checkpoint_id: str, deadline_ts: float) -> None:
         await self._named(self._adapter().resume(checkpoint_id, deadline_ts))
 
@@ -271,9 +293,19 @@ class NemoGym:
     async def shutdown(self) -> None:
         if self.client is not None:
             await self.client.close()
+        if self.control_client is not None:
+            await self._close_control_client()
         if self.deployment is not None:
             self.deployment.stop()
             self.deployment = None
+
+    @ray.method(concurrency_group="control")
+    async def _close_control_client(self) -> None:
+        """Closed on the loop that made it (called as a plain coroutine; harmless if that fails)."""
+        try:
+            await self.control_client.close()
+        except Exception:  # noqa: BLE001 - shutting down: the processes go next
+            pass
 
     def ping(self) -> int:
         return os.getpid()

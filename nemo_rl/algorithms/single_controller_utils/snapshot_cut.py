@@ -82,8 +82,17 @@ def server_scopes(
     return out
 
 
-def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> None:
-    """On every instance: nothing exported outside the scope; owned minus exported is unsaved."""
+def check_cut(
+    ledger: RolloutRecoveryLedger,
+    plan: CutPlan,
+    exported: Mapping[str, Iterable[str]],
+    not_started: Mapping[str, Iterable[str]] | None = None,
+) -> None:
+    """On every instance: nothing exported outside the scope; owned minus exported is unsaved.
+
+    ``not_started``: in-scope rollouts Gym holds but has not started (a ``/run`` that reached a
+    saving agent after it closed, or one the drain did not see finish): they restart from the
+    prompt after a crash, like unsaved ones, having lost nothing."""
     problems = []
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
@@ -91,7 +100,7 @@ def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[st
         if outside:
             problems.append(f"Gym instance {iid} exported rollouts outside its commit scope: {sorted(outside)[:10]}")
         owned = {e.capture_key for e in ledger.owned_live_episodes(iid)}
-        stray = owned - done - plan.unsaved[iid]
+        stray = owned - done - plan.unsaved[iid] - set((not_started or {}).get(iid, ()))
         if stray:
             problems.append(
                 f"Gym instance {iid}: rollouts owned by the ledger were neither saved nor reported unsaved "
@@ -101,15 +110,25 @@ def check_cut(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[st
         raise GymOwnershipError("; ".join(problems))
 
 
-def cut_counts(ledger: RolloutRecoveryLedger, plan: CutPlan, exported: Mapping[str, Iterable[str]]) -> CutCounts:
-    """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed)."""
+def cut_counts(
+    ledger: RolloutRecoveryLedger,
+    plan: CutPlan,
+    exported: Mapping[str, Iterable[str]],
+    not_started: Mapping[str, Iterable[str]] | None = None,
+) -> CutCounts:
+    """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed).
+
+    ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted."""
     inventory = ledger.gym_checkpoint_inventory(plan.instance_ids)
-    saved = unsaved = 0
+    saved = unsaved = waiting = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
+        idle = set((not_started or {}).get(iid, ()))
         for episode in inventory[iid]:
             if episode.capture_key in done:
                 saved += 1
+            elif episode.capture_key in idle:
+                waiting += 1
             elif episode.capture_key in plan.unsaved[iid]:
                 unsaved += 1
-    return CutCounts(saved, unsaved, len(ledger.refused_waiting()))
+    return CutCounts(saved, unsaved, waiting + len(ledger.refused_waiting()))

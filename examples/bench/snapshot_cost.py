@@ -196,7 +196,9 @@ def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
     for s in snapshots:
         if not s.get("committed") or in_flight(s) < full:
             continue
-        a = by_id.get(s["checkpoint_id"], {})
+        a = by_id.get(s["checkpoint_id"])
+        if not a or not a.get("phases_s"):
+            continue  # its timing lines are not written yet: the stop condition waits for them
         phases = a.get("phases_s", {})
         path = Path(s["path"]) if s.get("path") else None
         rec = {"checkpoint_id": s["checkpoint_id"], "in_flight": in_flight(s), "saved": s.get("saved", 0),

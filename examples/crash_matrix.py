@@ -70,10 +70,9 @@ _ROLLOUT_ID = re.compile(r"^(?P<group>.+)_g(?P<g>[0-9]+)_a[0-9a-f]+(?:-a(?P<atte
 
 # ----------------------------------------------------------------------------- a run
 @dataclass
-class RunSpec:
-    """One run's command line; the same command is used again after each crash."""
+class RunSpec(RunDirs):
+    """One run's command line; the same command is used again after each crash (where it writes: RunDirs)."""
 
-    root: Path
     steps: int = 3
     prompts: int = 4
     generations: int = 4
@@ -82,21 +81,12 @@ class RunSpec:
     keep_latest_k: int = 2
     extra: list[str] = field(default_factory=list)
 
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def ckpt(self) -> Path:
-        return self.root / "ckpt"
-
     def args(self) -> list[str]:
         return [
             "--config", "examples/configs/grpo_mixed_turn.yaml",
             "policy.model_name=scripted-test-backend",
             "rollout_recovery.allow_restart_only_gym_servers=true",
-            f"logger.log_dir={self.logs}", f"checkpointing.checkpoint_dir={self.ckpt}",
-            "logger.progress_bar=false", "logger.plot=false",
+            *self.overrides(), "logger.plot=false",
             f"grpo.max_num_steps={self.steps}",
             f"grpo.num_prompts_per_step={self.prompts}",
             f"grpo.num_generations_per_prompt={self.generations}",
@@ -104,12 +94,6 @@ class RunSpec:
             f"rollout_checkpointing.keep_latest_k={self.keep_latest_k}",
             *self.extra,
         ]
-
-    def records(self, name: str) -> list[dict[str, Any]]:
-        return RunDirs(self.root).records(name)
-
-    def restore_record(self) -> dict[str, Any] | None:
-        return RunDirs(self.root).restore_record()
 
 
 @dataclass
@@ -346,12 +330,12 @@ def _finish(runner: Runner, row: Row, log: Callable[[str], None],
 
 def _after_new_snapshots(spec: RunSpec, nth: int, extra_s: float) -> Callable[[float], bool]:
     """True ``extra_s`` after the ``nth`` snapshot this run commits (counted from when it is created)."""
-    return after_committed_snapshots(RunDirs(spec.root), nth, extra_s)
+    return after_committed_snapshots(spec, nth, extra_s)
 
 
 def committed_in_step(spec: RunSpec, step: int, extra_s: float = 0.0) -> Callable[[float], bool]:
     """True ``extra_s`` after a snapshot of trainer step >= ``step`` that saved rollouts is committed."""
-    return after_committed_in_step(RunDirs(spec.root), step, extra_s)
+    return after_committed_in_step(spec, step, extra_s)
 
 
 def scenario(phase: str, root: Path, log: Callable[[str], None] = print,

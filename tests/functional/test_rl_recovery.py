@@ -89,7 +89,8 @@ def test_best_effort_trains_and_commits_snapshots_with_unsaved_rollouts(dirs):
     assert committed, snaps
     assert any(s["unsaved"] > 0 for s in committed)
     assert any(s["saved"] > 0 for s in committed)
-    assert all(s["reason"] == "committed" for s in snaps)
+    # every attempt committed, or was dropped because training reached the next step meanwhile
+    assert all(s["reason"] in ("committed", "superseded") for s in snaps)
     metrics = dirs.records("metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["reward_mean"] == 1.0 for m in metrics)  # the scripted backend plays the demonstrations

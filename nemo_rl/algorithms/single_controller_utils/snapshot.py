@@ -184,6 +184,10 @@ def _next_older_valid(anchor: Path, below: int, skipped: list[tuple[Path, str]])
     return None, None
 
 
+class SnapshotSuperseded(RuntimeError):
+    """Training moved to the next step while this snapshot was being taken: it is dropped, not failed."""
+
+
 def _leaf_codes(exc: BaseException) -> set[str | None]:
     """The error codes of every server a (possibly nested) Gym failure names."""
     failures = getattr(exc, "failures", None)
@@ -262,6 +266,7 @@ class RolloutSnapshotter:
         outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}")
         staged = self.settings.commit_mode == "staged"
         started = self._started = time.monotonic()
+        self._step = self.inputs.step()  # the anchor this attempt belongs to
         try:
             if self.coordinator is None:
                 # sibling / prompt_group: sealed samples and the ledger only; Gym is not asked, nothing is held.
@@ -308,7 +313,8 @@ class RolloutSnapshotter:
             logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
             if isinstance(exc, GymCheckpointNotReady):
                 outcome.blockers = exc.blockers
-            self._failed(exc)
+            if outcome.reason != "superseded":  # not a failure: the next step's snapshots follow
+                self._failed(exc)
         finally:
             if not outcome.pause_s:
                 outcome.pause_s = time.monotonic() - started
@@ -340,6 +346,8 @@ class RolloutSnapshotter:
     @staticmethod
     def _classify(exc: BaseException) -> str:
         """The ``reason`` of a failed attempt; ``invariant_error`` stops the run."""
+        if isinstance(exc, SnapshotSuperseded):
+            return "superseded"
         if isinstance(exc, GymCheckpointNotReady):
             return "gym_unavailable"
         if isinstance(exc, TimeoutError):
@@ -367,7 +375,12 @@ class RolloutSnapshotter:
         """Inside the pause: Gym commits (or captures) its records, replies on the wire drain,
         the cut is checked, and the controller's state is serialised in memory."""
         inputs = self.inputs
-        step = inputs.step()
+        step = self._step
+        if inputs.step() != step:
+            # The step's last rollouts finished during prepare and training moved on: this cut would
+            # straddle two trainer steps (and its directory an anchor not yet published). Skip it.
+            raise SnapshotSuperseded(f"training reached step {inputs.step()} while the snapshot of step {step} "
+                                     "was being prepared")
         crash_point("prepare", step)  # test-only: Gym is prepared, nothing committed
         iids = self.coordinator.instance_ids
         plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids})
@@ -388,6 +401,9 @@ class RolloutSnapshotter:
             for iid, keys in (await self._drain(plan.scope, exported, prepared.deadline_ts)).items():
                 not_started[iid] |= keys
             self._mark(outcome, "drain")
+            if inputs.step() != step:
+                raise SnapshotSuperseded(f"training reached step {inputs.step()} while the snapshot of step {step} "
+                                         "was being committed")
             # Exclusive cut: no awaits until the state is captured in memory.
             check_cut(inputs.ledger, plan, exported, not_started)
             counts = cut_counts(inputs.ledger, plan, exported, not_started)

@@ -18,6 +18,7 @@ Measurements (see docs/benchmarks.md for the method behind each):
   alternative    4. the rejected "resume, retire blockers, prepare again" versus best effort
   overhead       5. rollouts per minute with snapshots every T seconds versus none
   setup_check    6. seconds from launch to the setup error of the mixed config as shipped
+  relaunch       7. seconds from the relaunch after a SIGKILL to the first dispatched rollout, by phase
 
 Prints progress lines and one markdown table per measurement, writes
 ``<out>/recovery.json``, ``<out>/recovery.md`` and ``<out>/<measurement>.png``.
@@ -41,12 +42,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from bench import alternative, overhead, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
-from bench.common import SharedGym, machine_info, make_log  # noqa: E402
+from bench import alternative, overhead, relaunch, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
+from bench.common import SharedGym, fmt, machine_info, make_log  # noqa: E402
 from bench.plots import plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
-MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check)}
+MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -119,10 +120,21 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
             lines.append(f"1.{tag} pause at N={g['at_n']} within {g['pause_within_ms_of_longest_tool']:g} ms of the "
                          f"longest tool call in flight: {yes(disk.get('met'))}{detail}")
             slope = gv.get("pause_loglog_slope")
-            lines.append(f"1.{tag} growth no worse than linear: {yes(gv.get('linear_met'))} (log-log slope of the "
-                         f"pause: {'—' if slope is None else f'{slope:.2f}'}"
+            gr = gv.get("growth") or {}
+            shown = ("" if gr.get("ratio") is None else
+                     f"x{gr['ratio']:.2f}: {gr['pause_ms_from']:,.0f} → {gr['pause_ms_to']:,.0f} ms; ")
+            lines.append(f"1.{tag} idle pause growth from N={g.get('growth_from_n', 512)} to "
+                         f"N={g.get('growth_to_n', 2048)} at most x{g.get('growth_max', 4.5):g}: "
+                         f"{yes(gr.get('met'))} ({shown}log-log slope of the pause over all N: "
+                         f"{'—' if slope is None else f'{slope:.2f}'}"
                          + ("; a step grew faster than N" if gv.get("every_step_within_linear") is False else "")
                          + ")")
+        sb = g.get("staged_over_blocking")
+        if sb is not None:
+            detail = (f"{sb['ratio']:.2f} = {sb['staged_pause_ms']:,.0f} / {sb['blocking_pause_ms']:,.0f} ms"
+                      if sb.get("ratio") is not None else sb.get("note", ""))
+            lines.append(f"1. staged / blocking idle pause at N={sb['at_n']} (disk) at most {sb['max_ratio']:g}: "
+                         f"{yes(sb.get('met'))} ({detail})")
     if "stall" in results:
         g = results["stall"]["goal"]
         lines.append(f"2. block commits 0 snapshots: {yes(g['block_commits_none'])}; "
@@ -147,16 +159,31 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
             extra = f"; snapshots on tmpfs: {g['tmpfs_overhead_pct_median']:.1f}%, {yes(g.get('tmpfs_met'))}"
         if g.get("reference_spread_pct") is not None:
             extra += f"; the no-snapshot reference itself varies by {g['reference_spread_pct']:.1f}% between repeats"
+        for key, pct in (g.get("fixed_interval_overhead_pct_median") or {}).items():
+            variant, interval = key.rsplit("/", 1)
+            extra += (f"; every {interval}{f' ({variant})' if variant else ''}: "
+                      + ("—" if pct is None else f"{pct:.1f}%"))
         med = g.get("overhead_pct_median")
-        shown_med = "—" if med is None else f"{med:.1f}"
+        shown_med = "—" if med is None else f"{med:.1f}%"
         lines.append(f"5. overhead at most {g['max_overhead_pct_at_10_turns']:g}% at T = 10 turns: {yes(g.get('met'))} "
-                     f"(median {shown_med}%{extra})")
+                     f"(median {shown_med}{extra})")
     if "setup_check" in results:
         rows = {r["part"]: r["seconds"]["median"] for r in results["setup_check"]["rows"]}
         lines.append(f"6. mixed config as shipped fails after {rows['to_error_s']:.1f}s (process exits after "
                      f"{rows['total_s']:.1f}s); Ray start {rows['ray_init_s']:.1f}s, Gym start "
                      f"{rows['gym_start_s']:.1f}s; error names every restart-only server: "
                      f"{yes(results['setup_check']['goal']['error_names_every_restart_only_server'])}")
+    if "relaunch" in results:
+        g = results["relaunch"]["goal"]
+        rows = {r["kind"]: r for r in results["relaunch"]["rows"]}
+        total = rows.get("relaunch", {}).get("to_first_dispatch_s") or {}
+        lines.append(f"7. relaunch after a SIGKILL to the first dispatched rollout at most "
+                     f"{g['relaunch_to_first_dispatch_max_s']:g} s: {yes(g.get('met'))} ({fmt(total, 1, 1)} s, "
+                     f"median{' (min–max)' if (total.get('n') or 0) > 1 else ''} of {total.get('n') or 0} "
+                     f"relaunch(es); first launch "
+                     f"{fmt(rows.get('first', {}).get('to_first_dispatch_s'), 1, 1)} s; every relaunch resumed: "
+                     f"{yes(g.get('every_relaunch_resumed'))}; 1-minute load average at relaunch "
+                     f"{fmt(g.get('loadavg_1m_at_relaunch'), 1, 2)})")
     return lines
 
 
@@ -195,10 +222,12 @@ def render(path: Path, out: Path) -> int:
     data = json.loads(path.read_text())
     results, meta = data["results"], data["meta"]
     if "snapshot_cost" in results:
-        r = results["snapshot_cost"]
-        g = r["goal"]
-        r["goal"] = snapshot_cost.goal_of(r["rows"], [v["label"] for v in r["config"]["variants"]], g["at_n"],
-                                          g["pause_within_ms_of_longest_tool"])
+        snapshot_cost.rederive(results["snapshot_cost"])
+    if "relaunch" in results:
+        r = results["relaunch"]
+        r["rows"] = relaunch.rows_of(r["repeats"])
+        r["goal"] = relaunch.goal_of(r["rows"], r["repeats"], r["goal"].get("relaunch_to_first_dispatch_max_s",
+                                                                        relaunch.GOAL_S))
     out.mkdir(parents=True, exist_ok=True)
     for name, res in results.items():
         plot(name, res, out)

@@ -3,8 +3,9 @@
 Real GRPO runs of ``examples/configs/grpo_workplace_turn.yaml`` (every server
 saves; scripted backend with a fixed reply delay, recording trainer), one run
 per mode and repeat, interleaved: no snapshots
-(``snapshot_attempt_interval_s=null``), and a snapshot every T seconds, T =
-``turns`` x the typical turn (default 10 and 3 turns). The typical turn (one
+(``snapshot_attempt_interval_s=null``), a snapshot every T seconds, T =
+``turns`` x the typical turn (default 10 and 3 turns), and a snapshot every
+fixed ``seconds`` (default 1 s). The typical turn (one
 model call plus its tools) is measured in the first no-snapshot run: the
 policy model server logs every generation (``instrument/sitecustomize.py``),
 and a turn is the median gap between consecutive model calls of one rollout.
@@ -42,7 +43,8 @@ CONFIG = "examples/configs/grpo_workplace_turn.yaml"
 
 
 def measure(*, repeats: int, workdir: Path, steps: int = 8, prompts: int = 8, generations: int = 4,
-            turns: tuple[float, ...] = (10, 3), delay_s: float = 0.5, goal_pct: float = 3.0,
+            turns: tuple[float, ...] = (10, 3), seconds: tuple[float, ...] = (1.0,), delay_s: float = 0.5,
+            goal_pct: float = 3.0,
             variants: list[Variant] | None = None, log: Log | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
     log = log or make_log("overhead")
     variants = variants or DEFAULT_VARIANTS
@@ -52,10 +54,10 @@ def measure(*, repeats: int, workdir: Path, steps: int = 8, prompts: int = 8, ge
     raw: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in range(repeats):
         for label, extra in [("", [])] + variants:
-            modes = [("none", None)] if not label else [(f"T{t:g}", float(t)) for t in turns]
+            modes = [("none", None)] if not label else _modes(turns, seconds)
             for mode, t in modes:
                 key = "none" if t is None else f"{label}/{mode}"
-                interval = None if t is None else round(t * (turn_s or 0.0), 3)
+                interval = None if t is None else _interval(mode, t, turn_s)
                 over = [*base, f"rollout_checkpointing.snapshot_attempt_interval_s={interval if interval else 'null'}",
                         *extra]
                 root = Path(workdir) / f"overhead-{key.replace('/', '-')}-{r}"
@@ -85,11 +87,12 @@ def measure(*, repeats: int, workdir: Path, steps: int = 8, prompts: int = 8, ge
     rows.append({"mode": "none", "variant": "", "turns": None, "interval_s": None,
                  "rollouts_per_min": summary(w["per_min"] for w in none), "raw": none})
     for label, _ in variants:
-        for t in turns:
-            key = f"{label}/T{t:g}"
+        for mode, t in _modes(turns, seconds):
+            key = f"{label}/{mode}"
             ws = raw[key]
             over = [100 * (1 - w["per_min"] / n["per_min"]) for w, n in zip(ws, none) if n["per_min"]]
-            rows.append({"mode": f"T{t:g}", "variant": label, "turns": t, "interval_s": ws[0]["interval_s"],
+            rows.append({"mode": mode, "variant": label, "turns": t if mode.startswith("T") else None,
+                         "seconds": t if mode.startswith("S") else None, "interval_s": ws[0]["interval_s"],
                          "rollouts_per_min": summary(w["per_min"] for w in ws),
                          "overhead_pct": summary(over), "snapshots": summary(w["snapshots"] for w in ws),
                          "pause_s": summary(p for w in ws for p in w["pauses"]),
@@ -99,12 +102,31 @@ def measure(*, repeats: int, workdir: Path, steps: int = 8, prompts: int = 8, ge
     first = next((r for r in rows if r["variant"] == variants[0][0] and r["turns"] == 10), None)
     med = first["overhead_pct"]["median"] if first else None
     goal = {"max_overhead_pct_at_10_turns": goal_pct, "overhead_pct_median": med,
-            "met": None if med is None else med <= goal_pct, "reference_spread_pct": spread}
+            "met": None if med is None else med <= goal_pct, "reference_spread_pct": spread,
+            "fixed_interval_overhead_pct_median": {
+                f"{r['variant']}/{r['seconds']:g}s": r["overhead_pct"]["median"] for r in rows
+                if r.get("seconds") is not None}}
     return {"name": NAME, "title": TITLE, "rows": rows, "goal": goal,
             "config": {"repeats": repeats, "steps": steps, "prompts": prompts, "generations": generations,
                        "backend_delay_s": delay_s, "typical_turn_s": turn_s, "turns": list(turns),
+                       "seconds": list(seconds),
                        "variants": [{"label": v[0], "overrides": v[1]} for v in variants],
                        "setup": f"{CONFIG}, scripted backend, recording trainer"}}
+
+
+def _modes(turns: tuple[float, ...], seconds: tuple[float, ...]) -> list[tuple[str, float]]:
+    """``T<n>``: every n typical turns; ``S<s>``: every s seconds."""
+    return [(f"T{t:g}", float(t)) for t in turns] + [(f"S{s:g}", float(s)) for s in seconds]
+
+
+def _interval(mode: str, value: float, turn_s: float | None) -> float:
+    return round(value if mode.startswith("S") else value * (turn_s or 0.0), 3)
+
+
+def interval_label(row: dict[str, Any]) -> str:
+    if row.get("turns") is not None:
+        return f"T = {row['turns']:g} turns = {row['interval_s']:.2f} s"
+    return f"every {row['seconds']:g} s"
 
 
 def _typical_turn(audit: Path) -> float:
@@ -135,7 +157,7 @@ def table(res: dict[str, Any]) -> str:
                                                      "—"])
             continue
         body.append(([r["variant"]] if several else []) + [
-            f"T = {r['turns']:g} turns = {r['interval_s']:.2f} s", fmt(r["rollouts_per_min"]),
+            interval_label(r), fmt(r["rollouts_per_min"]),
             f"{fmt(r['overhead_pct'], 1, 1)} %", fmt(r["snapshots"]), fmt(r["pause_s"], 1e3),
             fmt(r["persist_s"], 1e3) if r["persist_s"].get("max") else "—"])
     spread = res["goal"].get("reference_spread_pct")

@@ -137,13 +137,15 @@ def alternative(res: dict[str, Any], path: Path) -> Path:
 
 
 def overhead(res: dict[str, Any], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4))
     rows = res["rows"]
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(rows)), 4.4))
     several = len({r["variant"] for r in rows if r["mode"] != "none"}) > 1
     labels = ["none" if r["mode"] == "none" else
-              f"{r['variant'] + ': ' if several else ''}every {r['turns']:g} turns\n({r['interval_s']:.1f}s)"
+              f"{r['variant'] + chr(10) if several else ''}every {r['turns']:g} turns\n({r['interval_s']:.1f}s)"
+              if r.get("turns") is not None else f"{r['variant'] + chr(10) if several else ''}every {r['seconds']:g}s"
               for r in rows]
-    meds = _bars(ax, labels, [r["rollouts_per_min"] for r in rows], color=[f"C{i}" for i in (7, 0, 1, 2, 3, 4, 5)][: len(rows)])
+    meds = _bars(ax, labels, [r["rollouts_per_min"] for r in rows],
+                 color=["C7"] + [f"C{i % 10}" for i in range(len(rows) - 1)])
     for i, r in enumerate(rows):
         if r["mode"] != "none":
             ax.text(i, meds[i], f"{r['overhead_pct']['median']:+.1f}%", ha="center", va="bottom")
@@ -177,8 +179,40 @@ def setup_check(res: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def relaunch(res: dict[str, Any], path: Path) -> Path:
+    """Stacked bar per launch kind: the median of each startup phase, with the median total."""
+    rows = res["rows"]
+    phases = list(dict.fromkeys(p for r in rows for p in r["phases_s"]))
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    for i, r in enumerate(rows):
+        left = 0.0
+        for j, p in enumerate(phases):
+            s = r["phases_s"].get(p) or {}
+            v = s.get("median") or 0.0
+            ax.barh([i], [v], left=left, color=f"C{j % 10}", label=p if i == 0 else None)
+            if v >= 0.6:
+                ax.text(left + v / 2, i, f"{v:.1f}", ha="center", va="center", fontsize=7, color="white")
+            left += v
+        total = (r.get("to_first_dispatch_s") or {}).get("median")
+        if total is not None:
+            ax.text(left, i, f"  {total:.1f}s", va="center", fontsize=8)
+    goal = res["goal"].get("relaunch_to_first_dispatch_max_s")
+    if goal:
+        ax.axvline(goal, color="red", linestyle=":", label=f"goal: relaunch ≤ {goal:g}s")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r['label']}\n({r['runs']} run{'s' if r['runs'] != 1 else ''})" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from process start (medians per phase)")
+    ax.set_title("Launch to the first dispatched rollout, by phase (startup.json)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 PLOTTERS = {"snapshot_cost": snapshot_cost, "stall": stall, "work_lost": work_lost, "alternative": alternative,
-            "overhead": overhead, "setup_check": setup_check}
+            "overhead": overhead, "setup_check": setup_check, "relaunch": relaunch}
 
 
 def plot(name: str, res: dict[str, Any], out_dir: Path) -> Path:

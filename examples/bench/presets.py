@@ -13,6 +13,7 @@ FULL: dict[str, dict[str, Any]] = {
     "alternative": {"window_s": 15.0, "repeats": 2},
     "overhead": {"repeats": 3},
     "setup_check": {"repeats": 3},
+    "relaunch": {"repeats": 3},
 }
 
 QUICK: dict[str, dict[str, Any]] = {
@@ -20,8 +21,9 @@ QUICK: dict[str, dict[str, Any]] = {
     "stall": {"attempts": 3, "deadline_s": 1.0},
     "work_lost": {"experiments": [("mixed", "turn")], "seeds": [0]},
     "alternative": {"window_s": 4.0, "repeats": 1, "controller_steps": 3},
-    "overhead": {"repeats": 1, "steps": 4, "turns": (10,)},
+    "overhead": {"repeats": 1, "steps": 4, "turns": (10,), "seconds": (1.0,)},
     "setup_check": {"repeats": 1},
+    "relaunch": {"repeats": 1},
 }
 
 # The smoke test: the smallest configuration that still exercises every code path.
@@ -33,8 +35,10 @@ TINY: dict[str, dict[str, Any]] = {
                   "interval_s": 0.25, "crash_window": (0.3, 0.6)},
     "alternative": {"window_s": 1.6, "repeats": 1, "warmup_s": 0.6, "controller_steps": 2, "controller_prompts": 2,
                     "concurrency": 8},
-    "overhead": {"repeats": 1, "steps": 2, "prompts": 2, "generations": 2, "turns": (3,), "delay_s": 0.3},
+    "overhead": {"repeats": 1, "steps": 2, "prompts": 2, "generations": 2, "turns": (3,), "seconds": (1.0,),
+                 "delay_s": 0.3},
     "setup_check": {"repeats": 1},
+    "relaunch": {"repeats": 1, "prompts": 2, "generations": 2, "delay_s": 0.3, "interval_s": 0.3},
 }
 
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY}

@@ -23,6 +23,16 @@ own calls (``GymCheckpointCoordinator._collect`` per operation across the
 replicas, ``commit_snapshot``); ``pause_s`` and ``persist_s`` are what the
 controller recorded. Bytes: the size of each published snapshot directory
 (``keep_latest_k`` is raised so none is pruned before it is measured).
+Memory of a staged commit: ``captured_bytes`` (every in-memory copy the cut
+took, Gym's and the controller's data plane) and, where the run records it,
+``captured_bytes_by_server`` (``"<gym instance id>/<server>"`` -> bytes of
+that participant's staged copy), both from ``snapshots.jsonl``.
+
+Goals: at ``goal_n`` (512) the median excess over the tool is at most
+``GOAL_EXCESS_MS``; the idle pause (disk) grows at most ``GROWTH_MAX`` from
+N = 512 to 2048; and at N = 2048 (idle, disk) the staged pause is at most
+``STAGED_OVER_BLOCKING_MAX`` of the blocking one, where two variants set
+``rollout_checkpointing.commit_mode`` to ``staged`` and ``blocking``.
 
 A Gym replica's ``NemoGym`` Ray actor runs at most 1000 calls at once (Ray's
 default for async actors) and its checkpoint calls queue behind its
@@ -60,6 +70,10 @@ NAME = "snapshot_cost"
 TITLE = "1. Snapshot cost versus rollouts in flight (the controller's snapshots)"
 CONFIG = "examples/configs/grpo_workplace_turn.yaml"
 PHASES = ("prepare", "commit", "publish", "resume")
+GOAL_N, GOAL_EXCESS_MS = 512, 50.0  # median pause over the longest tool call in flight, disk
+GROWTH_FROM_N, GROWTH_TO_N, GROWTH_MAX = 512, 2048, 4.5  # idle pause (disk), ratio of medians
+RATIO_AT_N, STAGED_OVER_BLOCKING_MAX = 2048, 0.3  # idle pause (disk), staged / blocking
+COMMIT_MODE = "rollout_checkpointing.commit_mode="
 
 
 def tmpfs_root() -> Path | None:
@@ -70,7 +84,7 @@ def tmpfs_root() -> Path | None:
 def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.5, delay_s: float = 3.0,
             tool_delay_s: float = 1.5, interval_s: float = 1.0, generations: int = 8, fill: float = 0.95, steps: int = 3,
             per_replica: int = 900, tmpfs_sizes: list[int] | tuple[int, ...] = (), kinds: tuple[str, ...] = ("idle", "tool"),
-            variants: list[Variant] | None = None, goal_n: int = 512, goal_ms: float = 100.0,
+            variants: list[Variant] | None = None, goal_n: int = GOAL_N, goal_ms: float = GOAL_EXCESS_MS,
             timeout_s: float = 420.0, log: Log | None = None) -> dict[str, Any]:
     log = log or make_log("snapshot-cost")
     variants = variants or DEFAULT_VARIANTS
@@ -97,7 +111,7 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
                     f: growth([r["n"] for r in mine], [r[f]["median"] for r in mine])
                     for f in ("pause_s", *(f"{p}_s" for p in PHASES), "bytes")}
     return {"name": NAME, "title": TITLE, "rows": rows, "fits": fits,
-            "goal": goal_of(rows, [v[0] for v in variants], goal_n, goal_ms),
+            "goal": goal_of(rows, variants, goal_n, goal_ms),
             "config": {"sizes": sizes, "repeats": repeats, "tool_s": tool_s, "backend_delay_s": delay_s,
                        "backend_delay_s_tool_runs": tool_delay_s, "snapshot_interval_s": interval_s,
                        "generations": generations, "fill": fill, "per_replica": per_replica,
@@ -201,8 +215,12 @@ def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
             continue  # its timing lines are not written yet: the stop condition waits for them
         phases = a.get("phases_s", {})
         path = Path(s["path"]) if s.get("path") else None
+        by_server = s.get("captured_bytes_by_server")
         rec = {"checkpoint_id": s["checkpoint_id"], "in_flight": in_flight(s), "saved": s.get("saved", 0),
-               "pause_s": s["pause_s"], "persist_s": s.get("persist_s"),
+               "pause_s": s["pause_s"], "persist_s": s.get("persist_s"), "commit_mode": s.get("commit_mode"),
+               "captured_bytes": s.get("captured_bytes"),
+               "captured_bytes_by_server": {str(k): v for k, v in by_server.items() if isinstance(v, (int, float))}
+               if isinstance(by_server, dict) else {},
                **{f"{p}_s": phases.get(p) for p in PHASES},
                "other_phases_s": {k: v for k, v in phases.items() if k not in PHASES},
                "bytes": dir_bytes(path) if with_bytes and path is not None and path.exists() else None}
@@ -231,6 +249,8 @@ def _row(row: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, Any]:
             "bytes": summary(x["bytes"] for x in a if x.get("bytes")),
             "bytes_per_rollout": summary(x["bytes"] / x["in_flight"] for x in a if x.get("bytes") and x["in_flight"]),
         })
+    measured = [x for k in kinds if row.get(k) is not None for x in row[k]["attempts"]]
+    row["staged_memory"] = staged_memory(measured)
     tool = row.get("tool")
     if tool is not None:
         row["tool_pause_s"] = summary(x["pause_s"] for x in tool["with_tool"])
@@ -240,12 +260,85 @@ def _row(row: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, Any]:
     return row
 
 
-def goal_of(rows: list[dict[str, Any]], variants: list[str], goal_n: int, goal_ms: float) -> dict[str, Any]:
-    """The issue's two goals, per variant. Pause: the median excess over the tool call in flight at
-    ``goal_n`` is at most ``goal_ms`` (worst attempt reported too). Growth: the idle pause's log-log
-    slope over all N is at most 1 (+0.05) and no single step grew faster than N (+10%)."""
-    goal: dict[str, Any] = {"pause_within_ms_of_longest_tool": goal_ms, "at_n": goal_n, "by_variant": {}}
+def participant_of(key: str) -> str:
+    """``"<gym instance id>/<server>"`` -> the server (an instance id holds a ``/`` itself)."""
+    return str(key).rsplit("/", 1)[-1]
+
+
+def staged_memory(attempts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the staged copies held, over the attempts committed in ``staged`` mode (None: there were none).
+
+    Per participant (server name; replicas aggregated by max): ``peak_bytes`` = the largest copy one
+    replica of it held in any attempt, ``bytes`` = that per attempt, ``bytes_per_rollout`` = its copies
+    on every replica over the rollouts the attempt dealt with. ``total_*``: ``captured_bytes`` (every
+    participant plus the controller's data plane); ``controller_bytes``: what the total holds beyond the
+    participants (only where both were recorded)."""
+    staged = [a for a in attempts if a.get("commit_mode") == "staged"]
+    if not staged:
+        return None
+    per: dict[str, dict[str, list[float]]] = {}
+    controller = []
+    for a in staged:
+        by_key = a.get("captured_bytes_by_server") or {}
+        peak: dict[str, float] = {}
+        total: dict[str, float] = {}
+        for key, size in by_key.items():
+            server = participant_of(key)
+            peak[server] = max(peak.get(server, 0), size)
+            total[server] = total.get(server, 0) + size
+        for server in peak:
+            d = per.setdefault(server, {"bytes": [], "per_rollout": []})
+            d["bytes"].append(peak[server])
+            if a.get("in_flight"):
+                d["per_rollout"].append(total[server] / a["in_flight"])
+        if by_key and isinstance(a.get("captured_bytes"), (int, float)):
+            controller.append(a["captured_bytes"] - sum(by_key.values()))
+    totals = [a for a in staged if isinstance(a.get("captured_bytes"), (int, float))]
+    return {
+        "attempts": len(staged),
+        "attempts_with_participants": sum(1 for a in staged if a.get("captured_bytes_by_server")),
+        "participants": {server: {"attempts": len(d["bytes"]), "peak_bytes": max(d["bytes"]),
+                                  "bytes": summary(d["bytes"]), "bytes_per_rollout": summary(d["per_rollout"])}
+                         for server, d in sorted(per.items())},
+        "total_peak_bytes": max((a["captured_bytes"] for a in totals), default=None),
+        "total_bytes": summary(a["captured_bytes"] for a in totals),
+        "total_bytes_per_rollout": summary(a["captured_bytes"] / a["in_flight"] for a in totals if a.get("in_flight")),
+        "controller_bytes": summary(controller),
+    }
+
+
+def commit_modes(variants: list[Any]) -> dict[str, str]:
+    """Variant label -> the commit mode its overrides set (``rollout_checkpointing.commit_mode=...``;
+    the last such override wins). Variants are ``(label, overrides)`` or ``{"label", "overrides"}``."""
+    out = {}
     for v in variants:
+        label, overrides = (v["label"], v.get("overrides") or []) if isinstance(v, dict) else (v[0], v[1])
+        for o in overrides:
+            o = str(o).strip().lstrip("+")
+            if o.startswith(COMMIT_MODE):
+                out[label] = o[len(COMMIT_MODE):].strip().strip("'\"")
+    return out
+
+
+def _idle_pause(rows: list[dict[str, Any]], variant: str, n: int) -> float | None:
+    r = next((r for r in rows if r["variant"] == variant and r["n"] == n and r["storage"] == "disk"
+              and (r.get("pause_s") or {}).get("n")), None)
+    return None if r is None else r["pause_s"]["median"]
+
+
+def goal_of(rows: list[dict[str, Any]], variants: list[Any], goal_n: int = GOAL_N,
+            goal_ms: float = GOAL_EXCESS_MS) -> dict[str, Any]:
+    """The issue's goals, per variant. Pause: the median excess over the tool call in flight at
+    ``goal_n`` is at most ``goal_ms`` (worst attempt reported too). Growth: the idle pause's median
+    (disk) grows at most ``GROWTH_MAX`` from N = ``GROWTH_FROM_N`` to ``GROWTH_TO_N`` (the log-log slope
+    over all N and the per-step check are kept alongside). Staged versus blocking: at
+    ``RATIO_AT_N`` the idle pause (disk) of the variant whose overrides set ``commit_mode=staged``
+    over that of the one setting ``blocking`` is at most ``STAGED_OVER_BLOCKING_MAX``."""
+    labels = [v["label"] if isinstance(v, dict) else v[0] for v in variants]
+    goal: dict[str, Any] = {"pause_within_ms_of_longest_tool": goal_ms, "at_n": goal_n,
+                            "growth_from_n": GROWTH_FROM_N, "growth_to_n": GROWTH_TO_N, "growth_max": GROWTH_MAX,
+                            "by_variant": {}}
+    for v in labels:
         g: dict[str, Any] = {}
         for storage in ("disk", "tmpfs"):
             r = next((r for r in rows if r["variant"] == v and r["n"] == goal_n and r["storage"] == storage
@@ -262,13 +355,43 @@ def goal_of(rows: list[dict[str, Any]], variants: list[str], goal_n: int, goal_m
         g["pause_loglog_slope"] = slope
         g["every_step_within_linear"] = fit.get("no_worse_than_linear")
         g["linear_met"] = None if slope is None else (slope <= 1.05 and fit.get("no_worse_than_linear") is not False)
+        lo, hi = _idle_pause(rows, v, GROWTH_FROM_N), _idle_pause(rows, v, GROWTH_TO_N)
+        ratio = hi / lo if lo and hi is not None else None
+        g["growth"] = {"pause_ms_from": None if lo is None else lo * 1e3,
+                       "pause_ms_to": None if hi is None else hi * 1e3,
+                       "ratio": ratio, "met": None if ratio is None else ratio <= GROWTH_MAX}
         goal["by_variant"][v] = g
-    first = goal["by_variant"].get(variants[0], {}) if variants else {}
+    modes = commit_modes(variants)
+    staged = next((v for v in labels if modes.get(v) == "staged"), None)
+    blocking = next((v for v in labels if modes.get(v) == "blocking"), None)
+    sb: dict[str, Any] = {"at_n": RATIO_AT_N, "max_ratio": STAGED_OVER_BLOCKING_MAX, "staged": staged,
+                          "blocking": blocking, "ratio": None, "met": None}
+    if staged is None or blocking is None:
+        sb["note"] = f"needs variants with {COMMIT_MODE}staged and {COMMIT_MODE}blocking"
+    else:
+        ps, pb = _idle_pause(rows, staged, RATIO_AT_N), _idle_pause(rows, blocking, RATIO_AT_N)
+        sb.update(staged_pause_ms=None if ps is None else ps * 1e3, blocking_pause_ms=None if pb is None else pb * 1e3)
+        if ps is None or not pb:
+            sb["note"] = f"N={RATIO_AT_N} (idle, disk) not measured for {staged!r} and {blocking!r}"
+        else:
+            sb.update(ratio=ps / pb, met=ps / pb <= STAGED_OVER_BLOCKING_MAX)
+    goal["staged_over_blocking"] = sb
+    first = goal["by_variant"].get(labels[0], {}) if labels else {}
     goal["pause_met"] = first.get("disk", {}).get("met")
     goal["linear_met"] = first.get("linear_met")
+    goal["growth_met"] = first.get("growth", {}).get("met")
     goal["linear_basis"] = ("idle pause on disk: log-log slope over all N at most 1 (+0.05) and every step at "
                             "most its N ratio (+10%)")
     return goal
+
+
+def rederive(res: dict[str, Any]) -> dict[str, Any]:
+    """Per-row memory figures and the verdicts again from the stored attempts, with today's goals."""
+    for row in res["rows"]:
+        measured = [x for k in res["config"].get("kinds", ("idle", "tool")) if row.get(k) for x in row[k]["attempts"]]
+        row["staged_memory"] = staged_memory(measured)
+    res["goal"] = goal_of(res["rows"], res["config"]["variants"])
+    return res
 
 
 def _persist(row: dict[str, Any]) -> str:
@@ -308,4 +431,42 @@ def table(res: dict[str, Any]) -> str:
     if grow:
         out += ["", md_table(["variant/storage", "cost", "log-log slope", "growth per 8x in N, each step",
                               "linear fit"], grow)]
+    out += ["", memory_table(res)]
     return "\n".join(out)
+
+
+def memory_table(res: dict[str, Any]) -> str:
+    """Peak memory of the staged copies, per variant with staged commits, N and participant."""
+    body = []
+    missing = False
+    for r in res["rows"]:
+        m = r.get("staged_memory")
+        if not m:
+            continue
+        where = [r["variant"], r["n"], r["storage"]]
+        for server, p in m["participants"].items():
+            body.append(where + [server, p["attempts"], f"{p['peak_bytes'] / 1e6:,.3f}",
+                                 fmt(p["bytes"], 1e-6, 3), fmt(p["bytes_per_rollout"], 1e-3, 1)])
+        if m["attempts_with_participants"] < m["attempts"]:
+            missing = True
+        if m["controller_bytes"]["n"]:
+            body.append(where + ["(controller data plane)", m["controller_bytes"]["n"],
+                                 f"{m['controller_bytes']['max'] / 1e6:,.3f}", fmt(m["controller_bytes"], 1e-6, 3),
+                                 "—"])
+        body.append(where + ["**all** (`captured_bytes`)", m["total_bytes"]["n"],
+                             "—" if m["total_peak_bytes"] is None else f"{m['total_peak_bytes'] / 1e6:,.3f}",
+                             fmt(m["total_bytes"], 1e-6, 3), fmt(m["total_bytes_per_rollout"], 1e-3, 1)])
+    if not body:
+        return ("Staged copies in memory: no measured snapshot was recorded as a `staged` commit (`commit_mode` in "
+                "`snapshots.jsonl`; records written before that field existed have none).")
+    head = ["variant", "N", "storage", "participant", "staged commits", "peak MB", "MB per commit",
+            "KB per rollout in flight"]
+    note = ("Staged copies held in memory between the cut and the write after resume, over the measured "
+            "snapshots (idle and tool runs). A participant's MB are the largest copy one replica of it held "
+            "(`snapshots.jsonl`: `captured_bytes_by_server`, replicas aggregated by max), its KB per rollout are "
+            "its copies on every replica over the rollouts in flight; **all** is `captured_bytes` (every "
+            "participant plus the controller's data plane).")
+    if missing:
+        note += (" Some staged commits recorded no `captured_bytes_by_server` (a controller that does not report "
+                 "it): only their total is shown.")
+    return note + "\n\n" + md_table(head, body)

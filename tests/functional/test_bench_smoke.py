@@ -19,11 +19,14 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import alternative, overhead, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
+from bench import alternative, overhead, relaunch, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
+from bench.common import summary  # noqa: E402
 from bench.plots import plot  # noqa: E402
-from bench.presets import TINY  # noqa: E402
+from bench.presets import FULL, QUICK, TINY  # noqa: E402
+from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
-pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
+MODULES = (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch)
 
 
 def _quiet(_: str) -> None:
@@ -36,7 +39,7 @@ def _finite(*values: Any) -> bool:
 
 def test_every_measurement_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     results = {}
-    for module in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check):
+    for module in MODULES:
         results[module.NAME] = module.measure(workdir=tmp_path / module.NAME, log=_quiet, **TINY[module.NAME])
 
     check_snapshot_cost(results["snapshot_cost"])
@@ -45,7 +48,8 @@ def test_every_measurement_runs_and_keeps_its_invariants(tmp_path: Path) -> None
     check_alternative(results["alternative"])
     check_overhead(results["overhead"])
     check_setup(results["setup_check"])
-    for module in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check):
+    check_relaunch(results["relaunch"])
+    for module in MODULES:
         res = results[module.NAME]
         assert res["name"] == module.NAME
         assert module.table(res).startswith("|")
@@ -64,6 +68,15 @@ def check_snapshot_cost(res: dict[str, Any]) -> None:
         assert snap["prepare_s"] > 0 and snap["resume_s"] > 0  # the coordinator's own calls, timed
         assert snap["prepare_s"] < snap["pause_s"]  # inside the pause the controller recorded
         assert snap["bytes"] > 1000 * n  # published snapshot directory, read back
+        assert snap["commit_mode"] == "staged"  # the default commit mode, as the controller recorded it
+        assert snap["captured_bytes"] > 0  # the in-memory copies the staged cut took
+        by_server = snap["captured_bytes_by_server"]
+        assert isinstance(by_server, dict) and all(v >= 0 for v in by_server.values())
+        assert sum(by_server.values()) <= snap["captured_bytes"]  # the total also holds the data plane
+    memory = row["staged_memory"]
+    assert memory["attempts"] == len(idle["attempts"]) + len(tool["attempts"])
+    assert memory["total_peak_bytes"] == max(s["captured_bytes"] for s in idle["attempts"] + tool["attempts"])
+    assert snapshot_cost.memory_table(res).count("| default | ") >= 1
     # the controller's pause waited for the tool call still running when prepare began
     tool_s = res["config"]["tool_s"]
     for snap in tool["with_tool"]:
@@ -71,6 +84,8 @@ def check_snapshot_cost(res: dict[str, Any]) -> None:
         assert snap["pause_s"] >= snap["tool_left_s"] - 0.05
         assert math.isclose(snap["excess_s"], snap["pause_s"] - snap["tool_left_s"])
     assert res["goal"]["pause_met"] is None  # N=512 is not part of the tiny run
+    assert res["goal"]["growth_met"] is None  # nor N=2048
+    assert res["goal"]["staged_over_blocking"]["met"] is None  # one variant, no commit_mode override
 
 
 def check_stall(res: dict[str, Any]) -> None:
@@ -119,12 +134,18 @@ def check_alternative(res: dict[str, Any]) -> None:
 
 def check_overhead(res: dict[str, Any]) -> None:
     rows = {r["mode"]: r for r in res["rows"]}
-    assert set(rows) == {"none", "T3"}
+    assert set(rows) == {"none", "T3", "S1"}
     turn = res["config"]["typical_turn_s"]
     assert 0 < turn < 5
     assert rows["none"]["rollouts_per_min"]["median"] > 0
     assert math.isclose(rows["T3"]["interval_s"], 3 * turn, rel_tol=1e-2)
-    assert _finite(rows["T3"]["overhead_pct"]["median"])
+    assert rows["S1"]["interval_s"] == 1.0 and rows["S1"]["turns"] is None  # a fixed interval, not in turns
+    for mode in ("T3", "S1"):
+        assert _finite(rows[mode]["overhead_pct"]["median"])
+        (run,) = rows[mode]["raw"]
+        assert f"rollout_checkpointing.snapshot_attempt_interval_s={rows[mode]['interval_s']}" in run["command"]
+    assert "every 1 s" in overhead.table(res)
+    assert set(res["goal"]["fixed_interval_overhead_pct_median"]) == {"default/1s"}
 
 
 def check_setup(res: dict[str, Any]) -> None:
@@ -137,3 +158,85 @@ def check_setup(res: dict[str, Any]) -> None:
     assert math.isclose(sum(run[p] for p in parts), run["total_s"], rel_tol=1e-6)
     assert run["gym_deployment_start_s"] <= run["gym_start_s"]
     assert run["to_error_s"] < run["total_s"]
+
+
+def check_relaunch(res: dict[str, Any]) -> None:
+    (rep,) = res["repeats"]
+    assert not rep.get("error"), rep
+    assert rep["stragglers"] == []  # both launches were reaped
+    snap = rep["crash"]["snapshot"]
+    assert snap["step"] >= 1 and snap["commit_mode"] != "ledger_only" and snap["saved"] > 0
+    first, again = rep["first"], rep["relaunch"]
+    assert first["resumed"] is False and again["resumed"] is True
+    assert rep["restore"]["trainer_step"] >= 1 and rep["restore"]["restored_turn"] >= 1
+    for rec in (first, again):
+        phases = rec["phases_s"]
+        assert set(phases) <= set(PHASES) and all(v >= 0 for v in phases.values())
+        assert rec["to_first_dispatch_s"] > 0 and rec["seen_after_launch_s"] > 0
+        assert math.isclose(sum(phases.values()), rec["to_first_dispatch_s"], abs_tol=0.01)  # marks rounded to ms
+    assert set(again["phases_s"]) == set(PHASES)  # a resumed run passes every phase, trainer load included
+    assert {"config", "ray", "gym", "model", "restore", "first_dispatch"} <= set(first["phases_s"])
+    rows = {r["kind"]: r for r in res["rows"]}
+    assert set(rows) == {"first", "relaunch"} and all(r["runs"] == 1 for r in rows.values())
+    assert rows["relaunch"]["to_first_dispatch_s"]["median"] == again["to_first_dispatch_s"]
+    g = res["goal"]
+    assert g["median_s"] == again["to_first_dispatch_s"]
+    assert g["met"] is (again["to_first_dispatch_s"] <= g["relaunch_to_first_dispatch_max_s"])
+    assert g["every_relaunch_resumed"] is True and g["errors"] == []
+    assert g["loadavg_1m_at_relaunch"]["median"] >= 0
+
+
+def test_presets_list_all_measurements() -> None:
+    for preset in (FULL, QUICK, TINY):
+        assert set(preset) == {m.NAME for m in MODULES}
+    assert (FULL["relaunch"]["repeats"], QUICK["relaunch"]["repeats"], TINY["relaunch"]["repeats"]) == (3, 1, 1)
+
+
+def _cost_row(variant: str, n: int, pause_ms: float, excess_ms: float | None = None) -> dict[str, Any]:
+    row = {"variant": variant, "n": n, "storage": "disk", "pause_s": summary([pause_ms / 1e3])}
+    if excess_ms is not None:
+        row["excess_s"] = summary([excess_ms / 1e3])
+    return row
+
+
+def test_snapshot_cost_goals_from_rows() -> None:
+    # labels that say the opposite of their overrides: the commit mode is read from the override
+    variants = [("blocking", ["rollout_checkpointing.commit_mode=staged"]),
+                ("staged", ["grpo.seed=1", "rollout_checkpointing.commit_mode=blocking"])]
+    rows = [_cost_row("blocking", 512, 100, excess_ms=40), _cost_row("blocking", 2048, 440),
+            _cost_row("staged", 512, 200, excess_ms=60), _cost_row("staged", 2048, 1000)]
+    g = snapshot_cost.goal_of(rows, variants)
+    assert g["by_variant"]["blocking"]["disk"]["met"] is True  # 40 ms <= 50 ms
+    assert g["by_variant"]["staged"]["disk"]["met"] is False  # 60 ms > 50 ms
+    assert math.isclose(g["by_variant"]["blocking"]["growth"]["ratio"], 4.4)
+    assert g["by_variant"]["blocking"]["growth"]["met"] is True
+    assert g["by_variant"]["staged"]["growth"]["met"] is False  # x5
+    sb = g["staged_over_blocking"]
+    assert (sb["staged"], sb["blocking"]) == ("blocking", "staged")
+    assert math.isclose(sb["ratio"], 0.44) and sb["met"] is False
+    rows[1] = _cost_row("blocking", 2048, 250)
+    sb = snapshot_cost.goal_of(rows, [{"label": v[0], "overrides": v[1]} for v in variants])["staged_over_blocking"]
+    assert math.isclose(sb["ratio"], 0.25) and sb["met"] is True
+    assert snapshot_cost.goal_of(rows, [("a", []), ("b", [])])["staged_over_blocking"]["met"] is None
+
+
+def test_staged_memory_per_participant() -> None:
+    attempts = [
+        {"commit_mode": "staged", "in_flight": 10, "captured_bytes": 2000,
+         "captured_bytes_by_server": {"nemo_gym/replica-0/agent": 300, "nemo_gym/replica-1/agent": 500,
+                                      "nemo_gym/replica-0/workplace": 100}},
+        {"commit_mode": "staged", "in_flight": 20, "captured_bytes": 3000,
+         "captured_bytes_by_server": {"nemo_gym/replica-0/agent": 400, "nemo_gym/replica-1/agent": 400,
+                                      "nemo_gym/replica-0/workplace": 900}},
+        {"commit_mode": "staged", "in_flight": 20, "captured_bytes": 5000},  # a controller without the field
+        {"commit_mode": "blocking", "in_flight": 20, "captured_bytes": 0, "captured_bytes_by_server": {}},
+    ]
+    m = snapshot_cost.staged_memory(attempts)
+    assert m["attempts"] == 3 and m["attempts_with_participants"] == 2
+    agent, workplace = m["participants"]["agent"], m["participants"]["workplace"]
+    assert agent["peak_bytes"] == 500 and agent["bytes"]["values"] == [400, 500]  # replicas by max
+    assert agent["bytes_per_rollout"]["values"] == [40, 80]  # every replica over the rollouts in flight
+    assert workplace["peak_bytes"] == 900
+    assert m["total_peak_bytes"] == 5000
+    assert m["controller_bytes"]["values"] == [1100, 1300]  # total minus the participants
+    assert snapshot_cost.staged_memory(attempts[3:]) is None  # blocking only: no staged copies

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
+from gym_patches.utils.collector import freeze_startup_objects
 
 
 # Largest request body any Gym server reads (aiohttp's client_max_size).
@@ -250,6 +251,7 @@ class GymServer:
 
         async def _startup(_: web.Application) -> None:
             await self.on_startup()
+            freeze_startup_objects()  # imports and config stay out of every later full collection
 
         async def _cleanup(_: web.Application) -> None:
             try:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.records import Fragment, fragment, plain
 from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
 from gym_patches.responses_api_agents.loop import RunRequestError, SimpleAgentLoopState, parse_run_body
 from gym_patches.server_utils import cancel_and_wait, json_error
@@ -29,6 +30,8 @@ T = TypeVar("T")
 
 SessionPhase = Literal["admitting", "seeding", "running", "awaiting_model", "holding_reply", "parked"]
 _WAITING_ON_MODEL: frozenset[str] = frozenset({"awaiting_model", "holding_reply"})
+_MUTABLE: frozenset[str] = frozenset({"seeding", "running"})  # the only phases in which the loop changes its state
+_AT_BOUNDARY: frozenset[str] = frozenset({"parked", *_WAITING_ON_MODEL})  # a commit exports these
 
 
 def session_key(episode: EpisodeId) -> str:
@@ -61,12 +64,13 @@ class AgentSessionRecord(BaseModel):
         return self
 
 
-def make_record(episode: EpisodeId, boundary: Boundary, state: SimpleAgentLoopState) -> Record:
+def make_record(episode: EpisodeId, boundary: Boundary, state: SimpleAgentLoopState | Fragment) -> Record:
+    """The session's record; its loop state goes in as a JSON fragment (the bulk of a capture)."""
     return {
-        "episode_id": episode.model_dump(mode="json"),
+        "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
         "session_key": session_key(episode),
         "boundary": boundary,
-        "state": state.model_dump(mode="json"),
+        "state": state if isinstance(state, Fragment) else fragment(state),
     }
 
 
@@ -83,6 +87,10 @@ class _Session:
     state: SimpleAgentLoopState | None = None
     task: "asyncio.Task[Any] | None" = None
     retired: bool = False
+    # Times the session entered a phase in which the loop may change its state: versions the state,
+    # so a capture of a session that has not moved since the previous snapshot reuses that one's bytes.
+    version: int = 0
+    captured: "tuple[int, Fragment] | None" = None
 
 
 @dataclass(frozen=True)
@@ -203,8 +211,30 @@ class AgentSessionParticipant(CheckpointParticipant):
 
     def _set_phase(self, s: _Session, phase: SessionPhase) -> None:
         if s.phase != phase:
+            if phase in _MUTABLE:
+                s.version += 1
             s.phase = phase
+            if not self.accepting and phase in _AT_BOUNDARY:
+                self._precapture(s)
             self.notify_changed()
+
+    @staticmethod
+    def _captured_state(s: _Session) -> Fragment:
+        """The parked session's state as JSON, serialised again only if it may have changed."""
+        assert s.state is not None
+        if s.captured is None or s.captured[0] != s.version:
+            s.captured = (s.version, fragment(s.state))
+        return s.captured[1]
+
+    def _precapture(self, s: _Session) -> None:
+        """While a checkpoint is being prepared, serialise each session as it comes to rest, so the
+        commit finds the work done instead of doing all of it while every rollout is held. Failures
+        are left for the commit to report."""
+        if s.state is not None and s.boundary is not None:
+            try:
+                self._captured_state(s)
+            except Exception:
+                s.captured = None
 
     async def _until_reopened(self, s: _Session) -> None:
         while s.park_requested:
@@ -219,6 +249,8 @@ class AgentSessionParticipant(CheckpointParticipant):
             self._reopened = asyncio.Event()
         for s in self._sessions.values():
             s.park_requested = True
+            if s.phase in _AT_BOUNDARY:
+                self._precapture(s)
         self.notify_changed()
 
     async def open_admission(self) -> None:
@@ -273,7 +305,7 @@ class AgentSessionParticipant(CheckpointParticipant):
                 raise CheckpointError(f"{self.name}: session {key} is {s.phase}, not parked at a boundary")
             if s.state is None or s.boundary is None:
                 raise CheckpointError(f"{self.name}: session {key} has no boundary state")
-            records.append(make_record(s.episode, s.boundary, s.state))
+            records.append(make_record(s.episode, s.boundary, self._captured_state(s)))
         for key in sorted(self._restored):
             if wanted is None or key in wanted:
                 r = self._restored[key]
@@ -285,7 +317,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         seen: set[str] = set()
         for index, raw in enumerate(records):
             try:
-                rec = AgentSessionRecord.model_validate(raw)
+                rec = AgentSessionRecord.model_validate(plain(raw) if isinstance(raw, dict) else raw)
             except ValidationError as exc:
                 where = raw.get("episode_id") if isinstance(raw, dict) else None
                 detail = "; ".join(

@@ -61,6 +61,7 @@ from gym_patches.checkpoint.wire import (
     StatusReply,
     dump,
 )
+from gym_patches.utils.collector import CollectorHold
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class ParticipantControlPlane:
         self._commit: _CommitWork | None = None
         self._staged: _Staged | None = None  # the newest staged commit; one at a time
         self._watcher: asyncio.Task[None] | None = None
+        self._collector = CollectorHold()  # held while prepared: no full collection inside the pause
 
     # -- public state ------------------------------------------------------
     @property
@@ -181,6 +183,7 @@ class ParticipantControlPlane:
 
     async def stop(self) -> None:
         """Stop the lease watcher and any commit still running."""
+        self._collector.release()
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.cancel()
@@ -377,6 +380,7 @@ class ParticipantControlPlane:
         if self._closed:
             await self.participant.open_admission()
             self._closed = False
+        self._collector.release()
         self._phase = "idle"
         self._checkpoint_id = None
         self._lease_expires_at = None
@@ -424,6 +428,7 @@ class ParticipantControlPlane:
             if not report.ready:
                 return dump(PrepareReply(phase="preparing", report=report))
             self._phase = "prepared"
+            self._collector.hold()  # released by resume or lease expiry (``_reopen``)
             reply = dump(PrepareReply(phase="prepared", report=report))
             self._store(cid, "prepare", args, reply)
             return reply
@@ -511,7 +516,8 @@ class ParticipantControlPlane:
                 raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
             if req.staged:
                 # Capture: serialise now (the records can change once rollouts resume); persist writes later.
-                encoded = await asyncio.to_thread(encode_records, records)
+                # On the loop, not in a thread: rollouts are held, and a thread would wait on the GIL.
+                encoded = encode_records(records)
                 if work.stop or self._checkpoint_id != work.checkpoint_id or self._phase != "prepared":
                     raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
                 self._staged = _Staged(work.checkpoint_id, req.checkpoint_dir, encoded)

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.records import Fragment, plain
 from gym_patches.checkpoint.wire import PrepareReport, ResourcesCheckpointMode, RestartOnlyPolicy
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ class SessionStateHooks(ABC):
     """What the participant needs from the server that owns the session states."""
 
     @abstractmethod
-    def export_session_state(self, state: Any) -> dict[str, Any]:
-        """JSON copy of one session's state (``exported`` mode)."""
+    def export_session_state(self, state: Any) -> dict[str, Any] | Fragment:
+        """JSON copy of one session's state (``exported`` mode): a dict, or a JSON fragment
+        (``records.fragment(model)``, the fast way for a pydantic model). Restore gets a dict."""
 
     @abstractmethod
     def restore_session_state(self, data: dict[str, Any]) -> Any:
@@ -65,6 +67,8 @@ class LiveSession:
     inflight: int = 0
     ended: bool = False  # removed from the table; freed when the last call leaves
     freed: bool = False
+    calls: int = 0  # calls begun: a state changes only inside a call, so this versions it
+    exported: tuple[int, Any] | None = None  # (calls, export) of the last capture, reused while unchanged
 
 
 @dataclass
@@ -103,7 +107,19 @@ class ResourcesParticipant(CheckpointParticipant):
         self.policy = policy
         self.accepting = False
         self._open.clear()
+        for session in self.sessions.values():
+            self._precapture(session)
         self.notify_changed()
+
+    def _precapture(self, session: LiveSession) -> None:
+        """While closed, export each idle session ahead of the commit (which then reuses it), so
+        little of that work is left for the time every rollout is held. Failures are left for the
+        commit to report."""
+        if self.mode == "exported" and session.inflight == 0 and not session.ended:
+            try:
+                self._export_state(session)
+            except Exception:
+                session.exported = None
 
     async def open_admission(self) -> None:
         self.accepting = True
@@ -181,11 +197,14 @@ class ResourcesParticipant(CheckpointParticipant):
             await self._wait_open()
         session = self.lookup(session_id)  # it may have been retired while we waited
         session.inflight += 1
+        session.calls += 1
         self.notify_changed()
         try:
             yield session
         finally:
             session.inflight -= 1
+            if not self.accepting:
+                self._precapture(session)
             self.notify_changed()
             if session.ended and session.inflight == 0:
                 await self._free(session)
@@ -231,11 +250,17 @@ class ResourcesParticipant(CheckpointParticipant):
                 continue  # the commit scope spans every server; other rollouts live elsewhere
             if session.inflight:
                 raise CheckpointError(f"{self.instance}: session {session.session_id!r} of {key} has a call in flight")
-            state = None if self.mode == "stateless" else self.hooks.export_session_state(session.state)
+            state = None if self.mode == "stateless" else self._export_state(session)
             records.append(
                 {"episode_id": session.episode.model_dump(), "session_id": session.session_id, "state": state}
             )
         return records
+
+    def _export_state(self, session: LiveSession) -> Any:
+        """The hook's export, reused while no call has begun on the session since it was taken."""
+        if session.exported is None or session.exported[0] != session.calls:
+            session.exported = (session.calls, self.hooks.export_session_state(session.state))
+        return session.exported[1]
 
     async def install(self, records: list[Record]) -> list[str]:
         if records and self.mode == "restart_only":
@@ -278,6 +303,7 @@ class ResourcesParticipant(CheckpointParticipant):
         where = f"{self.instance}: record {index}"
         if not isinstance(record, dict):
             raise CheckpointError(f"{where} is not a JSON object")
+        record = plain(record)
         unknown = sorted(set(record) - {"episode_id", "session_id", "state"})
         if unknown:
             raise CheckpointError(f"{where} has unknown field(s) {unknown}")

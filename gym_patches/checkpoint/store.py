@@ -9,18 +9,19 @@ every manifest field and the digest, and every error names the file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, get_args
 
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
+from gym_patches.checkpoint.records import RecordEncodeError, append_record, decode_record
 from gym_patches.testing.write_faults import check_write
 from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
 
@@ -59,16 +60,6 @@ def _check_checkpoint_id(checkpoint_id: str) -> None:
         raise CheckpointStoreError(f"checkpoint_id {checkpoint_id!r} must match {CHECKPOINT_ID_PATTERN}")
 
 
-def _encode(record: Any, index: int) -> bytes:
-    if not isinstance(record, dict):
-        raise CheckpointStoreError(f"record {index} is a {type(record).__name__}, expected a JSON object")
-    try:
-        text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return text.encode("utf-8") + b"\n"
-    except (TypeError, ValueError) as exc:
-        raise CheckpointStoreError(f"record {index} is not JSON-serialisable: {exc}") from None
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -89,13 +80,17 @@ def _stop_if(should_stop: Callable[[], bool] | None, where: Path) -> None:
         raise WriteStopped(f"write of {where} stopped before it was published")
 
 
-@dataclass(frozen=True)
 class EncodedRecords:
-    """Records serialised to JSONL bytes: a copy that nothing running later can change."""
+    """Records serialised to JSONL: a copy that nothing running later can change (only the store
+    holds it). The digest is taken when first asked for: by the write, off the capture's path."""
 
-    data: bytes
-    sha256: str
-    count: int
+    def __init__(self, data: bytes | bytearray, count: int):
+        self.data = data
+        self.count = count
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
 
     @property
     def nbytes(self) -> int:
@@ -104,15 +99,22 @@ class EncodedRecords:
 
 def encode_records(records: list[dict[str, Any]], *, should_stop: Callable[[], bool] | None = None,
                    where: Path | None = None) -> EncodedRecords:
-    """Serialise ``records`` (the capture half of a staged commit: CPU only, no I/O).
+    """Serialise ``records`` to JSONL (the capture half of a staged commit: CPU only, no I/O).
 
+    Values may be JSON fragments (``records.fragment``), spliced in as they are.
     ``should_stop`` is checked between records (``WriteStopped``)."""
-    lines = []
+    data = bytearray()
     for index, record in enumerate(records):
         _stop_if(should_stop, where or Path("."))
-        lines.append(_encode(record, index))
-    data = b"".join(lines)
-    return EncodedRecords(data, hashlib.sha256(data).hexdigest(), len(lines))
+        if not isinstance(record, dict):
+            raise CheckpointStoreError(f"record {index} is a {type(record).__name__}, expected a JSON object")
+        size = len(data)
+        try:
+            append_record(record, data)
+        except RecordEncodeError as exc:
+            del data[size:]
+            raise CheckpointStoreError(f"record {index} is not JSON-serialisable: {exc}") from None
+    return EncodedRecords(data, len(records))
 
 
 def write_participant_state(
@@ -259,8 +261,8 @@ def read_participant_state(
                 if problem is not None:
                     continue
                 try:
-                    value = json.loads(line)
-                except (ValueError, UnicodeDecodeError) as exc:
+                    value = decode_record(line)
+                except ValueError as exc:
                     problem = f"line {number} is not valid JSON: {exc}"
                     continue
                 if not isinstance(value, dict):

@@ -515,20 +515,25 @@ class RolloutRecoveryLedger:
             out[attempt.gym_instance_id].append(attempt.episode(group.group_id, g))
         return out
 
+    def gym_checkpoint_keys(self, instance_ids) -> dict[str, set[str]]:
+        """The capture keys of ``gym_checkpoint_inventory`` (no EpisodeId built: this runs in the cut)."""
+        out: dict[str, set[str]] = {iid: set() for iid in instance_ids}
+        for group, g, attempt in self._turn_level_live():
+            keys = out.get(attempt.gym_instance_id)
+            if keys is None:
+                raise LedgerError(
+                    f"rollout {attempt.rollout_id(group.group_id, g)} is held by Gym instance "
+                    f"{attempt.gym_instance_id}, which is not in the live topology {sorted(out)}"
+                )
+            keys.add(attempt.rollout_id(group.group_id, g))
+        return out
+
     def agent_of(self, episode: EpisodeId) -> str | None:
         """The Gym agent that runs ``episode`` (its group's ``agent_name``)."""
         where = self._by_base.get(episode.rollout_id)
         if where is None:
             raise LedgerError(f"unknown rollout {episode.capture_key}")
         return self.groups[where[0]].agent_name
-
-    def owned_live_episodes(self, instance_id: str) -> set[EpisodeId]:
-        """Turn-level episodes this ledger expects ``instance_id`` to hold right now."""
-        return {
-            attempt.episode(group.group_id, g)
-            for group, g, attempt in self._turn_level_live()
-            if attempt.gym_instance_id == instance_id
-        }
 
     def _turn_level_live(self):
         for group in self.groups.values():

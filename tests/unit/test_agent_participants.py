@@ -20,6 +20,7 @@ from gym_patches.checkpoint.agent import (
 )
 from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.records import fragment, plain
 from gym_patches.responses_api_agents.loop import (
     TOKEN_INFO_KEYS,
     RunRequestError,
@@ -185,7 +186,7 @@ async def test_session_waiting_on_model_counts_as_parked_at_B0():
     report = p.readiness()
     assert report.ready and report.blockers == []
     assert report.counts == {"sessions": 1, "at_boundary": 0, "awaiting_model": 1}
-    [record] = await p.export(None)
+    [record] = map(plain, await p.export(None))
     assert record["episode_id"] == {"rollout_id": "r1", "attempt": 0}
     assert record["boundary"] == "B0" and record["session_key"] == "run:r1"
     state = record["state"]
@@ -212,7 +213,7 @@ async def test_reply_after_ready_is_kept_but_session_stays_at_B0_until_reopen():
     await asyncio.sleep(0.02)
     assert [c[0] for c in io.tool_calls] == ["lookup"]  # turn 2's tool did not run
     assert p.readiness().ready
-    [record] = await p.export([EpisodeId(rollout_id="r1")])
+    [record] = map(plain, await p.export([EpisodeId(rollout_id="r1")]))
     assert record["boundary"] == "B0" and record["state"]["step"] == 1
     await p.open_admission()
     reply = await run
@@ -239,7 +240,7 @@ async def test_running_tools_block_then_park_at_P2_and_reply_before_ready_parks_
     await until(lambda: phase(p, "rb") == "parked")
     report = p.readiness()
     assert report.ready and report.counts == {"sessions": 2, "at_boundary": 2, "awaiting_model": 0}
-    records = {r["episode_id"]["rollout_id"]: r for r in await p.export(None)}
+    records = {r["episode_id"]["rollout_id"]: plain(r) for r in await p.export(None)}
     a, b = records["ra"], records["rb"]
     assert a["boundary"] == "P1" and a["state"]["pending_tools"] is True and a["state"]["step"] == 1
     assert [i["type"] for i in a["state"]["new_outputs"]] == ["function_call"]
@@ -248,6 +249,32 @@ async def test_running_tools_block_then_park_at_P2_and_reply_before_ready_parks_
     assert [i["type"] for i in b["state"]["new_outputs"]] == ["function_call", "function_call_output"]
     await p.open_admission()
     assert (await run_a).reward == 1.0 and (await run_b).reward == 1.0
+
+
+async def test_capture_reuses_an_unmoved_sessions_bytes_and_never_a_moved_ones():
+    """A session that has not run since the last capture is not serialised again; one that has is."""
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [call_reply("lookup"), call_reply("lookup", rid="r2"), final_reply()]})
+    first, second = io.gate_model("r1", 1), io.gate_model("r1", 2)
+    run = start(p, io, "r1")
+    await until(lambda: phase(p, "r1") == "awaiting_model")
+    await p.close_admission("block")
+    [a] = await p.export(None)
+    await p.open_admission()
+    await p.close_admission("block")  # the next snapshot: the session is still waiting on its first reply
+    [b] = await p.export(None)
+    assert b["state"] is a["state"], "an unmoved session must reuse its captured bytes"
+    await p.open_admission()
+    first.set()  # the reply arrives: the loop runs the tool and waits on the second turn
+    await until(lambda: phase(p, "r1") == "awaiting_model" and len(io.model_bodies["r1"]) == 2)
+    await p.close_admission("block")
+    [c] = await p.export(None)
+    live = p._sessions["r1"].state
+    assert c["state"] is not a["state"] and bytes(c["state"]) == bytes(fragment(live))
+    assert plain(c)["state"]["step"] == 1 and plain(a)["state"]["step"] == 0
+    await p.open_admission()
+    second.set()
+    assert (await run).reward == 1.0
 
 
 async def test_seed_in_flight_blocks_and_runs_arriving_while_closed_wait():
@@ -266,7 +293,7 @@ async def test_seed_in_flight_blocks_and_runs_arriving_while_closed_wait():
     report = p.readiness()
     assert report.ready and report.counts["sessions"] == 1  # r2 has not started
     assert report.unsaved == ["r2"]  # nothing to save: it restarts from its prompt after a crash
-    [record] = await p.export(None)
+    [record] = map(plain, await p.export(None))
     assert record["boundary"] == "B0" and record["state"]["step"] == 0
     assert record["state"]["resources_cookies"] == {"ng_session": "s-r1"} and io.model_bodies == {}
     with pytest.raises(CheckpointError, match="has not started"):
@@ -298,7 +325,7 @@ async def test_install_continues_from_P1_and_B0_without_seeding():
     await until(lambda: phase(p, "rp") == "parked")
     slow.set()
     await until(lambda: p.readiness().ready)
-    records = {r["episode_id"]["rollout_id"]: r for r in await p.export(None)}
+    records = {r["episode_id"]["rollout_id"]: plain(r) for r in await p.export(None)}
     assert records["rp"]["boundary"] == "P1" and records["rb"]["boundary"] == "P2"
     await p.open_admission()
     await p.retire([EpisodeId(rollout_id=k) for k in script])
@@ -359,7 +386,7 @@ async def test_restored_session_is_saved_again_until_its_run_starts():
     report = p.readiness()
     assert report.ready and report.counts == {"sessions": 1, "at_boundary": 1, "awaiting_model": 0}
     assert report.unsaved == []  # its restored state is still saved
-    [record] = await p.export([EpisodeId(rollout_id="r1", attempt=1)])
+    [record] = map(plain, await p.export([EpisodeId(rollout_id="r1", attempt=1)]))
     assert record["episode_id"] == {"rollout_id": "r1", "attempt": 1} and record["boundary"] == "P2"
     assert record["state"] == state.model_dump(mode="json")
     await p.open_admission()

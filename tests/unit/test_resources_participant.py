@@ -256,3 +256,26 @@ async def test_readiness_change_wakes_a_waiter(hooks: CounterHooks) -> None:
     await asyncio.wait_for(waiter, 1.0)  # woken by the call ending, long before the timeout
     await task
     assert p.readiness().ready
+
+
+async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: CounterHooks) -> None:
+    """A session's export is taken again only after a call began on it (calls are what change a state)."""
+    exports: list[Any] = []
+    real = hooks.export_session_state
+
+    def counting(state: Any) -> dict[str, Any]:
+        exports.append(state["count"])
+        return real(state)
+
+    hooks.export_session_state = counting  # type: ignore[method-assign]
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1")
+    await seed(p, "r2", "s2")
+    first = await p.export(None)
+    again = await p.export(None)
+    assert exports == [0, 0] and again == first and again[0]["state"] is first[0]["state"]
+    async with p.session_call("s1") as session:
+        session.state["count"] += 1
+    third = await p.export(None)
+    assert exports == [0, 0, 1], "only the session a call ran on is exported again"
+    assert [r["state"] for r in third] == [{"count": 1}, {"count": 0}]

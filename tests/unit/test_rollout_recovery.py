@@ -159,7 +159,7 @@ def test_inventory_covers_only_turn_level_live_attempts():
     inv = ledger.gym_checkpoint_inventory([INST, "nemo_gym/replica-1"])
     assert {e.capture_key for e in inv[INST]} == {t0, p0}
     assert inv["nemo_gym/replica-1"] == []
-    assert ledger.owned_live_episodes(INST) == set(inv[INST])
+    assert ledger.gym_checkpoint_keys([INST, "nemo_gym/replica-1"])[INST] == {e.capture_key for e in inv[INST]}
     with pytest.raises(LedgerError, match=f"{t0}.*{INST}.*not in the live topology"):
         ledger.gym_checkpoint_inventory(["other/replica-0"])
 

@@ -250,12 +250,13 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         if not hasattr(self, "ledger"):
             return
         inventory = self.ledger.gym_checkpoint_inventory(self.iids)
+        owned = self.ledger.gym_checkpoint_keys(self.iids)
         seen: set[str] = set()
         for iid, episodes in inventory.items():
             keys = {e.capture_key for e in episodes}
             assert not keys & seen, "a rollout on two instances"
             seen |= keys
-            assert keys == {e.capture_key for e in self.ledger.owned_live_episodes(iid)}
+            assert keys == owned[iid] and len(keys) == len(episodes)
             # every turn-level rollout the ledger places here is held by Gym here
             assert keys <= self.gym.holds(iid)
         for iid in self.iids:

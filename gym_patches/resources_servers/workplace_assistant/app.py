@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from gym_patches.checkpoint.records import Fragment, fragment
 from gym_patches.checkpoint.wire import ResourcesCheckpointMode
 from gym_patches.resources_servers.base import SimpleResourcesServer
 from gym_patches.resources_servers.workplace import TOOL_SCHEMAS, OfficeWorld, seed_from_row, verify
@@ -26,8 +27,8 @@ class WorkplaceAssistantServer(SimpleResourcesServer):
     async def verify_state(self, state: OfficeWorld, row: dict[str, Any], response: dict[str, Any]) -> float:
         return verify(state, row)
 
-    def export_session_state(self, state: OfficeWorld) -> dict[str, Any]:
-        return state.export_state()
+    def export_session_state(self, state: OfficeWorld) -> Fragment:
+        return fragment(state.state)  # the same JSON as ``state.export_state()``, serialised once
 
     def restore_session_state(self, data: dict[str, Any]) -> OfficeWorld:
         return OfficeWorld.restore_state(data)

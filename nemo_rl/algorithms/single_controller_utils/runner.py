@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from gym_patches.utils.collector import freeze_startup_objects
 from nemo_rl.algorithms.single_controller_utils.components import (
     SCRIPTED_TEST_BACKEND,
     ScriptedTestGeneration,
@@ -178,6 +179,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         else:
             trainer, generation = build_real(config, rows, port)
         startup.mark("model")
+        freeze_startup_objects()  # imports, config and the model stay out of every later full collection
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup))
     finally:
         if shard_set is not None:

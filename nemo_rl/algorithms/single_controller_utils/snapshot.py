@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.utils.collector import CollectorHold
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
@@ -227,6 +228,7 @@ class SnapshotOutcome:
     pause_s: float = 0.0  # rollouts held (the dispatch gate closed and Gym prepared)
     persist_s: float = 0.0  # staged: Gym's writes and the publish, after rollouts resumed
     captured_bytes: int = 0  # the in-memory copies the cut took (Gym records and the data plane)
+    captured_bytes_by_server: dict[str, int] = field(default_factory=dict)  # "<instance>/<server>" -> staged copy
     path: str | None = None
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     post_publish_error: str | None = None
@@ -254,6 +256,7 @@ class RolloutSnapshotter:
         # persisting under an anchor (staged mode runs past the step's end) never loses its directory.
         self.busy = asyncio.Lock()
         self.consecutive_failures = 0
+        self._collector = CollectorHold()
 
     async def attempt(self) -> SnapshotOutcome:
         """One snapshot. ``staged``: the pause covers capture only; Gym persists and the
@@ -279,13 +282,17 @@ class RolloutSnapshotter:
                 self.consecutive_failures = 0
                 return outcome
             async with self.gate.closed():
-                async with self.coordinator.prepared(outcome.checkpoint_id) as prepared:
-                    self._mark(outcome, "prepare")
-                    cut = await self._capture(prepared, outcome, staged)
-                    self._mark(outcome, "cut")
-                    if not staged:
-                        await self._publish(cut, outcome, staged)
-                        self._mark(outcome, "publish")
+                try:
+                    async with self.coordinator.prepared(outcome.checkpoint_id) as prepared:
+                        self._collector.hold()  # prepared to resumed: no full collection while rollouts are held
+                        self._mark(outcome, "prepare")
+                        cut = await self._capture(prepared, outcome, staged)
+                        self._mark(outcome, "cut")
+                        if not staged:
+                            await self._publish(cut, outcome, staged)
+                            self._mark(outcome, "publish")
+                finally:
+                    self._collector.release()
             outcome.pause_s = time.monotonic() - started
             self._mark(outcome, "resume")
             if staged:
@@ -331,6 +338,7 @@ class RolloutSnapshotter:
                     phases_s=outcome.phases_s,
                     commit_mode=self.settings.commit_mode if self.coordinator is not None else "ledger_only",
                     captured_bytes=outcome.captured_bytes,
+                    captured_bytes_by_server=outcome.captured_bytes_by_server,
                     step=self.inputs.step(),
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
@@ -422,7 +430,9 @@ class RolloutSnapshotter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
-        outcome.captured_bytes = sum(sum(c.captured_bytes.values()) for c in commits.values()) + len(capture.data_plane)
+        outcome.captured_bytes_by_server = {
+            f"{iid}/{server}": n for iid, c in commits.items() for server, n in sorted(c.captured_bytes.items()) if n}
+        outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + len(capture.data_plane)
         return _Cut(step, tmp, final, prepared.checkpoint_id, index, capture)
 
     def _capture_ledger_only(self, checkpoint_id: str) -> "_Cut":

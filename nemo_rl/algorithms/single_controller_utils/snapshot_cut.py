@@ -94,13 +94,13 @@ def check_cut(
     saving agent after it closed, or one the drain did not see finish): they restart from the
     prompt after a crash, like unsaved ones, having lost nothing."""
     problems = []
+    owned_by = ledger.gym_checkpoint_keys(plan.instance_ids)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         outside = done - {e.capture_key for e in plan.scope[iid]}
         if outside:
             problems.append(f"Gym instance {iid} exported rollouts outside its commit scope: {sorted(outside)[:10]}")
-        owned = {e.capture_key for e in ledger.owned_live_episodes(iid)}
-        stray = owned - done - plan.unsaved[iid] - set((not_started or {}).get(iid, ()))
+        stray = owned_by[iid] - done - plan.unsaved[iid] - set((not_started or {}).get(iid, ()))
         if stray:
             problems.append(
                 f"Gym instance {iid}: rollouts owned by the ledger were neither saved nor reported unsaved "
@@ -119,16 +119,16 @@ def cut_counts(
     """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted."""
-    inventory = ledger.gym_checkpoint_inventory(plan.instance_ids)
+    inventory = ledger.gym_checkpoint_keys(plan.instance_ids)
     saved = unsaved = waiting = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         idle = set((not_started or {}).get(iid, ()))
-        for episode in inventory[iid]:
-            if episode.capture_key in done:
+        for key in inventory[iid]:
+            if key in done:
                 saved += 1
-            elif episode.capture_key in idle:
+            elif key in idle:
                 waiting += 1
-            elif episode.capture_key in plan.unsaved[iid]:
+            elif key in plan.unsaved[iid]:
                 unsaved += 1
     return CutCounts(saved, unsaved, waiting + len(ledger.refused_waiting()))

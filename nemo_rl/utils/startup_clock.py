@@ -14,19 +14,24 @@ import os
 import time
 from pathlib import Path
 
+from nemo_rl.utils.snapshot_store import write_bytes_atomic
+
 PHASES = ("config", "ray", "gym", "model", "trainer_load", "restore", "first_dispatch")
 
 
 def process_start_time() -> float:
-    """Wall-clock time this process started (now, where /proc cannot tell)."""
+    """Wall-clock time this process started (now, where /proc cannot tell).
+
+    From the process's start in clock ticks since boot and the system's uptime
+    (``/proc/stat``'s ``btime`` is whole seconds and would add up to a second)."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         start_ticks = int(fields[19])  # field 22 of stat, counted after the command name
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
@@ -66,4 +71,4 @@ class StartupClock:
             "to_first_dispatch_s": round(self.marks.get("first_dispatch", time.time() - self.started), 3),
             "phases_s": self.phases(),
         }
-        self.path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        write_bytes_atomic(self.path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())

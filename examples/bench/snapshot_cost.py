@@ -34,10 +34,11 @@ N = 512 to 2048; and at N = 2048 (idle, disk) the staged pause is at most
 ``STAGED_OVER_BLOCKING_MAX`` of the blocking one, where two variants set
 ``rollout_checkpointing.commit_mode`` to ``staged`` and ``blocking``.
 
-A Gym replica's ``NemoGym`` Ray actor runs at most 1000 calls at once (Ray's
-default for async actors) and its checkpoint calls queue behind its
-``/run`` calls, so N above ``per_replica`` uses several replicas of the one
-shard (every snapshot spans all of them).
+Every N runs on one Gym replica, so the growth with N is not mixed with a
+change of topology (a replica's ``NemoGym`` actor serves up to 100,000
+``/run`` calls and has its own concurrency group for checkpoint calls); N
+above ``per_replica`` would use several replicas of the one shard (every
+snapshot spans all of them).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def tmpfs_root() -> Path | None:
 
 def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.5, delay_s: float = 3.0,
             tool_delay_s: float = 1.5, interval_s: float = 1.0, generations: int = 8, fill: float = 0.95, steps: int = 3,
-            per_replica: int = 900, tmpfs_sizes: list[int] | tuple[int, ...] = (), kinds: tuple[str, ...] = ("idle", "tool"),
+            per_replica: int = 2048, tmpfs_sizes: list[int] | tuple[int, ...] = (), kinds: tuple[str, ...] = ("idle", "tool"),
             variants: list[Variant] | None = None, goal_n: int = GOAL_N, goal_ms: float = GOAL_EXCESS_MS,
             timeout_s: float = 420.0, log: Log | None = None) -> dict[str, Any]:
     log = log or make_log("snapshot-cost")

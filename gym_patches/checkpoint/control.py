@@ -29,7 +29,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointError
-from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.identity import EpisodeId, capture_key
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.store import (
     EncodedRecords,
@@ -73,6 +73,18 @@ _INTERNAL_ERROR = "internal_error"  # 500: a participant raised something that i
 # below the server's 64 MiB aiohttp cap.
 MAX_CONTROL_BODY_BYTES = 32 * 1024 * 1024
 _BODY_CHUNK = 256 * 1024
+
+
+def _scoped_key(record: Record, scope: set[str] | None) -> str | None:
+    """The record's capture key if it is plainly one of ``scope``'s; None: validate it the long way."""
+    episode = record.get("episode_id") if scope is not None and isinstance(record, dict) else None
+    if not isinstance(episode, dict) or len(episode) != 2:
+        return None
+    rollout_id, attempt = episode.get("rollout_id"), episode.get("attempt")
+    if type(rollout_id) is not str or type(attempt) is not int:
+        return None
+    key = capture_key(rollout_id, attempt)
+    return key if key in scope else None
 
 
 def _keys(episodes: list[EpisodeId] | None) -> tuple[str, ...] | None:
@@ -584,6 +596,10 @@ class ParticipantControlPlane:
     def _exported_keys(self, records: list[Record], scope: set[str] | None) -> list[str]:
         keys: list[str] = []
         for index, record in enumerate(records):
+            key = _scoped_key(record, scope)
+            if key is not None:  # in the (validated) scope: nothing more to check
+                keys.append(key)
+                continue
             try:
                 key = EpisodeId.model_validate(record["episode_id"]).capture_key
             except (KeyError, TypeError, ValidationError):

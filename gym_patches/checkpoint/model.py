@@ -203,8 +203,9 @@ class PolicyModelParticipant(CheckpointParticipant):
                 with contextlib.suppress(StaleAttemptError):
                     self.check_attempt(episode)
                     chosen[episode] = self._delivered.get(episode, 0)
+        # The dump of a ModelRecord, built directly (this runs while rollouts are held).
         return [
-            ModelRecord(episode_id=e, delivered_calls=n).model_dump(mode="json")
+            {"episode_id": {"rollout_id": e.rollout_id, "attempt": e.attempt}, "delivered_calls": n}
             for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)
         ]
 

@@ -38,15 +38,6 @@ def encode_record(record: dict[str, Any]) -> bytes:
         raise RecordEncodeError(str(exc)) from None
 
 
-def append_record(record: dict[str, Any], out: bytearray) -> None:
-    """Append one JSONL line to ``out`` (no intermediate copy: the capture's peak memory is its size)."""
-    try:
-        _ENCODER.encode_into(record, out, -1)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise RecordEncodeError(str(exc)) from None
-    out += b"\n"
-
-
 def decode_record(line: bytes) -> Any:
     """Parse one JSON value; ``msgspec.DecodeError`` (a ``ValueError``) if it is not valid JSON."""
     return _DECODER.decode(line)

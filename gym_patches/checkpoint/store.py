@@ -21,7 +21,7 @@ from typing import Any, Callable, get_args
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
-from gym_patches.checkpoint.records import RecordEncodeError, append_record, decode_record
+from gym_patches.checkpoint.records import RecordEncodeError, decode_record, encode_record
 from gym_patches.testing.write_faults import check_write
 from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
 
@@ -81,20 +81,21 @@ def _stop_if(should_stop: Callable[[], bool] | None, where: Path) -> None:
 
 
 class EncodedRecords:
-    """Records serialised to JSONL: a copy that nothing running later can change (only the store
-    holds it). The digest is taken when first asked for: by the write, off the capture's path."""
+    """Records serialised to JSONL lines: a copy that nothing running later can change (only the
+    store holds it). One bytes object per record, so capturing copies each record once and never
+    regrows a buffer; the digest is taken when first asked for: by the write, after resume."""
 
-    def __init__(self, data: bytes | bytearray, count: int):
-        self.data = data
-        self.count = count
+    def __init__(self, lines: list[bytes]):
+        self.lines = lines
+        self.count = len(lines)
+        self.nbytes = sum(len(line) for line in lines)
 
     @functools.cached_property
     def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
+        digest = hashlib.sha256()
+        for line in self.lines:
+            digest.update(line)
+        return digest.hexdigest()
 
 
 def encode_records(records: list[dict[str, Any]], *, should_stop: Callable[[], bool] | None = None,
@@ -103,18 +104,16 @@ def encode_records(records: list[dict[str, Any]], *, should_stop: Callable[[], b
 
     Values may be JSON fragments (``records.fragment``), spliced in as they are.
     ``should_stop`` is checked between records (``WriteStopped``)."""
-    data = bytearray()
+    lines: list[bytes] = []
     for index, record in enumerate(records):
         _stop_if(should_stop, where or Path("."))
         if not isinstance(record, dict):
             raise CheckpointStoreError(f"record {index} is a {type(record).__name__}, expected a JSON object")
-        size = len(data)
         try:
-            append_record(record, data)
+            lines.append(encode_record(record))
         except RecordEncodeError as exc:
-            del data[size:]
             raise CheckpointStoreError(f"record {index} is not JSON-serialisable: {exc}") from None
-    return EncodedRecords(data, len(records))
+    return EncodedRecords(lines)
 
 
 def write_participant_state(
@@ -147,7 +146,7 @@ def write_participant_state(
         _stop_if(should_stop, directory)
         check_write(directory / "records.jsonl")  # test-only fault injection; inert unless asked for
         with open(tmp, "xb") as out:
-            out.write(encoded.data)
+            out.writelines(encoded.lines)
             out.flush()
             os.fsync(out.fileno())
         manifest = ParticipantManifest(

@@ -732,3 +732,69 @@ async def test_deadline_equal_to_the_server_clock_is_past():
         assert (await h.ok("prepare", checkpoint_id="c1", deadline_ts=now[0] + 0.001))["phase"] == "prepared"
     finally:
         await h.client.close()
+
+
+# -- what a participant exports is checked ----------------------------------------
+class StrayExporter(FakeParticipant):
+    """Test-only: exports whatever ``records`` holds, ignoring the scope (a participant bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Record] = []
+
+    async def export(self, episodes):
+        return list(self.records)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+async def test_records_outside_the_scope_or_without_an_episode_fail_the_commit(tmp_path, staged):
+    participant = StrayExporter()
+    h = await start(participant)
+    try:
+        for n, (records, message) in enumerate([
+            ([{"episode_id": {"rollout_id": "r1", "attempt": 0}}, {"episode_id": {"rollout_id": "r9", "attempt": 0}}],
+             "agent_a exported 'r9', which is outside the commit scope"),
+            ([{"state": 1}], "agent_a exported record 0 without a valid episode_id"),
+            ([{"episode_id": {"rollout_id": "r1", "attempt": 0, "extra": 1}}],
+             "agent_a exported record 0 without a valid episode_id"),
+        ]):
+            participant.records = records
+            cid = f"c{n}"
+            await h.ok("prepare", checkpoint_id=cid)
+            detail = await h.err("commit", "invalid_checkpoint_state", checkpoint_id=cid,
+                                 checkpoint_dir=str(tmp_path / cid), episode_ids=[ep("r1")], staged=staged)
+            assert detail == message
+            assert h.plane.phase == "prepared", "a failed commit leaves the checkpoint prepared"
+            await h.ok("resume", checkpoint_id=cid)
+        participant.records = [{"episode_id": {"rollout_id": "r1", "attempt": 0}, "state": {"k": 1}}]
+        await h.ok("prepare", checkpoint_id="c-ok")
+        reply = await h.ok("commit", checkpoint_id="c-ok", checkpoint_dir=str(tmp_path / "ok"),
+                           episode_ids=[ep("r1")], staged=staged)
+        assert reply["episode_ids"] == ["r1"]
+        await h.ok("resume", checkpoint_id="c-ok")
+    finally:
+        await h.client.close()
+
+
+async def test_the_collector_is_held_only_while_prepared(tmp_path):
+    import gc
+
+    h = await start(FakeParticipant(), lease_grace_seconds=0.2)
+    try:
+        assert gc.isenabled()
+        await h.ok("prepare", checkpoint_id="c1")
+        assert not gc.isenabled(), "no full collection while rollouts are held"
+        await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=None, staged=True)
+        assert not gc.isenabled()
+        await h.ok("resume", checkpoint_id="c1")
+        assert gc.isenabled()
+        await h.ok("prepare", checkpoint_id="c2", deadline_ts=time.time() + 0.2)
+        assert not gc.isenabled()
+        for _ in range(200):  # the lease expires: the server reopens and the collector runs again
+            if h.plane.phase == "idle":
+                break
+            await asyncio.sleep(0.01)
+        assert h.plane.phase == "idle" and gc.isenabled()
+    finally:
+        await h.client.close()
+        assert gc.isenabled()

@@ -199,3 +199,21 @@ def test_round_trip_property(tmp_path_factory, records):
     read_manifest, back = read_participant_state(root, "resources", "r", "c1")
     assert read_manifest == manifest and back == records
     assert write_participant_state(root, "resources", "r", "c1", records) == manifest
+
+
+def test_fragments_are_spliced_and_non_finite_floats_become_null(tmp_path):
+    """A record's fragment is written as it is; NaN and infinity are written as null (documented)."""
+    from pydantic import BaseModel
+
+    from gym_patches.checkpoint.records import fragment, plain
+
+    class World(BaseModel):
+        names: list[str]
+        score: float
+
+    world = World(names=["b", "a"], score=float("nan"))
+    record = {"episode_id": {"rollout_id": "r1", "attempt": 0}, "state": fragment(world)}
+    assert plain(record)["state"] == {"names": ["b", "a"], "score": None}
+    write_participant_state(tmp_path, "resources", "w", "c1", [record, {"episode_id": {}, "x": float("inf")}])
+    _, back = read_participant_state(tmp_path, "resources", "w", "c1")
+    assert back == [plain(record), {"episode_id": {}, "x": None}]

@@ -26,6 +26,7 @@ _IMPL = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
+LISTEN_FD_ENV = "NEMO_GYM_LISTEN_FD"  # a listening socket the launcher bound for this server
 
 
 class GymConfigError(ValueError):

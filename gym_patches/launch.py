@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,13 +25,14 @@ from typing import Any
 from gym_patches.config import (
     CONFIG_DICT_ENV,
     CONFIG_PATH_ENV,
+    LISTEN_FD_ENV,
     SERVER_KIND,
     GymConfigError,
     GymGlobalConfig,
     load_gym_config,
     parse_gym_config,
 )
-from gym_patches.utils.processes import die_with_parent, free_port
+from gym_patches.utils.processes import die_with_parent, listening_socket
 
 
 class GymStartupError(RuntimeError):
@@ -60,6 +62,7 @@ class GymDeployment:
         self.head_url = f"http://{config.head_server.host}:{config.head_server.port}"
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: list[Any] = []
+        self._sockets: dict[str, socket.socket] = {}  # listening, handed to each server as it starts
         self.servers: list[LaunchedServer] = []
 
     # -- start -------------------------------------------------------------
@@ -75,16 +78,17 @@ class GymDeployment:
             config = load_gym_config(config)
         elif isinstance(config, dict):
             config = parse_gym_config(config)
-        config = _assign_ports(config)
         from gym_patches.server_main import server_class
 
         classes = {name: server_class(i.server_type, i.implementation) for name, i in config.instances.items()}
         for name, server_cls in classes.items():
             server_cls.validate_instance_config(config.instances[name])  # a bad key fails here, not in a child
         modes = {name: server_cls.checkpoint_mode_label() for name, server_cls in classes.items()}
+        config, sockets = _assign_ports(config)
         logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="gym-logs-"))
         logs.mkdir(parents=True, exist_ok=True)
         dep = cls(config, logs)
+        dep._sockets = sockets
         try:
             dep._spawn("head_server", head=True)
             for name, inst in config.instances.items():
@@ -96,6 +100,8 @@ class GymDeployment:
         except BaseException:
             dep.stop()
             raise
+        finally:
+            dep._close_sockets()
         return dep
 
     def _spawn(self, name: str, head: bool = False) -> None:
@@ -108,9 +114,22 @@ class GymDeployment:
         log = open(self.log_dir / f"{name}.log", "ab")
         self._logs.append(log)
         cmd = [sys.executable, "-m", "gym_patches.server_main"] + (["--head"] if head else [])
-        self._procs[name] = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
-        )
+        sock = self._sockets.pop(name, None)
+        if sock is not None:
+            env[LISTEN_FD_ENV] = str(sock.fileno())
+        try:
+            self._procs[name] = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent, pass_fds=() if sock is None else (sock.fileno(),),
+            )
+        finally:
+            if sock is not None:
+                sock.close()  # the child holds it now
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
 
     def _url(self, name: str) -> str:
         return self.head_url if name == "head_server" else self.config.instances[name].url
@@ -195,14 +214,22 @@ class GymDeployment:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def _assign_ports(config: GymGlobalConfig) -> GymGlobalConfig:
+def _assign_ports(config: GymGlobalConfig) -> tuple[GymGlobalConfig, dict[str, socket.socket]]:
+    """Every ``port: 0`` gets a listening socket held open until its server starts (its port goes
+    in the config every server reads); a fixed port is bound by its server itself."""
     config = config.model_copy(deep=True)
-    if config.head_server.port == 0:
-        config.head_server.port = free_port(config.head_server.host)
-    for inst in config.instances.values():
-        if inst.port == 0:
-            inst.port = free_port(inst.host)
-    return config
+    sockets: dict[str, socket.socket] = {}
+    try:
+        targets = [("head_server", config.head_server)] + list(config.instances.items())
+        for name, server in targets:
+            if server.port == 0:
+                sockets[name] = listening_socket(server.host)
+                server.port = sockets[name].getsockname()[1]
+    except BaseException:
+        for sock in sockets.values():
+            sock.close()
+        raise
+    return config, sockets
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Entry point of one Gym server process: ``python -m gym_patches.server_main``.
 
 Reads the resolved deployment config from ``NEMO_GYM_CONFIG_DICT`` and the
-instance name from ``NEMO_GYM_CONFIG_PATH`` (``--head`` runs the head server).
+instance name from ``NEMO_GYM_CONFIG_PATH`` (``--head`` runs the head server);
+serves on the listening socket in ``NEMO_GYM_LISTEN_FD`` when the launcher
+bound one for it, else binds the configured host and port itself.
 """
 
 from __future__ import annotations
@@ -9,12 +11,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import socket
 import sys
 
 import yaml
 from aiohttp import web
 
-from gym_patches.config import CONFIG_DICT_ENV, CONFIG_PATH_ENV, GymConfigError, GymGlobalConfig, parse_gym_config
+from gym_patches.config import (
+    CONFIG_DICT_ENV,
+    CONFIG_PATH_ENV,
+    LISTEN_FD_ENV,
+    GymConfigError,
+    GymGlobalConfig,
+    parse_gym_config,
+)
 from gym_patches.server_utils import GymServer
 
 
@@ -88,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         server = server_class(inst.server_type, inst.implementation)(inst, config)
         app = server.build_app()
         host, port = inst.host, inst.port
-    web.run_app(app, host=host, port=port, print=None, handle_signals=True, shutdown_timeout=2.0)
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if fd is not None:  # the launcher bound the port and kept it until now: serve on that socket
+        where: dict = {"sock": socket.socket(fileno=int(fd))}
+    else:
+        where = {"host": host, "port": port}
+    web.run_app(app, **where, print=None, handle_signals=True, shutdown_timeout=2.0)
     return 0
 
 

@@ -18,10 +18,17 @@ def die_with_parent() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bound and released)."""
+    """A port that was free a moment ago (bound and released): another process may take it before
+    it is bound again. A server this process starts itself should get a ``listening_socket``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def listening_socket(host: str = "127.0.0.1", backlog: int = 4096) -> socket.socket:
+    """A socket bound to a free port and listening: hand its descriptor to the child that serves it,
+    so the port is never free between choosing it and serving on it."""
+    return socket.create_server((host, 0), backlog=backlog)
 
 
 def processes_with_env(name: str, value: str) -> list[int]:

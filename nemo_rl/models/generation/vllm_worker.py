@@ -48,6 +48,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import template_messages, template_tools
+from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import error_body
 
 EXTENSION_CLS = "nemo_rl.models.generation.vllm_extension.VllmRefitExtension"
@@ -215,14 +216,8 @@ class VllmGenerationServer:
                                    f" s:\n{self.server_log_tail()}")
             await asyncio.sleep(0.5)
         self.stats["load_s"] = round(time.monotonic() - t0, 2)
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self._handle_chat)
-        app.router.add_get("/v1/models", self._handle_models)
-        app.router.add_get("/health", self._handle_health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        self.base_url = f"http://{host}:{self._runner.addresses[0][1]}/v1"
+        self._runner, self.base_url = await serve_openai_routes(
+            host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health)
         return self.base_url
 
     def server_log_tail(self, n: int = 4000) -> str:

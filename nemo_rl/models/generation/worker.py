@@ -38,6 +38,7 @@ from pydantic import ValidationError
 
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_tool_calls, render_prompt
+from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import ChatCompletionRequest, check_tools, error_body
 from nemo_rl.models.policy import HFPolicy, load_tokenizer, resolve_device, resolve_dtype
 
@@ -151,16 +152,8 @@ class GenerationServer:
             return self.base_url
         self._queue = asyncio.Queue()
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self._handle_chat)
-        app.router.add_get("/v1/models", self._handle_models)
-        app.router.add_get("/health", self._handle_health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        real_port = self._runner.addresses[0][1]
-        self.base_url = f"http://{host}:{real_port}/v1"
+        self._runner, self.base_url = await serve_openai_routes(
+            host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health)
         return self.base_url
 
     async def stop(self) -> None:

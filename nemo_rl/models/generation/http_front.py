@@ -1,0 +1,24 @@
+"""The OpenAI-style HTTP front both generation backends serve (chat completions, models, health)."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+async def serve_openai_routes(host: str, port: int, *, chat: Handler, models: Handler,
+                              health: Handler) -> tuple[web.AppRunner, str]:
+    """Serve the three routes on ``host:port`` (0: any free port); returns the runner (its owner
+    cleans it up) and the base URL ending in ``/v1``."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, f"http://{host}:{runner.addresses[0][1]}/v1"

@@ -38,6 +38,29 @@ def encode_record(record: dict[str, Any]) -> bytes:
         raise RecordEncodeError(str(exc)) from None
 
 
+def check_plain_json(value: Any, where: str = "value") -> None:
+    """Raise ``RecordEncodeError`` naming the path unless ``value`` is plain JSON: dicts with str
+    keys, lists, str, int, finite float, bool, None (or fragments). msgspec would quietly write
+    bytes as base64, sets and tuples as arrays and NaN as null; a state handed over as Python
+    objects is checked with this first, so such a value fails its commit instead."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        kind = type(item)
+        if kind is dict:
+            for key, sub in item.items():
+                if type(key) is not str:
+                    raise RecordEncodeError(f"{path} has a non-string key {key!r}")
+                stack.append((sub, f"{path}.{key}"))
+        elif kind is list:
+            stack.extend((sub, f"{path}[{i}]") for i, sub in enumerate(item))
+        elif kind is float:
+            if item != item or item in (float("inf"), float("-inf")):
+                raise RecordEncodeError(f"{path} is {item!r}, which JSON cannot carry")
+        elif kind not in (str, int, bool, type(None), Fragment):
+            raise RecordEncodeError(f"{path} is a {kind.__name__}, which is not plain JSON")
+
+
 def decode_record(line: bytes) -> Any:
     """Parse one JSON value; ``msgspec.DecodeError`` (a ``ValueError``) if it is not valid JSON."""
     return _DECODER.decode(line)

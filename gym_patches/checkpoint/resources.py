@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import Fragment, plain
+from gym_patches.checkpoint.records import Fragment, RecordEncodeError, check_plain_json, plain
 from gym_patches.checkpoint.wire import PrepareReport, ResourcesCheckpointMode, RestartOnlyPolicy
 
 logger = logging.getLogger(__name__)
@@ -257,9 +257,19 @@ class ResourcesParticipant(CheckpointParticipant):
         return records
 
     def _export_state(self, session: LiveSession) -> Any:
-        """The hook's export, reused while no call has begun on the session since it was taken."""
+        """The hook's export, reused while no call has begun on the session since it was taken.
+        One given as Python objects must be plain JSON (checked once per export)."""
         if session.exported is None or session.exported[0] != session.calls:
-            session.exported = (session.calls, self.hooks.export_session_state(session.state))
+            state = self.hooks.export_session_state(session.state)
+            if not isinstance(state, Fragment):
+                try:
+                    check_plain_json(state, "state")
+                except RecordEncodeError as exc:
+                    raise CheckpointError(
+                        f"{self.instance}: session {session.session_id!r} of {session.episode.capture_key} "
+                        f"exported a state that is not plain JSON: {exc}"
+                    ) from None
+            session.exported = (session.calls, state)
         return session.exported[1]
 
     async def install(self, records: list[Record]) -> list[str]:

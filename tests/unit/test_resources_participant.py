@@ -279,3 +279,20 @@ async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: Counte
     third = await p.export(None)
     assert exports == [0, 0, 1], "only the session a call ran on is exported again"
     assert [r["state"] for r in third] == [{"count": 1}, {"count": 0}]
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"count": b"\x00"}, "state.count is a bytes"),
+    ({"count": {1, 2}}, "state.count is a set"),
+    ({"count": float("nan")}, "state.count is nan"),
+    ({"count": [1, (2, 3)]}, "state.count[1] is a tuple"),
+    ({1: 0}, "state has a non-string key 1"),
+])
+async def test_a_state_that_is_not_plain_json_fails_the_export_naming_it(hooks: CounterHooks, bad, named) -> None:
+    """msgspec would write these quietly changed (base64, arrays, null): the export refuses them."""
+    hooks.export_session_state = lambda state: bad  # type: ignore[method-assign]
+    p = ResourcesParticipant("exported", hooks, instance="counter")
+    await seed(p, "r1", "s1")
+    with pytest.raises(CheckpointError, match=r"counter: session 's1' of r1 exported a state that is not plain JSON") as info:
+        await p.export(None)
+    assert named in str(info.value)

@@ -242,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     except (GymConfigError, GymStartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"head server: {dep.head_url}   logs: {dep.log_dir}")
-    print(dep.describe(), flush=True)
-    try:
+    except KeyboardInterrupt:  # Ctrl-C while starting: start() has stopped what it started
+        print("stopped while starting", file=sys.stderr)
+        return 130
+    try:  # from here a Ctrl-C at any point stops every server and exits 0 (also mid-print)
+        print(f"head server: {dep.head_url}   logs: {dep.log_dir}")
+        print(dep.describe(), flush=True)
         while all(dep.alive().values()):
             time.sleep(0.5)
         dead = [n for n, ok in dep.alive().items() if not ok]

@@ -75,6 +75,34 @@ def test_launch_prints_servers_and_ctrl_c_stops_them(tmp_path):
             proc.wait()
 
 
+def test_ctrl_c_right_after_start_still_stops_cleanly(tmp_path):
+    """A Ctrl-C that lands while the server table is being printed (the first line is out) is a clean
+    stop too: exit 0 and no server left, never a KeyboardInterrupt traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed.yaml",
+         "--log-dir", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the launcher exited before printing its servers"
+            if line.startswith("head server:"):
+                servers = [pid for pid in _children(proc.pid) if "gym_patches.server_main" in
+                           Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=30) == 0, rest
+        assert "Traceback" not in rest and "stopping Gym servers" in rest
+        assert len(servers) == 7 and not [pid for pid in servers if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_launch_names_a_bad_config_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("agent:\n  responses_api_agents:\n    simple_agent:\n      max_stepz: 3\n"

@@ -67,7 +67,8 @@ def decode_record(line: bytes) -> Any:
 
 
 def plain(record: dict[str, Any]) -> dict[str, Any]:
-    """The record as plain Python objects (fragments parsed), as a restore will read it."""
+    """The record as plain Python objects (fragments parsed), as a restore will read it.
+    Participants put fragments only as a record's top-level values, so only those are looked for."""
     if not any(isinstance(v, Fragment) for v in record.values()):
         return record
     return _DECODER.decode(encode_record(record))

@@ -28,8 +28,8 @@ from typing import Any, Awaitable, Callable, Hashable
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from gym_patches.checkpoint.errors import CheckpointError
-from gym_patches.checkpoint.identity import EpisodeId, capture_key
+from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
+from gym_patches.checkpoint.identity import EpisodeId, checked_capture_key
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.store import (
     EncodedRecords,
@@ -75,16 +75,9 @@ MAX_CONTROL_BODY_BYTES = 32 * 1024 * 1024
 _BODY_CHUNK = 256 * 1024
 
 
-def _scoped_key(record: Record, scope: set[str] | None) -> str | None:
-    """The record's capture key if it is plainly one of ``scope``'s; None: validate it the long way."""
-    episode = record.get("episode_id") if scope is not None and isinstance(record, dict) else None
-    if not isinstance(episode, dict) or len(episode) != 2:
-        return None
-    rollout_id, attempt = episode.get("rollout_id"), episode.get("attempt")
-    if type(rollout_id) is not str or type(attempt) is not int:
-        return None
-    key = capture_key(rollout_id, attempt)
-    return key if key in scope else None
+def _record_key(record: Record) -> str | None:
+    """The record's capture key if its ``episode_id`` is plainly a valid one; None otherwise."""
+    return checked_capture_key(record.get("episode_id")) if type(record) is dict else None
 
 
 def _keys(episodes: list[EpisodeId] | None) -> tuple[str, ...] | None:
@@ -103,13 +96,33 @@ class _CommitWork:
 
 
 class _Staged:
-    """What a staged commit captured: written by ``persist``, after resume."""
+    """What a ``capture`` prepare serialised: every exportable session, by capture key. ``persist``
+    writes a scope's records from it after resume; nothing running later can change it."""
 
-    def __init__(self, checkpoint_id: str, checkpoint_dir: str, encoded: EncodedRecords):
+    def __init__(self, checkpoint_id: str, lines: dict[str, list[bytes]],
+                 fill: Callable[[EpisodeId], Record | None] | None, unsaved: frozenset[str]):
         self.checkpoint_id = checkpoint_id
-        self.checkpoint_dir = checkpoint_dir
-        self.encoded: EncodedRecords | None = encoded
+        self.lines: dict[str, list[bytes]] | None = lines  # None once written
+        self.fill = fill
+        self.unsaved = unsaved
+        self.nbytes = sum(len(line) for group in lines.values() for line in group)
+        self.args: Hashable | None = None  # the persist's (checkpoint_dir, scope), fixed by its first call
         self.task: asyncio.Task[dict[str, Any]] | None = None
+
+    def select(self, scope: tuple[str, ...]) -> tuple[list[str], EncodedRecords]:
+        """The lines of the scope's episodes (in key order), and the keys that have any."""
+        assert self.lines is not None
+        keys: list[str] = []
+        lines: list[bytes] = []
+        for key in scope:
+            found = self.lines.get(key)
+            if found is None and self.fill is not None:
+                record = self.fill(EpisodeId.from_capture_key(key))
+                found = None if record is None else encode_records([record]).lines
+            if found:
+                keys.append(key)
+                lines.extend(found)
+        return keys, EncodedRecords(lines)
 
 
 class ParticipantControlPlane:
@@ -145,13 +158,13 @@ class ParticipantControlPlane:
         self._checkpoint_id: str | None = None
         self._lease_expires_at: float | None = None
         self._closed = False  # admission closed by us, not yet reopened
-        self._prepare_policy: str | None = None
+        self._prepare_args: tuple[str, bool] | None = None  # (restart_only_policy, capture) of the running prepare
         self._lock = asyncio.Lock()
         self._lease_changed = asyncio.Event()
         self._resumed: OrderedDict[str, None] = OrderedDict()
         self._results: OrderedDict[tuple[str, str], tuple[Hashable, dict[str, Any]]] = OrderedDict()
         self._commit: _CommitWork | None = None
-        self._staged: _Staged | None = None  # the newest staged commit; one at a time
+        self._staged: _Staged | None = None  # the newest capture (a ``capture`` prepare); one at a time
         self._watcher: asyncio.Task[None] | None = None
         self._collector = CollectorHold()  # held while prepared: no full collection inside the pause
 
@@ -202,6 +215,10 @@ class ParticipantControlPlane:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         await self._stop_commit()
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.task is not None and not staged.task.done():
+            staged.task.cancel()  # the store's temp-file-and-rename write never publishes half a file
+            await asyncio.gather(staged.task, return_exceptions=True)
 
     async def _on_startup(self, _: web.Application) -> None:
         await self.start()
@@ -396,28 +413,29 @@ class ParticipantControlPlane:
         self._phase = "idle"
         self._checkpoint_id = None
         self._lease_expires_at = None
-        self._prepare_policy = None
+        self._prepare_args = None
         self._lease_changed.set()
         self.participant.notify_changed()  # wake a prepare waiting for readiness
 
     # -- operations ----------------------------------------------------------
     async def _prepare(self, req: PrepareRequest) -> dict[str, Any]:
-        cid, args = req.checkpoint_id, (req.restart_only_policy,)
+        cid, args = req.checkpoint_id, (req.restart_only_policy, req.capture)
         async with self._lock:
             self._check_stale(cid)
             stored = self._stored(cid, "prepare", args)
             if stored is not None:
                 return stored
             self._admit(cid, "prepare", {"idle", "preparing"})
-            if self._phase == "preparing" and self._prepare_policy != req.restart_only_policy:
+            if self._phase == "preparing" and self._prepare_args != args:
                 raise CheckpointError(
-                    f"prepare for {cid!r} is running with restart_only_policy {self._prepare_policy!r}",
+                    f"prepare for {cid!r} is running with restart_only_policy {self._prepare_args[0]!r}, "
+                    f"capture {self._prepare_args[1]}",
                     code="checkpoint_conflict",
                 )
             if self._phase == "idle":
                 self.participant.policy = req.restart_only_policy
                 self._phase, self._checkpoint_id = "preparing", cid
-                self._prepare_policy = req.restart_only_policy
+                self._prepare_args = args
                 self._closed = True
                 try:
                     await self.participant.close_admission(req.restart_only_policy)
@@ -425,7 +443,7 @@ class ParticipantControlPlane:
                     with contextlib.suppress(Exception):
                         await self.participant.open_admission()
                     self._closed = False
-                    self._phase, self._checkpoint_id, self._prepare_policy = "idle", None, None
+                    self._phase, self._checkpoint_id, self._prepare_args = "idle", None, None
                     raise
             self._extend_lease(req.deadline_ts)
         await self._wait_ready(cid, req.deadline_ts)  # outside the lock: a resume may interleave
@@ -439,11 +457,38 @@ class ParticipantControlPlane:
             report = self.participant.readiness()
             if not report.ready:
                 return dump(PrepareReply(phase="preparing", report=report))
-            self._phase = "prepared"
             self._collector.hold()  # released by resume or lease expiry (``_reopen``)
-            reply = dump(PrepareReply(phase="prepared", report=report))
+            captured: _Staged | None = None
+            if req.capture:
+                try:
+                    captured = await self._capture(cid, report.unsaved)
+                except BaseException:
+                    self._collector.release()
+                    raise  # still preparing: a retry captures again, a resume reopens
+                self._staged = captured  # the newest capture replaces any older one
+            self._phase = "prepared"
+            reply = dump(PrepareReply(
+                phase="prepared", report=report,
+                captured=None if captured is None else sorted(captured.lines or ()),
+                captured_bytes=0 if captured is None else captured.nbytes,
+            ))
             self._store(cid, "prepare", args, reply)
             return reply
+
+    async def _capture(self, checkpoint_id: str, unsaved: list[str]) -> _Staged:
+        """Serialise every exportable session now, while everything is held (on the loop: a thread
+        would only wait on the GIL). A record without a valid episode_id fails the prepare."""
+        records = await self.participant.export(None)
+        fill = self.participant.scope_fill()
+        keys = self._exported_keys(records, None)
+        try:
+            encoded = encode_records(records)
+        except CheckpointStoreError as exc:
+            raise CheckpointError(f"{self.instance} cannot capture its records: {exc}") from None
+        lines: dict[str, list[bytes]] = {}
+        for key, line in zip(keys, encoded.lines):
+            lines.setdefault(key, []).append(line)
+        return _Staged(checkpoint_id, lines, fill, frozenset(unsaved))
 
     async def _wait_ready(self, checkpoint_id: str, deadline_ts: float) -> None:
         while self._checkpoint_id == checkpoint_id and self._phase == "preparing":
@@ -477,7 +522,7 @@ class ParticipantControlPlane:
 
     async def _commit_op(self, req: CommitRequest) -> dict[str, Any]:
         cid, scope = req.checkpoint_id, _keys(req.episode_ids)
-        args = (req.checkpoint_dir, scope, req.staged)
+        args = (req.checkpoint_dir, scope)
         async with self._lock:
             self._check_stale(cid)
             stored = self._stored(cid, "commit", args)
@@ -526,18 +571,6 @@ class ParticipantControlPlane:
             keys = self._exported_keys(records, None if scope is None else {e.capture_key for e in scope})
             if work.stop:
                 raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
-            if req.staged:
-                # Capture: serialise now (the records can change once rollouts resume); persist writes later.
-                # On the loop, not in a thread: rollouts are held, and a thread would wait on the GIL.
-                encoded = encode_records(records)
-                if work.stop or self._checkpoint_id != work.checkpoint_id or self._phase != "prepared":
-                    raise CheckpointError(f"commit for {work.checkpoint_id!r} was aborted", code="stale_checkpoint")
-                self._staged = _Staged(work.checkpoint_id, req.checkpoint_dir, encoded)
-                reply = dump(CommitReply(phase="committed", manifest=None, episode_ids=keys, staged=True,
-                                         captured_bytes=encoded.nbytes))
-                self._phase = "committed"
-                self._store(work.checkpoint_id, "commit", work.args, reply)
-                return reply
             work.writing = True
             try:
                 manifest = await asyncio.to_thread(
@@ -568,44 +601,52 @@ class ParticipantControlPlane:
             return dump(ForgetReply(forgotten=self.participant.forget(set(req.rollout_ids))))
 
     async def _persist(self, req: PersistRequest) -> dict[str, Any]:
-        """Write what the staged commit of ``checkpoint_id`` captured (also after resume; retries share one write).
+        """Write the scope's records from the copy the ``capture`` prepare of ``checkpoint_id`` took
+        (also after resume; retries share one write).
 
-        Only the newest staged commit is kept: an older id answers 409
-        ``stale_checkpoint``. A write failure answers 422 and the capture is
-        kept, so a retry can write it again.
+        Only the newest capture is kept: an older id answers 409 ``stale_checkpoint``. The first
+        call fixes the arguments (others: ``checkpoint_conflict``). A write failure answers 422 and
+        the copy is kept, so a retry can write it again.
         """
-        cid = req.checkpoint_id
+        cid, scope = req.checkpoint_id, _keys(req.episode_ids) or ()
+        args = (req.checkpoint_dir, scope)
         staged = self._staged
         if staged is None or staged.checkpoint_id != cid:
-            raise CheckpointError(f"nothing staged for checkpoint {cid!r} (a newer commit replaced it, or it was "
-                                  "never committed staged)", code="stale_checkpoint")
+            raise CheckpointError(f"nothing captured for checkpoint {cid!r} (a newer capture replaced it, or its "
+                                  "prepare did not capture)", code="stale_checkpoint")
+        if staged.args is not None and staged.args != args:
+            raise CheckpointError(f"persist for {cid!r} was already asked with other arguments",
+                                  code="checkpoint_conflict")
+        in_scope = sorted(staged.unsaved.intersection(scope))
+        if in_scope:
+            raise CheckpointError(
+                f"{self.instance} cannot save {in_scope[:10]} ({len(in_scope)} unsaved in scope); "
+                "persist only the continued episodes",
+                code="restart_in_scope",
+            )
+        staged.args = args
         if staged.task is None or (staged.task.done() and (staged.task.cancelled() or staged.task.exception())):
-            staged.task = asyncio.create_task(self._write_staged(staged), name=f"checkpoint-persist:{cid}")
+            staged.task = asyncio.create_task(self._write_staged(staged, req.checkpoint_dir, scope),
+                                              name=f"checkpoint-persist:{cid}")
             staged.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(staged.task)
 
-    async def _write_staged(self, staged: _Staged) -> dict[str, Any]:
-        assert staged.encoded is not None
-        manifest = await asyncio.to_thread(
-            write_participant_state, staged.checkpoint_dir, self.participant.kind, self.instance,
-            staged.checkpoint_id, staged.encoded,
-        )
-        staged.encoded = None  # written: free the copy (retries get the stored reply)
-        return dump(PersistReply(manifest=manifest))
+    async def _write_staged(self, staged: _Staged, checkpoint_dir: str, scope: tuple[str, ...]) -> dict[str, Any]:
+        def select_and_write() -> tuple[list[str], Any]:
+            keys, encoded = staged.select(scope)
+            return keys, write_participant_state(
+                checkpoint_dir, self.participant.kind, self.instance, staged.checkpoint_id, encoded)
+
+        keys, manifest = await asyncio.to_thread(select_and_write)
+        staged.lines = None  # written: free the copy (retries get this reply)
+        return dump(PersistReply(manifest=manifest, episode_ids=keys))
 
     def _exported_keys(self, records: list[Record], scope: set[str] | None) -> list[str]:
         keys: list[str] = []
         for index, record in enumerate(records):
-            key = _scoped_key(record, scope)
-            if key is not None:  # in the (validated) scope: nothing more to check
-                keys.append(key)
-                continue
-            try:
-                key = EpisodeId.model_validate(record["episode_id"]).capture_key
-            except (KeyError, TypeError, ValidationError):
-                raise CheckpointError(
-                    f"{self.instance} exported record {index} without a valid episode_id"
-                ) from None
+            key = _record_key(record)
+            if key is None:
+                raise CheckpointError(f"{self.instance} exported record {index} without a valid episode_id")
             if scope is not None and key not in scope:
                 raise CheckpointError(f"{self.instance} exported {key!r}, which is outside the commit scope")
             keys.append(key)

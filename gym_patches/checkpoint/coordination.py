@@ -2,7 +2,7 @@
 
 ``prepare`` walks ``PREPARE_ORDER`` so callees close before their callers park,
 and stops at the first stage that is not ready (its blockers are the answer).
-``commit``/``restore`` fan out at once; ``resume`` reopens callers last-first and
+``commit``/``persist``/``restore`` fan out at once; ``resume`` reopens callers last-first and
 keeps going past failures, so one dead server cannot leave the others closed.
 """
 
@@ -224,6 +224,16 @@ class PrepareResult:
     blockers: dict[str, list[str]] = field(default_factory=dict)
     unsaved: dict[str, list[str]] = field(default_factory=dict)
     replies: dict[str, PrepareReply] = field(default_factory=dict)
+    kinds: dict[str, ParticipantKind] = field(default_factory=dict)  # server -> kind, of every reply
+
+    def captured_keys(self, kind: ParticipantKind) -> set[str]:
+        """What the servers of ``kind`` captured (a ``capture`` prepare); agents' = turn-level saves."""
+        return {k for name, reply in self.replies.items() if self.kinds.get(name) == kind
+                for k in reply.captured or ()}
+
+    def captured_bytes(self) -> dict[str, int]:
+        """Server -> size of the in-memory copy it holds until ``persist``."""
+        return {name: reply.captured_bytes for name, reply in self.replies.items() if reply.captured_bytes}
 
     def unsaved_keys(self) -> set[str]:
         """Capture keys some participant cannot save: they restart after a crash."""
@@ -242,8 +252,12 @@ async def prepare(
     restart_only_policy: RestartOnlyPolicy = "block",
     *,
     policy_overrides: Mapping[str, RestartOnlyPolicy] | None = None,
+    capture: bool = False,
 ) -> PrepareResult:
     """Prepare stage by stage; stop at the first stage with an unprepared reply.
+
+    ``capture``: each server serialises its sessions in memory as it becomes prepared (a staged
+    snapshot: no ``commit``; ``persist`` writes each server's scope after ``resume``).
 
     ``policy_overrides`` gives some servers their own policy (e.g. ``best_effort``
     for a restart-only server whose rollouts the caller will not keep at turn
@@ -260,6 +274,7 @@ async def prepare(
             checkpoint_id=checkpoint_id,
             deadline_ts=deadline_ts,
             restart_only_policy=overrides.get(p.name, restart_only_policy),
+            capture=capture,
         )
         for p in participants
     }
@@ -275,6 +290,7 @@ async def prepare(
         })
         for name, reply in replies.items():
             result.replies[name] = reply
+            result.kinds[name] = kind
             if reply.report.unsaved:
                 result.unsaved[name] = list(reply.report.unsaved)
             if reply.phase != "prepared":
@@ -285,35 +301,36 @@ async def prepare(
     return result
 
 
+def _per_server(participants: Participants, op: str, episode_ids: Any) -> dict[str, list[EpisodeId] | None]:
+    """One list for every server, a mapping server -> list (servers left out get none), or None."""
+    if isinstance(episode_ids, Mapping):
+        unknown = sorted(set(episode_ids) - set(participants.names))
+        if unknown:
+            raise ValueError(f"{op} scope names servers that are not participants: {unknown}")
+        return {p.name: list(episode_ids.get(p.name, [])) for p in participants}
+    return {p.name: (None if episode_ids is None else list(episode_ids)) for p in participants}
+
+
 async def commit(
     participants: Participants,
     checkpoint_id: str,
     deadline_ts: float,
     checkpoint_dir: str,
     episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]] | None,
-    *,
-    staged: bool = False,
 ) -> dict[str, CommitReply]:
-    """Every participant writes (or, ``staged``, captures) its records for its episodes.
+    """Every participant writes its records for its episodes (inside the pause).
 
     ``episode_ids``: one list for every server, a mapping server -> list (each
     server gets only its own episodes; servers left out get none), or None
-    (all each can export). A staged commit only serialises in memory; call
-    ``persist`` (after resume is fine) to write it.
+    (all each can export).
     """
-    if isinstance(episode_ids, Mapping):
-        unknown = sorted(set(episode_ids) - set(participants.names))
-        if unknown:
-            raise ValueError(f"commit scope names servers that are not participants: {unknown}")
-        scopes: dict[str, list[EpisodeId] | None] = {p.name: list(episode_ids.get(p.name, [])) for p in participants}
-    else:
-        scopes = {p.name: (None if episode_ids is None else list(episode_ids)) for p in participants}
+    scopes = _per_server(participants, "commit", episode_ids)
     control = participants.control
     calls = {
         p.name: _typed(
             control.post(p.name, p.url, "commit", CommitRequest(
                 checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
-                episode_ids=scopes[p.name], staged=staged,
+                episode_ids=scopes[p.name],
             )),
             p.name, CommitReply,
         )
@@ -330,10 +347,28 @@ async def forget(
     return await _fan_out(participants, participants.members, "forget", req, ForgetReply)
 
 
-async def persist(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, PersistReply]:
-    """Every participant writes what its staged commit of ``checkpoint_id`` captured."""
-    req = PersistRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-    return await _fan_out(participants, participants.members, "persist", req, PersistReply)
+async def persist(
+    participants: Participants,
+    checkpoint_id: str,
+    deadline_ts: float,
+    checkpoint_dir: str,
+    episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]],
+) -> dict[str, PersistReply]:
+    """Every participant writes its episodes' records from what its ``capture`` prepare of
+    ``checkpoint_id`` serialised (after resume is fine); scopes as for ``commit``."""
+    scopes = _per_server(participants, "persist", episode_ids)
+    control = participants.control
+    calls = {
+        p.name: _typed(
+            control.post(p.name, p.url, "persist", PersistRequest(
+                checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
+                episode_ids=scopes[p.name] or [],
+            )),
+            p.name, PersistReply,
+        )
+        for p in participants
+    }
+    return await _gather_all("persist", calls)
 
 
 async def restore(
@@ -351,13 +386,7 @@ async def restore(
     on some servers only. Undo = retire the next attempt of every episode on
     every server (best effort), then resume all.
     """
-    if isinstance(episode_ids, Mapping):
-        unknown = sorted(set(episode_ids) - set(participants.names))
-        if unknown:
-            raise ValueError(f"restore scope names servers that are not participants: {unknown}")
-        scopes = {p.name: list(episode_ids.get(p.name, [])) for p in participants}
-    else:
-        scopes = {p.name: list(episode_ids) for p in participants}
+    scopes = {name: scope or [] for name, scope in _per_server(participants, "restore", episode_ids).items()}
     requests = {
         name: RestoreRequest(
             checkpoint_id=checkpoint_id,

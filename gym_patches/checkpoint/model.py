@@ -25,7 +25,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Literal, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -69,6 +69,12 @@ class ModelTicket:
             and self.episode.rollout_id == episode.rollout_id
             and self.episode.attempt <= episode.attempt
         )
+
+
+def _model_record(episode: EpisodeId, delivered_calls: int) -> Record:
+    """The dump of a ``ModelRecord``, built directly (captures run while rollouts are held)."""
+    return {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+            "delivered_calls": delivered_calls}
 
 
 class PolicyModelParticipant(CheckpointParticipant):
@@ -203,11 +209,19 @@ class PolicyModelParticipant(CheckpointParticipant):
                 with contextlib.suppress(StaleAttemptError):
                     self.check_attempt(episode)
                     chosen[episode] = self._delivered.get(episode, 0)
-        # The dump of a ModelRecord, built directly (this runs while rollouts are held).
-        return [
-            {"episode_id": {"rollout_id": e.rollout_id, "attempt": e.attempt}, "delivered_calls": n}
-            for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)
-        ]
+        return [_model_record(e, n) for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)]
+
+    def scope_fill(self) -> Callable[[EpisodeId], Record | None]:
+        """An in-scope episode with no delivered reply (its agent parked at its first call) gets a
+        record of 0 calls unless it was retired, as ``export`` gives it; judged on the retired
+        attempts as they were when prepared (a copy: retire runs again after resume)."""
+        retired = dict(self.retired)
+
+        def fill(episode: EpisodeId) -> Record | None:
+            highest = retired.get(episode.rollout_id)
+            return None if highest is not None and episode.attempt <= highest else _model_record(episode, 0)
+
+        return fill
 
     async def install(self, records: list[Record]) -> list[str]:
         """Install each record under ``next_attempt``; the old attempt is

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from gym_patches.checkpoint.errors import StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
@@ -54,6 +54,12 @@ class CheckpointParticipant(ABC):
     async def install(self, records: list[Record]) -> list[str]:
         """Install records under ``next_attempt``; return the new capture keys.
         All or nothing: on error nothing is installed."""
+
+    def scope_fill(self) -> Callable[[EpisodeId], Record | None] | None:
+        """For a staged capture (taken with ``export(None)`` the moment the participant is
+        prepared): how to make, later, the record of an in-scope episode that export left out,
+        as things stood when prepared. None (the default): such an episode has no record."""
+        return None
 
     async def retire(self, episodes: list[EpisodeId]) -> list[str]:
         """Stop and forget the given attempts; refuse them from now on."""

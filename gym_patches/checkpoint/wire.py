@@ -44,6 +44,9 @@ class CheckpointRequest(_Request):
 
 class PrepareRequest(CheckpointRequest):
     restart_only_policy: RestartOnlyPolicy = "block"
+    # True (a staged snapshot): on becoming prepared, serialise every exportable session in memory;
+    # ``persist`` writes the commit scope's records from that copy after resume. No ``commit`` follows.
+    capture: bool = False
 
 
 class RenewRequest(CheckpointRequest):
@@ -68,12 +71,14 @@ class CommitRequest(CheckpointRequest):
     checkpoint_dir: str = Field(min_length=1, max_length=4096)
     # None = every episode the participant can export.
     episode_ids: list[EpisodeId] | None = Field(default=None, max_length=MAX_EPISODES_PER_REQUEST)
-    # True: capture only (export and serialise in memory); ``persist`` writes it after resume.
-    staged: bool = False
 
 
 class PersistRequest(CheckpointRequest):
-    """Write the records a staged commit captured; allowed after resume (the id stays persistable)."""
+    """Write the records of ``episode_ids`` from the copy a ``capture`` prepare took; allowed after
+    resume (the id stays persistable). An episode the copy has no record of is left out."""
+
+    checkpoint_dir: str = Field(min_length=1, max_length=4096)
+    episode_ids: list[EpisodeId] = Field(max_length=MAX_EPISODES_PER_REQUEST)
 
 
 class RestoreRequest(CheckpointRequest):
@@ -121,6 +126,8 @@ class StatusReply(BaseModel):
 class PrepareReply(BaseModel):
     phase: Phase
     report: PrepareReport
+    captured: list[str] | None = None  # a ``capture`` prepare that is prepared: capture keys of the copy
+    captured_bytes: int = 0  # size of that in-memory copy, held until ``persist`` writes it
 
 
 class RenewReply(BaseModel):
@@ -151,14 +158,13 @@ class ParticipantManifest(BaseModel):
 
 class CommitReply(BaseModel):
     phase: Literal["committed"]
-    manifest: ParticipantManifest | None  # None for a staged commit: ``persist`` returns it
+    manifest: ParticipantManifest
     episode_ids: list[str]  # capture keys actually exported
-    staged: bool = False
-    captured_bytes: int = 0  # size of the in-memory copy a staged commit holds until persist
 
 
 class PersistReply(BaseModel):
     manifest: ParticipantManifest
+    episode_ids: list[str]  # capture keys actually written
 
 
 class RestoreReply(BaseModel):

@@ -10,7 +10,7 @@ replica.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,6 @@ class GymCheckpointCommitSummary:
     checkpoint_dir: str
     exported_by_server: dict[str, list[str]]
     agent_exported: list[str]  # episodes an agent saved: these continue at turn level
-    captured_bytes: dict[str, int] = field(default_factory=dict)  # staged: the in-memory copy per server
 
     def episodes_for(self, server: str) -> list[EpisodeId]:
         return [EpisodeId.from_capture_key(k) for k in self.exported_by_server.get(server, [])]
@@ -108,10 +107,13 @@ class GymCheckpointAdapter:
         deadline_ts: float,
         restart_only_policy: RestartOnlyPolicy = "block",
         policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
+        capture: bool = False,
     ) -> PrepareResult:
-        """``policy_overrides``: per-server policies (restart-only servers no turn-level rollout uses)."""
+        """``policy_overrides``: per-server policies (restart-only servers no turn-level rollout uses).
+        ``capture``: a staged snapshot's prepare (each server serialises its sessions; ``persist`` writes)."""
         return await coordination.prepare(
-            self.participants, checkpoint_id, deadline_ts, restart_only_policy, policy_overrides=policy_overrides
+            self.participants, checkpoint_id, deadline_ts, restart_only_policy, policy_overrides=policy_overrides,
+            capture=capture,
         )
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> None:
@@ -127,26 +129,39 @@ class GymCheckpointAdapter:
         deadline_ts: float,
         root: str | Path,
         episodes: list[EpisodeId] | dict[str, list[EpisodeId]],
-        staged: bool = False,
     ) -> GymCheckpointCommitSummary:
-        """Commit (``staged``: capture only) ``episodes``: one list for all servers, or per server."""
+        """Commit ``episodes`` (one list for all servers, or per server): written inside the pause."""
         target = self.instance.checkpoint_dir(root)
-        if not staged:
-            target.mkdir(parents=True, exist_ok=True)
-        replies = await coordination.commit(
-            self.participants, checkpoint_id, deadline_ts, str(target), episodes, staged=staged
-        )
+        target.mkdir(parents=True, exist_ok=True)
+        replies = await coordination.commit(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
+        return self._summary(target, {name: r.episode_ids for name, r in replies.items()}, episodes)
+
+    async def persist(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        root: str | Path,
+        episodes: dict[str, list[EpisodeId]],
+    ) -> GymCheckpointCommitSummary:
+        """Write each server's ``episodes`` from what its capture prepare serialised (after resume)."""
+        target = self.instance.checkpoint_dir(root)
+        target.mkdir(parents=True, exist_ok=True)
+        replies = await coordination.persist(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
+        return self._summary(target, {name: r.episode_ids for name, r in replies.items()}, episodes)
+
+    def _summary(
+        self, target: Path, written: dict[str, list[str]], episodes: list[EpisodeId] | dict[str, list[EpisodeId]]
+    ) -> GymCheckpointCommitSummary:
         exported: dict[str, list[str]] = {}
-        for name, reply in replies.items():
+        for name, keys in written.items():
             scope = episodes.get(name, []) if isinstance(episodes, dict) else episodes
-            outside = sorted(set(reply.episode_ids) - {e.capture_key for e in scope})
+            outside = sorted(set(keys) - {e.capture_key for e in scope})
             if outside:
                 raise RuntimeError(f"Gym server {name!r} exported episodes outside the commit scope: {outside[:5]}")
-            exported[name] = sorted(reply.episode_ids)
+            exported[name] = sorted(keys)
         agents = {p.name for p in self.participants.by_kind("agent")}
         agent_exported = sorted({k for name in agents for k in exported.get(name, [])})
-        captured = {name: reply.captured_bytes for name, reply in replies.items()}
-        return GymCheckpointCommitSummary(str(target), exported, agent_exported, captured)
+        return GymCheckpointCommitSummary(str(target), exported, agent_exported)
 
     async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
         """Every server drops what it keeps about these finished rollouts; returns the entries dropped."""
@@ -154,11 +169,6 @@ class GymCheckpointAdapter:
             return 0
         replies = await coordination.forget(self.participants, checkpoint_id, deadline_ts, rollout_ids)
         return sum(reply.forgotten for reply in replies.values())
-
-    async def persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
-        """Write every participant's staged capture; returns server -> records sha256."""
-        replies = await coordination.persist(self.participants, checkpoint_id, deadline_ts)
-        return {name: reply.manifest.records_sha256 for name, reply in replies.items()}
 
     async def restore(
         self,

@@ -220,9 +220,10 @@ class NemoGym:
         deadline_ts: float,
         restart_only_policy: RestartOnlyPolicy,
         policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
+        capture: bool = False,
     ) -> PrepareResult:
         return await self._named(
-            self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy, policy_overrides)
+            self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy, policy_overrides, capture)
         )
 
     @ray.method(concurrency_group="control")
@@ -236,17 +237,19 @@ class NemoGym:
     @ray.method(concurrency_group="control")
     async def checkpoint_commit(
         self, checkpoint_id: str, deadline_ts: float, root: str,
-        episodes: list[EpisodeId] | dict[str, list[EpisodeId]], staged: bool = False,
+        episodes: list[EpisodeId] | dict[str, list[EpisodeId]],
     ) -> GymCheckpointCommitSummary:
-        return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes, staged))
+        return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes))
 
     @ray.method(concurrency_group="control")
     async def checkpoint_forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
         return await self._named(self._adapter().forget(checkpoint_id, deadline_ts, rollout_ids))
 
     @ray.method(concurrency_group="control")
-    async def checkpoint_persist(self, checkpoint_id: str, deadline_ts: float) -> dict[str, str]:
-        return await self._named(self._adapter().persist(checkpoint_id, deadline_ts))
+    async def checkpoint_persist(
+        self, checkpoint_id: str, deadline_ts: float, root: str, episodes: dict[str, list[EpisodeId]],
+    ) -> GymCheckpointCommitSummary:
+        return await self._named(self._adapter().persist(checkpoint_id, deadline_ts, root, episodes))
 
     @ray.method(concurrency_group="control")
     async def checkpoint_restore(

@@ -504,36 +504,25 @@ class RolloutRecoveryLedger:
         in groups whose restore level needs Gym saves. An attempt on an
         instance outside ``instance_ids`` means the topology changed: error.
         """
-        wanted = list(instance_ids)
-        out: dict[str, list[EpisodeId]] = {iid: [] for iid in wanted}
-        for group, g, attempt in self._turn_level_live():
-            if attempt.gym_instance_id not in out:
-                raise LedgerError(
-                    f"rollout {attempt.rollout_id(group.group_id, g)} is held by Gym instance "
-                    f"{attempt.gym_instance_id}, which is not in the live topology {sorted(out)}"
-                )
-            out[attempt.gym_instance_id].append(attempt.episode(group.group_id, g))
-        return out
+        return {iid: [EpisodeId.from_capture_key(key) for key in agents]
+                for iid, agents in self.gym_checkpoint_agents(instance_ids).items()}
 
     def gym_checkpoint_keys(self, instance_ids) -> dict[str, set[str]]:
         """The capture keys of ``gym_checkpoint_inventory`` (no EpisodeId built: this runs in the cut)."""
-        out: dict[str, set[str]] = {iid: set() for iid in instance_ids}
+        return {iid: set(agents) for iid, agents in self.gym_checkpoint_agents(instance_ids).items()}
+
+    def gym_checkpoint_agents(self, instance_ids) -> dict[str, dict[str, str | None]]:
+        """``gym_checkpoint_keys`` with each rollout's agent: capture key -> ``agent_name`` (one pass)."""
+        out: dict[str, dict[str, str | None]] = {iid: {} for iid in instance_ids}
         for group, g, attempt in self._turn_level_live():
-            keys = out.get(attempt.gym_instance_id)
-            if keys is None:
+            agents = out.get(attempt.gym_instance_id)
+            if agents is None:
                 raise LedgerError(
                     f"rollout {attempt.rollout_id(group.group_id, g)} is held by Gym instance "
                     f"{attempt.gym_instance_id}, which is not in the live topology {sorted(out)}"
                 )
-            keys.add(attempt.rollout_id(group.group_id, g))
+            agents[attempt.rollout_id(group.group_id, g)] = group.agent_name
         return out
-
-    def agent_of(self, episode: EpisodeId) -> str | None:
-        """The Gym agent that runs ``episode`` (its group's ``agent_name``)."""
-        where = self._by_base.get(episode.rollout_id)
-        if where is None:
-            raise LedgerError(f"unknown rollout {episode.capture_key}")
-        return self.groups[where[0]].agent_name
 
     def _turn_level_live(self):
         for group in self.groups.values():

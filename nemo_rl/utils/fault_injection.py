@@ -16,8 +16,8 @@ disk for the next run to restore. ``train`` and ``restore`` count per run.
 Phases (where the controller calls ``crash_point``):
 
 - ``prepare``: a snapshot has Gym prepared, before anything is committed;
-- ``commit``: Gym has committed (or, staged, captured) its records, before the snapshot is published;
-- ``persist``: staged commit only: rollouts have resumed, Gym has not written its captured
+- ``commit``: Gym has committed its records (staged: captured them at prepare), before the snapshot is published;
+- ``persist``: staged snapshots only: rollouts have resumed, Gym has not written its captured
   records and the snapshot is not published (the previous one must stay the newest valid);
 - ``publish``: the snapshot's temporary directory is fully written, before it
   is sealed and renamed into place;

@@ -746,8 +746,7 @@ class StrayExporter(FakeParticipant):
         return list(self.records)
 
 
-@pytest.mark.parametrize("staged", [False, True])
-async def test_records_outside_the_scope_or_without_an_episode_fail_the_commit(tmp_path, staged):
+async def test_records_outside_the_scope_or_without_an_episode_fail_the_commit(tmp_path):
     participant = StrayExporter()
     h = await start(participant)
     try:
@@ -757,21 +756,38 @@ async def test_records_outside_the_scope_or_without_an_episode_fail_the_commit(t
             ([{"state": 1}], "agent_a exported record 0 without a valid episode_id"),
             ([{"episode_id": {"rollout_id": "r1", "attempt": 0, "extra": 1}}],
              "agent_a exported record 0 without a valid episode_id"),
+            ([{"episode_id": {"rollout_id": "r1-a2", "attempt": 0}}],  # the model's rules, not just the shape
+             "agent_a exported record 0 without a valid episode_id"),
         ]):
             participant.records = records
             cid = f"c{n}"
             await h.ok("prepare", checkpoint_id=cid)
             detail = await h.err("commit", "invalid_checkpoint_state", checkpoint_id=cid,
-                                 checkpoint_dir=str(tmp_path / cid), episode_ids=[ep("r1")], staged=staged)
+                                 checkpoint_dir=str(tmp_path / cid), episode_ids=[ep("r1")])
             assert detail == message
             assert h.plane.phase == "prepared", "a failed commit leaves the checkpoint prepared"
             await h.ok("resume", checkpoint_id=cid)
         participant.records = [{"episode_id": {"rollout_id": "r1", "attempt": 0}, "state": {"k": 1}}]
         await h.ok("prepare", checkpoint_id="c-ok")
         reply = await h.ok("commit", checkpoint_id="c-ok", checkpoint_dir=str(tmp_path / "ok"),
-                           episode_ids=[ep("r1")], staged=staged)
+                           episode_ids=[ep("r1")])
         assert reply["episode_ids"] == ["r1"]
         await h.ok("resume", checkpoint_id="c-ok")
+    finally:
+        await h.client.close()
+
+
+async def test_a_capture_of_a_record_without_a_valid_episode_fails_the_prepare(tmp_path):
+    participant = StrayExporter()
+    h = await start(participant)
+    try:
+        for n, records in enumerate([[{"state": 1}], [{"episode_id": {"rollout_id": "r1", "attempt": -1}}]]):
+            participant.records = records
+            detail = await h.err("prepare", "invalid_checkpoint_state", checkpoint_id=f"c{n}", capture=True)
+            assert detail == "agent_a exported record 0 without a valid episode_id"
+            assert h.plane.phase == "preparing", "a failed capture is not prepared"
+            await h.ok("resume", checkpoint_id=f"c{n}")
+            assert h.plane.phase == "idle"
     finally:
         await h.client.close()
 
@@ -784,9 +800,12 @@ async def test_the_collector_is_held_only_while_prepared(tmp_path):
         assert gc.isenabled()
         await h.ok("prepare", checkpoint_id="c1")
         assert not gc.isenabled(), "no full collection while rollouts are held"
-        await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=None, staged=True)
-        assert not gc.isenabled()
         await h.ok("resume", checkpoint_id="c1")
+        await h.ok("prepare", checkpoint_id="c1b", capture=True)
+        assert not gc.isenabled()
+        await h.ok("persist", checkpoint_id="c1b", checkpoint_dir=str(tmp_path), episode_ids=[])
+        assert not gc.isenabled(), "a persist before resume keeps the pause's collector hold"
+        await h.ok("resume", checkpoint_id="c1b")
         assert gc.isenabled()
         await h.ok("prepare", checkpoint_id="c2", deadline_ts=time.time() + 0.2)
         assert not gc.isenabled()

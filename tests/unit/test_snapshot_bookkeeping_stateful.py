@@ -170,7 +170,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         """What the snapshot pump does when some group is generating (prepare, commit, cut, publish)."""
         plan = plan_cut(self.ledger, self.iids, self.gym.unsaved())
         exported = {
-            iid: {e.capture_key for e in plan.scope[iid] if e.capture_key in self.gym.holds(iid)}
+            iid: {k for k in plan.scope[iid] if k in self.gym.holds(iid)}
             if self.gym.saving[iid] else set()
             for iid in self.iids
         }

@@ -1,4 +1,4 @@
-"""Staged commit: capture (export + serialise) inside the pause, persist after resume.
+"""Staged snapshots: a ``capture`` prepare serialises inside the pause, ``persist`` writes after resume.
 
 Over real loopback HTTP against ``ParticipantControlPlane`` with the fake
 participant of ``test_control_plane`` (it isolates the control plane from any
@@ -23,52 +23,115 @@ async def h():
     await harness.client.close()
 
 
-async def test_capture_writes_nothing_and_persist_after_resume_writes_the_captured_copy(h, tmp_path):
-    h.participant.save("r1", turn=1)
-    h.participant.save("r2", turn=2)
-    await h.ok("prepare", checkpoint_id="c1")
-    reply = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), staged=True,
-                       episode_ids=[ep("r1"), ep("r2")])
-    assert reply["staged"] is True and reply["manifest"] is None and reply["captured_bytes"] > 0
-    assert reply["episode_ids"] == ["r1", "r2"]
+async def test_a_capture_prepare_writes_nothing_and_persist_after_resume_writes_the_scope_from_the_copy(h, tmp_path):
+    for key, turn in (("r1", 1), ("r2", 2), ("r3", 3)):
+        h.participant.save(key, turn=turn)
+    reply = await h.ok("prepare", checkpoint_id="c1", capture=True)
+    assert reply["phase"] == "prepared" and reply["captured"] == ["r1", "r2", "r3"] and reply["captured_bytes"] > 0
     assert not (tmp_path / "gym").exists()  # nothing written inside the pause
     await h.ok("resume", checkpoint_id="c1")
     h.participant.save("r1", turn=99)  # the rollout moved on after resume
-    persisted = await h.ok("persist", checkpoint_id="c1")
+    persisted = await h.ok("persist", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                           episode_ids=[ep("r2"), ep("r1"), ep("r9")])  # r3 out of scope; r9 never captured
     manifest = persisted["manifest"]
     assert manifest["checkpoint_id"] == "c1" and manifest["record_count"] == 2
+    assert persisted["episode_ids"] == ["r1", "r2"]
     _, records = read_participant_state(tmp_path, "agent", "agent_a", "c1")
     assert {r["episode_id"]["rollout_id"]: r["state"]["turn"] for r in records} == {"r1": 1, "r2": 2}
-    assert (await h.ok("persist", checkpoint_id="c1")) == persisted  # a retry gets the same answer
-    assert h.plane.phase == "idle"
+    again = await h.ok("persist", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                       episode_ids=[ep("r1"), ep("r2"), ep("r9")])
+    assert again == persisted  # a retry (same scope, any order) gets the same answer
+    await h.err("persist", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                episode_ids=[ep("r1")])
+    assert h.plane.phase == "idle" and h.participant.exports == 1
 
 
-async def test_persist_of_an_unknown_or_replaced_capture_is_stale(h, tmp_path):
-    await h.err("persist", "stale_checkpoint", checkpoint_id="never")
+async def test_persist_of_an_unknown_replaced_or_uncaptured_checkpoint_is_stale(h, tmp_path):
+    await h.err("persist", "stale_checkpoint", checkpoint_id="never", checkpoint_dir=str(tmp_path), episode_ids=[])
     h.participant.save("r1", turn=1)
     for cid in ("c1", "c2"):
-        await h.ok("prepare", checkpoint_id=cid)
-        await h.ok("commit", checkpoint_id=cid, checkpoint_dir=str(tmp_path / cid), staged=True)
+        await h.ok("prepare", checkpoint_id=cid, capture=True)
         await h.ok("resume", checkpoint_id=cid)
-    detail = await h.err("persist", "stale_checkpoint", checkpoint_id="c1")
-    assert "c1" in detail
-    assert (await h.ok("persist", checkpoint_id="c2"))["manifest"]["checkpoint_id"] == "c2"
+    await h.ok("prepare", checkpoint_id="c3")  # no capture: the newest capture (c2) stays
+    await h.ok("resume", checkpoint_id="c3")
+    for cid in ("c1", "c3"):
+        detail = await h.err("persist", "stale_checkpoint", checkpoint_id=cid,
+                             checkpoint_dir=str(tmp_path / cid), episode_ids=[ep("r1")])
+        assert cid in detail
+    reply = await h.ok("persist", checkpoint_id="c2", checkpoint_dir=str(tmp_path / "c2"), episode_ids=[ep("r1")])
+    assert reply["manifest"]["checkpoint_id"] == "c2"
 
 
 async def test_a_blocking_commit_still_writes_inside_the_pause(h, tmp_path):
     h.participant.save("r1", turn=1)
-    await h.ok("prepare", checkpoint_id="c1")
+    reply = await h.ok("prepare", checkpoint_id="c1")
+    assert reply["captured"] is None and reply["captured_bytes"] == 0
     reply = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path))
-    assert reply["staged"] is False and reply["manifest"]["record_count"] == 1
-    await h.err("persist", "stale_checkpoint", checkpoint_id="c1")  # nothing staged
+    assert reply["manifest"]["record_count"] == 1
+    await h.err("persist", "stale_checkpoint", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=[])
 
 
-async def test_staged_and_blocking_retries_conflict(h, tmp_path):
+async def test_a_prepare_retry_that_changes_capture_conflicts(h):
     h.participant.save("r1", turn=1)
-    await h.ok("prepare", checkpoint_id="c1")
-    await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), staged=True)
-    await h.err("commit", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
-                deadline_ts=time.time() + 10)
+    await h.ok("prepare", checkpoint_id="c1", capture=True)
+    await h.err("prepare", "checkpoint_conflict", checkpoint_id="c1")
+    assert (await h.ok("prepare", checkpoint_id="c1", capture=True))["captured"] == ["r1"]
+    assert h.participant.exports == 1, "a retry gets the stored reply; it does not capture again"
+    h.participant.set_live("r2")  # blocks: the next prepare keeps preparing
+    await h.ok("resume", checkpoint_id="c1")
+    first = await h.ok("prepare", checkpoint_id="c2", capture=True, deadline_ts=time.time() + 0.2)
+    assert first["phase"] == "preparing" and first["captured"] is None
+    detail = await h.err("prepare", "checkpoint_conflict", checkpoint_id="c2", capture=False)
+    assert "capture True" in detail
+
+
+async def test_unsaved_episodes_cannot_be_persisted(tmp_path):
+    participant = FakeParticipant(restart_only=True)
+    harness = await start(participant)
+    try:
+        participant.save("r1", turn=1)
+        participant.set_live("r2")
+        reply = await harness.ok("prepare", checkpoint_id="c1", restart_only_policy="best_effort", capture=True)
+        assert reply["report"]["unsaved"] == ["r2"]
+        await harness.ok("resume", checkpoint_id="c1")
+        detail = await harness.err("persist", "restart_in_scope", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                                   episode_ids=[ep("r1"), ep("r2")])
+        assert "'r2'" in detail
+        ok = await harness.ok("persist", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=[ep("r1")])
+        assert ok["episode_ids"] == ["r1"]
+    finally:
+        await harness.client.close()
+
+
+async def test_the_model_persists_the_same_records_from_its_capture_as_a_commit_exports(tmp_path):
+    """Zero-delivered in-scope episodes get a record unless retired, judged as things stood when prepared."""
+    from gym_patches.checkpoint.model import PolicyModelParticipant
+    from gym_patches.checkpoint.store import read_participant_state as read
+
+    model = PolicyModelParticipant()
+    harness = await start(model)
+    try:
+        model._delivered[EpisodeId.from_capture_key("r1")] = 2
+        model._delivered[EpisodeId.from_capture_key("r2-a1")] = 0  # restored, no reply yet
+        model.mark_retired(EpisodeId.from_capture_key("r3"))
+        scope = [ep("r1"), ep("r2-a1"), ep("r3"), ep("r4")]
+        await harness.ok("prepare", checkpoint_id="c1")
+        committed = await harness.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "commit"),
+                                     episode_ids=scope)
+        await harness.ok("resume", checkpoint_id="c1")
+        reply = await harness.ok("prepare", checkpoint_id="c2", capture=True)
+        assert reply["captured"] == ["r1"]
+        await harness.ok("resume", checkpoint_id="c2")
+        model.mark_retired(EpisodeId.from_capture_key("r4"))  # after resume: the capture does not see it
+        model._delivered[EpisodeId.from_capture_key("r1")] = 5
+        persisted = await harness.ok("persist", checkpoint_id="c2", checkpoint_dir=str(tmp_path / "persist"),
+                                     episode_ids=scope)
+        assert persisted["episode_ids"] == committed["episode_ids"] == ["r1", "r2-a1", "r4"]
+        _, a = read(tmp_path / "commit", "model", "agent_a", "c1")
+        _, b = read(tmp_path / "persist", "model", "agent_a", "c2")
+        assert a == b and {r["episode_id"]["rollout_id"]: r["delivered_calls"] for r in b} == {"r1": 2, "r2": 0, "r4": 0}
+    finally:
+        await harness.client.close()
 
 
 async def test_forget_drops_retired_marks_while_idle_only(h, tmp_path):

@@ -144,8 +144,9 @@ class GymCheckpointCoordinator:
             await self._collect("retire", calls, deadline)
 
     @contextlib.asynccontextmanager
-    async def prepared(self, checkpoint_id: str) -> AsyncIterator[PreparedGym]:
-        """Prepare every replica; resume all of them on exit, whatever happened."""
+    async def prepared(self, checkpoint_id: str, *, capture: bool = False) -> AsyncIterator[PreparedGym]:
+        """Prepare every replica (``capture``: each server serialises its sessions as it becomes
+        prepared, for ``persist`` after resume); resume all of them on exit, whatever happened."""
         deadline = time.time() + self.prepare_timeout_s
         renewer: asyncio.Task | None = None
         try:
@@ -153,7 +154,7 @@ class GymCheckpointCoordinator:
                 "prepare",
                 {
                     iid: h.checkpoint_prepare.remote(
-                        checkpoint_id, deadline, self.policy, self.shard_set.prepare_policy_overrides.get(iid)
+                        checkpoint_id, deadline, self.policy, self.shard_set.prepare_policy_overrides.get(iid), capture
                     )
                     for iid, h in self._handles().items()
                 },
@@ -185,14 +186,14 @@ class GymCheckpointCoordinator:
                 logger.warning("lease renewal for %s failed: %s", checkpoint_id, exc)
 
     async def commit(
-        self, prepared: PreparedGym, root: str, scope: dict[str, dict[str, list[EpisodeId]]], *, staged: bool
+        self, prepared: PreparedGym, root: str, scope: dict[str, dict[str, list[EpisodeId]]]
     ) -> dict[str, GymCheckpointCommitSummary]:
-        """Each replica's servers commit (``staged``: capture) only their own episodes: ``scope[iid][server]``."""
+        """Each replica's servers write only their own episodes, ``scope[iid][server]``, inside the pause."""
         deadline = time.time() + self.prepare_timeout_s
         return await self._collect(
             "commit",
             {
-                iid: h.checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, {}), staged)
+                iid: h.checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, {}))
                 for iid, h in self._handles().items()
             },
             deadline,
@@ -212,12 +213,16 @@ class GymCheckpointCoordinator:
             total += sum(done.values())
         return total
 
-    async def persist(self, checkpoint_id: str) -> dict[str, dict[str, str]]:
-        """Every replica writes what its staged commit captured (Gym is already resumed)."""
+    async def persist(
+        self, checkpoint_id: str, root: str, scope: dict[str, dict[str, list[EpisodeId]]]
+    ) -> dict[str, GymCheckpointCommitSummary]:
+        """Each replica's servers write ``scope[iid][server]`` from what their capture prepare
+        serialised (Gym is already resumed)."""
         deadline = time.time() + self.prepare_timeout_s
         return await self._collect(
             "persist",
-            {iid: h.checkpoint_persist.remote(checkpoint_id, deadline) for iid, h in self._handles().items()},
+            {iid: h.checkpoint_persist.remote(checkpoint_id, deadline, root, scope.get(iid, {}))
+             for iid, h in self._handles().items()},
             deadline,
         )
 

@@ -1,9 +1,15 @@
-"""One rollout snapshot: prepare -> commit -> drain -> cut -> publish -> resume.
+"""One rollout snapshot.
 
-The same shape as ``torch.distributed.checkpoint``: Gym plans (prepare) and
-writes its records (commit); under the exclusive cut the controller's state is
-captured in memory; the files are written and the directory is published
-atomically off the event loop; Gym is resumed whatever happens.
+- ``blocking``: prepare -> commit -> drain -> cut -> publish -> resume.
+- ``staged`` (default): prepare (each Gym server captures its sessions in
+  memory as it becomes prepared) -> drain -> cut -> resume -> persist ->
+  publish. Rollouts are held only while state is copied.
+
+The same shape as ``torch.distributed.checkpoint`` (and its ``async_save``):
+Gym plans (prepare) and writes its records (commit, or persist from the copy);
+under the exclusive cut the controller's state is captured in memory; the files
+are written and the directory is published atomically off the event loop; Gym
+is resumed whatever happens.
 
 The snapshotter reads the controller only through ``SnapshotInputs`` and owns
 the dispatch gate; it writes no controller field.
@@ -23,7 +29,6 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.utils.collector import CollectorHold
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
@@ -36,9 +41,10 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 )
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.snapshot_cut import (
-    GymOwnershipError,  # noqa: F401 - re-exported: the error a bad cut raises
+    GymOwnershipError,  # re-exported: the error a bad cut raises
     check_cut,
     cut_counts,
+    episode_scopes,
     plan_cut,
     server_scopes,
 )
@@ -197,7 +203,7 @@ def _leaf_codes(exc: BaseException) -> set[str | None]:
     return {getattr(exc, "code", None)}
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Cut:
     """Everything captured in the pause that the publish needs."""
 
@@ -205,8 +211,33 @@ class _Cut:
     tmp: Path
     final: Path
     checkpoint_id: str
-    index: GymCheckpointIndex | None  # None: a ledger-only snapshot (no level needs Gym saves)
+    index: GymCheckpointIndex | None  # None: a ledger-only snapshot, or a staged one until Gym persisted
     capture: ControllerStateCapture
+    persist: "_PendingPersist | None" = None  # staged: what Gym writes after resume
+
+
+@dataclass(frozen=True)
+class _PendingPersist:
+    """A staged cut's Gym half: each server writes its share of the turn-level saves from its capture."""
+
+    scopes: dict[str, dict[str, list[str]]]  # instance -> server -> capture keys (``server_scopes``)
+    exported: dict[str, set[str]]  # instance -> what its agents captured in the scope: continues at turn level
+    unsaved: dict[str, list[str]]  # instance -> rollouts restart-only servers could not save
+
+
+def _gym_index(
+    checkpoint_id: str, written: dict[str, dict[str, list[str]]], exported: dict[str, set[str]],
+    unsaved: dict[str, list[str]],
+) -> GymCheckpointIndex:
+    """``gym_checkpoint.json`` from what each server wrote (``written[iid][server]``), kept to the
+    rollouts that continue at turn level (``exported[iid]``)."""
+    return GymCheckpointIndex(
+        checkpoint_id=checkpoint_id,
+        instances={iid: {server: sorted(set(keys) & exported[iid]) for server, keys in by_server.items()}
+                   for iid, by_server in written.items()},
+        turn_level={iid: sorted(keys) for iid, keys in exported.items()},
+        unsaved=unsaved,
+    )
 
 
 @dataclass
@@ -276,20 +307,20 @@ class RolloutSnapshotter:
                 cut = self._capture_ledger_only(outcome.checkpoint_id)
                 outcome.captured_bytes = len(cut.capture.data_plane)
                 outcome.pause_s = time.monotonic() - started
-                await self._publish(cut, outcome, staged=False)
+                await self._publish(cut, outcome)
                 outcome.persist_s = time.monotonic() - started - outcome.pause_s
                 outcome.reason = "committed"
                 self.consecutive_failures = 0
                 return outcome
             async with self.gate.closed():
                 try:
-                    async with self.coordinator.prepared(outcome.checkpoint_id) as prepared:
+                    async with self.coordinator.prepared(outcome.checkpoint_id, capture=staged) as prepared:
                         self._collector.hold()  # prepared to resumed: no full collection while rollouts are held
                         self._mark(outcome, "prepare")
                         cut = await self._capture(prepared, outcome, staged)
                         self._mark(outcome, "cut")
                         if not staged:
-                            await self._publish(cut, outcome, staged)
+                            await self._publish(cut, outcome)
                             self._mark(outcome, "publish")
                 finally:
                     self._collector.release()
@@ -297,7 +328,7 @@ class RolloutSnapshotter:
             self._mark(outcome, "resume")
             if staged:
                 crash_point("persist", cut.step)  # test-only: rollouts resumed, snapshot not persisted
-                await self._publish(cut, outcome, staged)
+                await self._publish(cut, outcome)
                 self._mark(outcome, "publish")
                 outcome.persist_s = time.monotonic() - started - outcome.pause_s
             outcome.reason = "committed"
@@ -380,8 +411,9 @@ class RolloutSnapshotter:
             ) from exc
 
     async def _capture(self, prepared: PreparedGym, outcome: SnapshotOutcome, staged: bool) -> "_Cut":
-        """Inside the pause: Gym commits (or captures) its records, replies on the wire drain,
-        the cut is checked, and the controller's state is serialised in memory."""
+        """Inside the pause: Gym's records are committed (blocking) or were captured by the prepare
+        (staged), replies on the wire drain, the cut is checked, and the controller's state is
+        serialised in memory."""
         inputs = self.inputs
         step = self._step
         if inputs.step() != step:
@@ -401,11 +433,17 @@ class RolloutSnapshotter:
         }
         tmp, final = prepare_snapshot_paths(inputs.anchor_dir())
         try:
-            scopes = server_scopes(inputs.ledger, plan, inputs.agent_servers)
-            commits = await self.coordinator.commit(prepared, str(tmp), scopes, staged=staged)
-            self._mark(outcome, "commit")
-            crash_point("commit", step)  # test-only: Gym records committed, snapshot not published
-            exported = {iid: set(commits[iid].agent_exported) for iid in plan.instance_ids}
+            scopes = server_scopes(plan, inputs.agent_servers)
+            if staged:  # the agents' captures are the turn-level saves; each server writes after resume
+                exported = {iid: prepared.results[iid].captured_keys("agent") & plan.scope[iid].keys()
+                            for iid in plan.instance_ids}
+                written = None
+            else:
+                commits = await self.coordinator.commit(prepared, str(tmp), episode_scopes(scopes))
+                self._mark(outcome, "commit")
+                exported = {iid: set(commits[iid].agent_exported) for iid in plan.instance_ids}
+                written = {iid: commits[iid].exported_by_server for iid in plan.instance_ids}
+            crash_point("commit", step)  # test-only: Gym records committed (or captured), snapshot not published
             for iid, keys in (await self._drain(plan.scope, exported, prepared.deadline_ts)).items():
                 not_started[iid] |= keys
             self._mark(outcome, "drain")
@@ -413,26 +451,22 @@ class RolloutSnapshotter:
                 raise SnapshotSuperseded(f"training reached step {inputs.step()} while the snapshot of step {step} "
                                          "was being committed")
             # Exclusive cut: no awaits until the state is captured in memory.
-            check_cut(inputs.ledger, plan, exported, not_started)
-            counts = cut_counts(inputs.ledger, plan, exported, not_started)
-            index = GymCheckpointIndex(
-                checkpoint_id=prepared.checkpoint_id,
-                instances={
-                    iid: {server: sorted(set(keys) & exported[iid])
-                          for server, keys in commits[iid].exported_by_server.items()}
-                    for iid in plan.instance_ids
-                },
-                turn_level={iid: sorted(exported[iid]) for iid in plan.instance_ids},
-                unsaved={iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids},
-            )
+            owned = check_cut(inputs.ledger, plan, exported, not_started)
+            counts = cut_counts(inputs.ledger, plan, exported, not_started, owned)
+            unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
             capture = ControllerStateCapture.take(inputs)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
-        outcome.captured_bytes_by_server = {
-            f"{iid}/{server}": n for iid, c in commits.items() for server, n in sorted(c.captured_bytes.items()) if n}
-        outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + len(capture.data_plane)
+        if written is None:
+            outcome.captured_bytes_by_server = {
+                f"{iid}/{server}": n for iid in iids for server, n in sorted(prepared.results[iid].captured_bytes().items())}
+            outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + len(capture.data_plane)
+            pending = _PendingPersist(scopes, exported, unsaved)
+            return _Cut(step, tmp, final, prepared.checkpoint_id, None, capture, pending)
+        outcome.captured_bytes = len(capture.data_plane)
+        index = _gym_index(prepared.checkpoint_id, written, exported, unsaved)
         return _Cut(step, tmp, final, prepared.checkpoint_id, index, capture)
 
     def _capture_ledger_only(self, checkpoint_id: str) -> "_Cut":
@@ -441,19 +475,31 @@ class RolloutSnapshotter:
         capture = ControllerStateCapture.take(self.inputs)
         return _Cut(self.inputs.step(), tmp, final, checkpoint_id, None, capture)
 
-    async def _publish(self, cut: "_Cut", outcome: SnapshotOutcome, staged: bool) -> None:
+    async def _publish(self, cut: "_Cut", outcome: SnapshotOutcome) -> None:
         """Gym persists (staged), then the controller's files are written and the directory is
         sealed and renamed, off the event loop. Only a complete write becomes a snapshot."""
         try:
-            if staged:
+            if cut.persist is not None:
                 assert self.coordinator is not None
-                await self.coordinator.persist(cut.checkpoint_id)
+                cut.index = await self._persist_gym(cut.checkpoint_id, cut.tmp, cut.persist)
                 self._mark(outcome, "persist")
             await asyncio.to_thread(self._write_and_publish, cut)
         except BaseException:
             shutil.rmtree(cut.tmp, ignore_errors=True)
             raise
         outcome.committed, outcome.path = True, str(cut.final)
+
+    async def _persist_gym(self, checkpoint_id: str, tmp: Path, pending: _PendingPersist) -> GymCheckpointIndex:
+        """Every Gym server writes its scope from its capture; every turn-level save must be written."""
+        assert self.coordinator is not None
+        persisted = await self.coordinator.persist(checkpoint_id, str(tmp), episode_scopes(pending.scopes))
+        for iid, keys in pending.exported.items():
+            lost = keys - set(persisted[iid].agent_exported)
+            if lost:
+                raise GymOwnershipError(f"Gym instance {iid}: agents captured {sorted(lost)[:10]} at prepare but "
+                                        "did not write them")
+        written = {iid: persisted[iid].exported_by_server for iid in pending.exported}
+        return _gym_index(checkpoint_id, written, pending.exported, pending.unsaved)
 
     def _write_and_publish(self, cut: "_Cut") -> None:
         if cut.index is not None:
@@ -464,14 +510,14 @@ class RolloutSnapshotter:
                         metadata={"checkpoint_id": cut.checkpoint_id, "step": cut.step})
 
     async def _drain(
-        self, scope: dict[str, list[EpisodeId]], exported: dict[str, set[str]], deadline_ts: float
+        self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], deadline_ts: float
     ) -> dict[str, set[str]]:
         """Give in-scope rollouts Gym did not export a moment to finish (a reply or a verify on the
         wire seals them), without holding every rollout for them: whatever has not sealed, failed or
         been refused after ``DRAIN_GRACE_S`` is returned per instance as not started. Such a rollout
         restarts from its prompt after a crash; nothing it did is in the snapshot or lost by it."""
         ledger = self.inputs.ledger
-        pending = {e.capture_key: iid for iid, eps in scope.items() for e in eps if e.capture_key not in exported[iid]}
+        pending = {key: iid for iid, keys in scope.items() for key in keys if key not in exported[iid]}
 
         def settled() -> bool:
             for key in [k for k in pending if ledger.attempt_status(k) is not RolloutAttemptStatus.DISPATCHED]:

@@ -5,7 +5,8 @@ functions hold no I/O, so the snapshotter and the model-based tests run the
 very same code:
 
 - ``plan_cut``: after prepare, what each instance is asked to commit (its
-  turn-level rollouts minus those Gym reported unsaved);
+  turn-level rollouts minus those Gym reported unsaved), and ``server_scopes``
+  splits that per Gym server;
 - ``check_cut``: after commit and drain, under the exclusive cut, every
   rollout the ledger still expects Gym to hold was either exported or reported
   unsaved (else ``GymOwnershipError``);
@@ -27,10 +28,10 @@ class GymOwnershipError(RuntimeError):
 
 @dataclass(frozen=True)
 class CutPlan:
-    """What one snapshot asks of Gym, per instance."""
+    """What one snapshot asks of Gym, per instance (capture keys only: it is built while rollouts are held)."""
 
     instance_ids: tuple[str, ...]
-    scope: dict[str, list[EpisodeId]]  # committed per instance
+    scope: dict[str, dict[str, str | None]]  # instance -> capture key -> its agent: what the instance commits
     unsaved: dict[str, frozenset[str]]  # keys Gym said it cannot save (restart-only servers)
 
 
@@ -48,37 +49,60 @@ def plan_cut(
     instance_ids: Iterable[str],
     gym_unsaved: Mapping[str, Iterable[str]],
 ) -> CutPlan:
-    """The commit scope of every instance, from one inventory of the whole ledger."""
+    """The commit scope of every instance, from one pass over the whole ledger."""
     iids = tuple(sorted(instance_ids))
     unsaved = {iid: frozenset(gym_unsaved.get(iid, ())) for iid in iids}
-    inventory = ledger.gym_checkpoint_inventory(iids)
-    scope = {iid: [e for e in inventory[iid] if e.capture_key not in unsaved[iid]] for iid in iids}
+    owned = ledger.gym_checkpoint_agents(iids)
+    scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} for iid in iids}
     return CutPlan(iids, scope, unsaved)
 
 
 def server_scopes(
-    ledger: RolloutRecoveryLedger, plan: CutPlan, agent_servers: Mapping[str, Mapping[str, list[str]]]
-) -> dict[str, dict[str, list[EpisodeId]]]:
-    """Per instance, per Gym server: only the episodes that server takes part in.
+    plan: CutPlan,
+    agent_servers: Mapping[str, Mapping[str, list[str]]],
+    only: Mapping[str, set[str]] | None = None,
+) -> dict[str, dict[str, list[str]]]:
+    """Per instance, per Gym server: the capture keys of the episodes that server takes part in
+    (``only``: of those episodes only).
 
     ``agent_servers[instance][agent]`` lists the servers an agent's rollouts
     touch (the agent, its model server, its resources server); a server no
     episode touches gets an empty scope and exports nothing.
     """
-    out: dict[str, dict[str, list[EpisodeId]]] = {}
+    out: dict[str, dict[str, list[str]]] = {}
     for iid in plan.instance_ids:
         servers_of = agent_servers.get(iid, {})
-        by_server: dict[str, list[EpisodeId]] = {}
-        for episode in plan.scope[iid]:
-            agent = ledger.agent_of(episode)
-            if agent not in servers_of:
+        wanted = None if only is None else only.get(iid, set())
+        by_server: dict[str, list[str]] = {}
+        for key, agent in plan.scope[iid].items():
+            if wanted is not None and key not in wanted:
+                continue
+            servers = servers_of.get(agent) if agent is not None else None
+            if servers is None:
                 raise GymOwnershipError(
-                    f"rollout {episode.capture_key} on Gym instance {iid} belongs to agent {agent!r}, "
+                    f"rollout {key} on Gym instance {iid} belongs to agent {agent!r}, "
                     f"which that instance does not serve (agents: {sorted(servers_of)})"
                 )
-            for server in servers_of[agent]:
-                by_server.setdefault(server, []).append(episode)
+            for server in servers:
+                by_server.setdefault(server, []).append(key)
         out[iid] = by_server
+    return out
+
+
+def episode_scopes(scopes: Mapping[str, Mapping[str, list[str]]]) -> dict[str, dict[str, list[EpisodeId]]]:
+    """``server_scopes`` as the ``EpisodeId`` lists the control routes take (each key parsed once)."""
+    parsed: dict[str, EpisodeId] = {}
+    out: dict[str, dict[str, list[EpisodeId]]] = {}
+    for iid, by_server in scopes.items():
+        out[iid] = {}
+        for server, keys in by_server.items():
+            episodes = []
+            for key in keys:
+                episode = parsed.get(key)
+                if episode is None:
+                    episode = parsed[key] = EpisodeId.from_capture_key(key)
+                episodes.append(episode)
+            out[iid][server] = episodes
     return out
 
 
@@ -87,8 +111,9 @@ def check_cut(
     plan: CutPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
-) -> None:
+) -> dict[str, set[str]]:
     """On every instance: nothing exported outside the scope; owned minus exported is unsaved.
+    Returns what the ledger owns per instance (``cut_counts`` takes it: one pass in the cut).
 
     ``not_started``: in-scope rollouts Gym holds but has not started (a ``/run`` that reached a
     saving agent after it closed, or one the drain did not see finish): they restart from the
@@ -97,7 +122,7 @@ def check_cut(
     owned_by = ledger.gym_checkpoint_keys(plan.instance_ids)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
-        outside = done - {e.capture_key for e in plan.scope[iid]}
+        outside = done - plan.scope[iid].keys()
         if outside:
             problems.append(f"Gym instance {iid} exported rollouts outside its commit scope: {sorted(outside)[:10]}")
         stray = owned_by[iid] - done - plan.unsaved[iid] - set((not_started or {}).get(iid, ()))
@@ -108,6 +133,7 @@ def check_cut(
             )
     if problems:
         raise GymOwnershipError("; ".join(problems))
+    return owned_by
 
 
 def cut_counts(
@@ -115,11 +141,12 @@ def cut_counts(
     plan: CutPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
+    owned: Mapping[str, set[str]] | None = None,
 ) -> CutCounts:
-    """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed).
+    """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed and returned ``owned``).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted."""
-    inventory = ledger.gym_checkpoint_keys(plan.instance_ids)
+    inventory = owned if owned is not None else ledger.gym_checkpoint_keys(plan.instance_ids)
     saved = unsaved = waiting = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))

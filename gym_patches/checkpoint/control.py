@@ -31,10 +31,10 @@ from pydantic import BaseModel, ValidationError
 from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
 from gym_patches.checkpoint.identity import EpisodeId, checked_capture_key
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.records import Fragment, RecordEncodeError, encode_record
 from gym_patches.checkpoint.store import (
     EncodedRecords,
     WriteStopped,
-    encode_records,
     read_participant_state,
     write_participant_state,
 )
@@ -95,33 +95,74 @@ class _CommitWork:
         self.task: asyncio.Task[dict[str, Any]] | None = None
 
 
-class _Staged:
-    """What a ``capture`` prepare serialised: every exportable session, by capture key. ``persist``
-    writes a scope's records from it after resume; nothing running later can change it."""
+_IMMUTABLE = frozenset({str, int, float, bool, type(None), Fragment})
 
-    def __init__(self, checkpoint_id: str, lines: dict[str, list[bytes]],
+
+def _frozen_copy(record: Record) -> Record | None:
+    """A copy of ``record`` that nothing running later can change, if one is cheap: its
+    ``episode_id`` rebuilt and every other value immutable (a string, number, bool, None or JSON
+    fragment), so encoding it can wait until persist. None: some value could still change (a
+    resources state given as Python objects); encode that record now."""
+    copy: Record = {}
+    for name, value in record.items():
+        if name == "episode_id":
+            copy[name] = dict(value)  # checked: {"rollout_id": str, "attempt": int}
+        elif type(value) in _IMMUTABLE:
+            copy[name] = value
+        else:
+            return None
+    return copy
+
+
+def _json_size(record: Record) -> int:
+    """About the size of ``record``'s JSON line (exact for fragments and strings, 12 bytes per
+    name and value besides), without encoding it: the copy's size as the prepare reports it."""
+    size = 0
+    for name, value in record.items():
+        size += len(name) + 12
+        if type(value) is Fragment or type(value) is str:
+            size += len(value)
+        elif type(value) is dict:
+            size += sum(len(k) + 12 + (len(v) if type(v) is str else 0) for k, v in value.items())
+    return size
+
+
+class _Staged:
+    """What a ``capture`` prepare copied: every exportable session's record, by capture key (an
+    immutable record as it is, any other already encoded). ``persist`` writes a scope's records
+    from it after resume; nothing running later can change it."""
+
+    def __init__(self, checkpoint_id: str, entries: dict[str, list[Record | bytes]], nbytes: int,
                  fill: Callable[[EpisodeId], Record | None] | None, unsaved: frozenset[str]):
         self.checkpoint_id = checkpoint_id
-        self.lines: dict[str, list[bytes]] | None = lines  # None once written
+        self.entries: dict[str, list[Record | bytes]] | None = entries  # None once written
+        self.nbytes = nbytes
         self.fill = fill
         self.unsaved = unsaved
-        self.nbytes = sum(len(line) for group in lines.values() for line in group)
         self.args: Hashable | None = None  # the persist's (checkpoint_dir, scope), fixed by its first call
         self.task: asyncio.Task[dict[str, Any]] | None = None
 
     def select(self, scope: tuple[str, ...]) -> tuple[list[str], EncodedRecords]:
-        """The lines of the scope's episodes (in key order), and the keys that have any."""
-        assert self.lines is not None
+        """The scope's records as JSONL lines (in key order), and the keys that have any."""
+        assert self.entries is not None
         keys: list[str] = []
         lines: list[bytes] = []
         for key in scope:
-            found = self.lines.get(key)
+            found = self.entries.get(key)
             if found is None and self.fill is not None:
                 record = self.fill(EpisodeId.from_capture_key(key))
-                found = None if record is None else encode_records([record]).lines
-            if found:
-                keys.append(key)
-                lines.extend(found)
+                found = None if record is None else [record]
+            if not found:
+                continue
+            keys.append(key)
+            for entry in found:
+                if type(entry) is bytes:
+                    lines.append(entry)
+                    continue
+                try:
+                    lines.append(encode_record(entry))
+                except RecordEncodeError as exc:
+                    raise CheckpointStoreError(f"the record of {key} is not JSON-serialisable: {exc}") from None
         return keys, EncodedRecords(lines)
 
 
@@ -469,26 +510,36 @@ class ParticipantControlPlane:
             self._phase = "prepared"
             reply = dump(PrepareReply(
                 phase="prepared", report=report,
-                captured=None if captured is None else sorted(captured.lines or ()),
+                captured=None if captured is None else sorted(captured.entries or ()),
                 captured_bytes=0 if captured is None else captured.nbytes,
             ))
             self._store(cid, "prepare", args, reply)
             return reply
 
     async def _capture(self, checkpoint_id: str, unsaved: list[str]) -> _Staged:
-        """Serialise every exportable session now, while everything is held (on the loop: a thread
-        would only wait on the GIL). A record without a valid episode_id fails the prepare."""
+        """Copy every exportable session's record now, while everything is held (on the loop: a
+        thread would only wait on the GIL). A record of immutable values is kept as it is (its
+        fragments are already bytes) and encoded by ``persist``; any other is encoded here. A
+        record without a valid episode_id fails the prepare."""
         records = await self.participant.export(None)
         fill = self.participant.scope_fill()
-        keys = self._exported_keys(records, None)
-        try:
-            encoded = encode_records(records)
-        except CheckpointStoreError as exc:
-            raise CheckpointError(f"{self.instance} cannot capture its records: {exc}") from None
-        lines: dict[str, list[bytes]] = {}
-        for key, line in zip(keys, encoded.lines):
-            lines.setdefault(key, []).append(line)
-        return _Staged(checkpoint_id, lines, fill, frozenset(unsaved))
+        entries: dict[str, list[Record | bytes]] = {}
+        nbytes = 0
+        for index, record in enumerate(records):
+            key = _record_key(record)
+            if key is None:
+                raise CheckpointError(f"{self.instance} exported record {index} without a valid episode_id")
+            kept: Record | bytes | None = _frozen_copy(record)
+            if kept is None:
+                try:
+                    kept = encode_record(record)
+                except RecordEncodeError as exc:
+                    raise CheckpointError(f"{self.instance} cannot capture record {index} ({key}): {exc}") from None
+                nbytes += len(kept)
+            else:
+                nbytes += _json_size(kept)
+            entries.setdefault(key, []).append(kept)
+        return _Staged(checkpoint_id, entries, nbytes, fill, frozenset(unsaved))
 
     async def _wait_ready(self, checkpoint_id: str, deadline_ts: float) -> None:
         while self._checkpoint_id == checkpoint_id and self._phase == "preparing":
@@ -638,7 +689,7 @@ class ParticipantControlPlane:
                 checkpoint_dir, self.participant.kind, self.instance, staged.checkpoint_id, encoded)
 
         keys, manifest = await asyncio.to_thread(select_and_write)
-        staged.lines = None  # written: free the copy (retries get this reply)
+        staged.entries = None  # written: free the copy (retries get this reply)
         return dump(PersistReply(manifest=manifest, episode_ids=keys))
 
     def _exported_keys(self, records: list[Record], scope: set[str] | None) -> list[str]:

@@ -252,7 +252,8 @@ class ResourcesParticipant(CheckpointParticipant):
                 raise CheckpointError(f"{self.instance}: session {session.session_id!r} of {key} has a call in flight")
             state = None if self.mode == "stateless" else self._export_state(session)
             records.append(
-                {"episode_id": session.episode.model_dump(), "session_id": session.session_id, "state": state}
+                {"episode_id": {"rollout_id": session.episode.rollout_id, "attempt": session.episode.attempt},
+                 "session_id": session.session_id, "state": state}
             )
         return records
 

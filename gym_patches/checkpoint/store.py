@@ -106,7 +106,8 @@ def encode_records(records: list[dict[str, Any]], *, should_stop: Callable[[], b
     ``should_stop`` is checked between records (``WriteStopped``)."""
     lines: list[bytes] = []
     for index, record in enumerate(records):
-        _stop_if(should_stop, where or Path("."))
+        if should_stop is not None:
+            _stop_if(should_stop, where or Path("."))
         if not isinstance(record, dict):
             raise CheckpointStoreError(f"record {index} is a {type(record).__name__}, expected a JSON object")
         try:

@@ -127,7 +127,7 @@ class PrepareReply(BaseModel):
     phase: Phase
     report: PrepareReport
     captured: list[str] | None = None  # a ``capture`` prepare that is prepared: capture keys of the copy
-    captured_bytes: int = 0  # size of that in-memory copy, held until ``persist`` writes it
+    captured_bytes: int = 0  # about the JSON size of that in-memory copy, held until ``persist`` writes it
 
 
 class RenewReply(BaseModel):

@@ -633,6 +633,16 @@ class RolloutRecoveryLedger:
             trained_group_ids=list(self.trained_group_ids),
         ).model_dump(mode="json")
 
+    def state_json(self) -> bytes:
+        """``state_dict`` as JSON bytes, serialised by pydantic-core in one pass (about twice as fast:
+        a snapshot takes it while rollouts are held)."""
+        state = LedgerState(
+            max_attempts_per_sibling=self.max_attempts_per_sibling,
+            groups=list(self.groups.values()),
+            trained_group_ids=list(self.trained_group_ids),
+        )
+        return state.__pydantic_serializer__.to_json(state)
+
     def load_state_dict(self, state: dict) -> None:
         """Replace the ledger with a validated state; unknown fields are rejected."""
         parsed = LedgerState.model_validate(state)

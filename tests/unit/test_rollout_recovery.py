@@ -502,3 +502,12 @@ def test_a_refused_restored_attempt_keeps_its_replica_and_stays_in_the_inventory
     attempt = ledger.groups["grp0"].siblings[0].current_attempt
     assert (attempt.status, attempt.gym_instance_id, attempt.gym_attempt) == (S.RESERVED, INST, 1)
     assert [e.capture_key for e in ledger.gym_checkpoint_inventory([INST])[INST]] == [f"{r0}-a1"]
+
+
+def test_state_json_is_the_state_dict_as_json():
+    ledger = RolloutRecoveryLedger()
+    ledger.reserve_group("g1", "p", 0, None, "agent_a", "turn", 2, 1)
+    for req in ledger.reserved_attempts():
+        ledger.mark_dispatched(req.rollout_id, INST)
+    assert json.loads(ledger.state_json()) == ledger.state_dict()
+    assert RolloutRecoveryLedger.from_state_dict(json.loads(ledger.state_json())).state_dict() == ledger.state_dict()

@@ -182,3 +182,64 @@ def test_the_ledger_compacts_trained_groups_and_names_their_rollouts():
     assert again.trained_group_ids == ["g1"] and set(again.groups) == {"g2"}
     with pytest.raises(LedgerError, match="already trained"):
         ledger.mark_group_trained("g1")
+
+
+async def test_the_copy_is_immune_to_changes_in_place_after_resume(h, tmp_path):
+    """A record holding Python objects is encoded at capture; one of immutable values (a fragment)
+    is kept as it is and encoded by persist: either way persist writes what was there at prepare."""
+    from gym_patches.checkpoint.records import fragment
+    from pydantic import BaseModel
+
+    class World(BaseModel):
+        turn: int
+
+    h.participant.save("r1", turn=1)
+    h.participant.saved["r2"] = {"episode_id": dict(ep("r2")), "state": fragment(World(turn=2)), "tag": "x"}
+    reply = await h.ok("prepare", checkpoint_id="c1", capture=True)
+    assert reply["captured"] == ["r1", "r2"]
+    await h.ok("resume", checkpoint_id="c1")
+    h.participant.saved["r1"]["state"]["turn"] = 99  # changed in place
+    h.participant.saved["r1"]["episode_id"]["rollout_id"] = "zz"
+    h.participant.saved["r2"]["episode_id"]["attempt"] = 7
+    h.participant.saved["r2"]["tag"] = "y"
+    await h.ok("persist", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=[ep("r1"), ep("r2")])
+    _, records = read_participant_state(tmp_path, "agent", "agent_a", "c1")
+    assert records == [
+        {"episode_id": {"rollout_id": "r1", "attempt": 0}, "state": {"turn": 1}},
+        {"episode_id": {"rollout_id": "r2", "attempt": 0}, "state": {"turn": 2}, "tag": "x"},
+    ]
+
+
+class FakePersistCoordinator:
+    """Test-only stand-in for ``GymCheckpointCoordinator.persist``: isolates the snapshotter's check
+    of what Gym wrote from Ray and the servers (the real path runs in the functional tests)."""
+
+    def __init__(self, written: dict[str, dict[str, list[str]]], agents: dict[str, list[str]]):
+        self.written, self.agents, self.calls = written, agents, []
+
+    async def persist(self, checkpoint_id, root, scope):
+        from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary
+
+        self.calls.append((checkpoint_id, root, {iid: {s: [e.capture_key for e in eps] for s, eps in by.items()}
+                                                 for iid, by in scope.items()}))
+        return {iid: GymCheckpointCommitSummary(root, by_server, sorted(self.agents[iid]))
+                for iid, by_server in self.written.items()}
+
+
+async def test_a_staged_snapshot_indexes_what_gym_wrote_and_refuses_a_lost_capture(tmp_path):
+    from nemo_rl.algorithms.single_controller_utils.snapshot import (
+        GymOwnershipError, RolloutSnapshotter, _PendingPersist)
+
+    iid = "nemo_gym/replica-0"
+    pending = _PendingPersist(scopes={iid: {"agent": ["r1", "r2"], "model": ["r1", "r2"]}},
+                              exported={iid: {"r1", "r2"}}, unsaved={iid: ["r3"]})
+    snapshotter = RolloutSnapshotter.__new__(RolloutSnapshotter)  # only the persist step is exercised
+    snapshotter.coordinator = FakePersistCoordinator({iid: {"agent": ["r1", "r2"], "model": ["r1", "r2", "r9"]}},
+                                                     {iid: ["r1", "r2"]})
+    index = await snapshotter._persist_gym("c1", tmp_path, pending)
+    assert snapshotter.coordinator.calls == [("c1", str(tmp_path), pending.scopes)]
+    assert index.instances == {iid: {"agent": ["r1", "r2"], "model": ["r1", "r2"]}}  # kept to the turn-level saves
+    assert index.turn_level == {iid: ["r1", "r2"]} and index.unsaved == {iid: ["r3"]}
+    snapshotter.coordinator = FakePersistCoordinator({iid: {"agent": ["r1"], "model": ["r1", "r2"]}}, {iid: ["r1"]})
+    with pytest.raises(GymOwnershipError, match=r"captured \['r2'\] at prepare but did not write them"):
+        await snapshotter._persist_gym("c1", tmp_path, pending)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_patches.utils.collector import CollectorHold
@@ -62,6 +63,7 @@ from nemo_rl.utils.snapshot_store import (
     snapshot_sequence,
     snapshots_root,
     verify_directory,
+    write_bytes_atomic,
     write_json_atomic,
 )
 
@@ -134,7 +136,7 @@ class ControllerStateCapture:
         data, meta = inputs.data_plane.dump()
         state = {
             "step": inputs.step(),
-            "ledger": inputs.ledger.state_dict(),
+            "ledger": msgspec.Raw(inputs.ledger.state_json()),  # already JSON: spliced in by the write
             "dataloader": inputs.dataloader.state_dict(),
             "data_plane": meta,
         }
@@ -142,7 +144,8 @@ class ControllerStateCapture:
 
     def write(self, directory: Path) -> None:
         DataPlaneStore.write_dump(directory, self.data_plane)
-        write_json_atomic(directory / CONTROLLER_STATE_FILE, self.state)
+        encoded = msgspec.json.encode(self.state, order="sorted")
+        write_bytes_atomic(directory / CONTROLLER_STATE_FILE, msgspec.json.format(encoded, indent=2) + b"\n")
 
 
 def required_snapshot_files(turn_checkpointing: bool) -> tuple[str, ...]:

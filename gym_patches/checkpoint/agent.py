@@ -214,7 +214,7 @@ class AgentSessionParticipant(CheckpointParticipant):
             if phase in _MUTABLE:
                 s.version += 1
             s.phase = phase
-            if not self.accepting and phase in _AT_BOUNDARY:
+            if phase in _AT_BOUNDARY and (self.capture_eagerly or not self.accepting):
                 self._precapture(s)
             self.notify_changed()
 
@@ -227,9 +227,9 @@ class AgentSessionParticipant(CheckpointParticipant):
         return s.captured[1]
 
     def _precapture(self, s: _Session) -> None:
-        """While a checkpoint is being prepared, serialise each session as it comes to rest, so the
-        commit finds the work done instead of doing all of it while every rollout is held. Failures
-        are left for the commit to report."""
+        """Serialise a session as it comes to rest (while a checkpoint is being prepared, and, once
+        one has been, while open too: ``capture_eagerly``), so the capture finds the work done
+        instead of doing it while every rollout is held. Failures are left for the capture to report."""
         if s.state is not None and s.boundary is not None:
             try:
                 self._captured_state(s)
@@ -244,6 +244,7 @@ class AgentSessionParticipant(CheckpointParticipant):
     async def close_admission(self, policy: RestartOnlyPolicy) -> None:
         self.policy = policy
         self.accepting = False
+        self.capture_eagerly = True
         self._ready_reported = False
         if self._reopened.is_set():
             self._reopened = asyncio.Event()

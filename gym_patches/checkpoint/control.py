@@ -95,36 +95,29 @@ class _CommitWork:
         self.task: asyncio.Task[dict[str, Any]] | None = None
 
 
-_IMMUTABLE = frozenset({str, int, float, bool, type(None), Fragment})
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
-def _frozen_copy(record: Record) -> Record | None:
-    """A copy of ``record`` that nothing running later can change, if one is cheap: its
-    ``episode_id`` rebuilt and every other value immutable (a string, number, bool, None or JSON
-    fragment), so encoding it can wait until persist. None: some value could still change (a
-    resources state given as Python objects); encode that record now."""
+def _frozen_copy(record: Record) -> tuple[Record | None, int]:
+    """A copy of ``record`` that nothing running later can change, if one is cheap, and about the
+    size of its JSON line (exact for strings and fragments, 12 bytes per name and number besides).
+    Cheap: its ``episode_id`` (already checked) rebuilt and every other value immutable (a string,
+    number, bool, None or JSON fragment), so encoding it can wait until persist. ``(None, 0)``: some
+    value could still change (a resources state given as Python objects); encode that record now."""
     copy: Record = {}
-    for name, value in record.items():
-        if name == "episode_id":
-            copy[name] = dict(value)  # checked: {"rollout_id": str, "attempt": int}
-        elif type(value) in _IMMUTABLE:
-            copy[name] = value
-        else:
-            return None
-    return copy
-
-
-def _json_size(record: Record) -> int:
-    """About the size of ``record``'s JSON line (exact for fragments and strings, 12 bytes per
-    name and value besides), without encoding it: the copy's size as the prepare reports it."""
     size = 0
     for name, value in record.items():
-        size += len(name) + 12
-        if type(value) is Fragment or type(value) is str:
+        kind = type(value)
+        if kind is Fragment or kind is str:
             size += len(value)
-        elif type(value) is dict:
-            size += sum(len(k) + 12 + (len(v) if type(v) is str else 0) for k, v in value.items())
-    return size
+        elif name == "episode_id":
+            value = {"rollout_id": value["rollout_id"], "attempt": value["attempt"]}
+            size += len(value["rollout_id"]) + 40
+        elif kind not in _SCALARS:
+            return None, 0
+        copy[name] = value
+        size += len(name) + 12
+    return copy, size
 
 
 class _Staged:
@@ -529,15 +522,14 @@ class ParticipantControlPlane:
             key = _record_key(record)
             if key is None:
                 raise CheckpointError(f"{self.instance} exported record {index} without a valid episode_id")
-            kept: Record | bytes | None = _frozen_copy(record)
+            kept, size = _frozen_copy(record)
             if kept is None:
                 try:
                     kept = encode_record(record)
                 except RecordEncodeError as exc:
                     raise CheckpointError(f"{self.instance} cannot capture record {index} ({key}): {exc}") from None
-                nbytes += len(kept)
-            else:
-                nbytes += _json_size(kept)
+                size = len(kept)
+            nbytes += size
             entries.setdefault(key, []).append(kept)
         return _Staged(checkpoint_id, entries, nbytes, fill, frozenset(unsaved))
 

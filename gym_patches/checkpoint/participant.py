@@ -25,6 +25,10 @@ class CheckpointParticipant(ABC):
 
     def __init__(self) -> None:
         self.accepting: bool = True
+        # Set by the first close_admission of a participant that serialises sessions as they come to
+        # rest: from then on it does so while open too, so a snapshot's capture finds the work done.
+        # Off until the server takes part in checkpoints, so runs without snapshots never pay for it.
+        self.capture_eagerly: bool = False
         self.policy: RestartOnlyPolicy = "block"
         # rollout_id -> highest retired attempt; attempts at or below are refused.
         self.retired: dict[str, int] = {}

@@ -106,15 +106,16 @@ class ResourcesParticipant(CheckpointParticipant):
     async def close_admission(self, policy: RestartOnlyPolicy) -> None:
         self.policy = policy
         self.accepting = False
+        self.capture_eagerly = True
         self._open.clear()
         for session in self.sessions.values():
             self._precapture(session)
         self.notify_changed()
 
     def _precapture(self, session: LiveSession) -> None:
-        """While closed, export each idle session ahead of the commit (which then reuses it), so
-        little of that work is left for the time every rollout is held. Failures are left for the
-        commit to report."""
+        """Export an idle session ahead of the capture (which then reuses it): while closed, and,
+        once a checkpoint has been prepared, after every call (``capture_eagerly``), so little of
+        that work is left for the time every rollout is held. Failures are left for the capture."""
         if self.mode == "exported" and session.inflight == 0 and not session.ended:
             try:
                 self._export_state(session)
@@ -203,7 +204,7 @@ class ResourcesParticipant(CheckpointParticipant):
             yield session
         finally:
             session.inflight -= 1
-            if not self.accepting:
+            if self.capture_eagerly or not self.accepting:
                 self._precapture(session)
             self.notify_changed()
             if session.ended and session.inflight == 0:

@@ -277,6 +277,30 @@ async def test_capture_reuses_an_unmoved_sessions_bytes_and_never_a_moved_ones()
     assert (await run).reward == 1.0
 
 
+async def test_sessions_are_serialised_as_they_come_to_rest_once_a_checkpoint_has_been_prepared():
+    """Before any checkpoint nothing is serialised; after one, a session coming to rest while open is
+    (so the next capture finds its bytes ready and reuses them)."""
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"r1": [call_reply("lookup"), call_reply("lookup", rid="r2"), final_reply()]})
+    first, second = io.gate_model("r1", 1), io.gate_model("r1", 2)
+    run = start(p, io, "r1")
+    await until(lambda: phase(p, "r1") == "awaiting_model")
+    assert p._sessions["r1"].captured is None and not p.capture_eagerly  # runs without snapshots never pay
+    await p.close_admission("block")
+    await p.open_admission()
+    first.set()  # open: the loop runs the tool and comes to rest waiting on its second reply
+    await until(lambda: phase(p, "r1") == "awaiting_model" and len(io.model_bodies["r1"]) == 2)
+    s = p._sessions["r1"]
+    assert s.captured is not None and s.captured[0] == s.version
+    assert bytes(s.captured[1]) == bytes(fragment(s.state))
+    await p.close_admission("block")
+    [record] = await p.export(None)
+    assert record["state"] is s.captured[1], "the capture reuses the bytes taken while open"
+    await p.open_admission()
+    second.set()
+    assert (await run).reward == 1.0
+
+
 async def test_seed_in_flight_blocks_and_runs_arriving_while_closed_wait():
     p = AgentSessionParticipant()
     io = FakeLoopIO({"r1": [final_reply()], "r2": [final_reply()]})

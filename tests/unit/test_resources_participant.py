@@ -281,6 +281,31 @@ async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: Counte
     assert [r["state"] for r in third] == [{"count": 1}, {"count": 0}]
 
 
+async def test_after_a_checkpoint_a_call_ending_while_open_exports_its_session(hooks: CounterHooks) -> None:
+    exports: list[Any] = []
+    real = hooks.export_session_state
+
+    def counting(state: Any) -> dict[str, Any]:
+        exports.append(state["count"])
+        return real(state)
+
+    hooks.export_session_state = counting  # type: ignore[method-assign]
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1")
+    async with p.session_call("s1") as session:
+        session.state["count"] += 1
+    assert exports == [], "before any checkpoint nothing is exported ahead of time"
+    await p.close_admission("block")
+    await p.open_admission()
+    assert exports == [1]  # at close, the idle session
+    async with p.session_call("s1") as session:
+        session.state["count"] += 1
+    assert exports == [1, 2], "the call ended while open: exported at once"
+    await p.close_admission("block")
+    [record] = await p.export(None)
+    assert exports == [1, 2] and record["state"] == {"count": 2}, "the capture reuses it"
+
+
 @pytest.mark.parametrize("bad, named", [
     ({"count": b"\x00"}, "state.count is a bytes"),
     ({"count": {1, 2}}, "state.count is a set"),

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import Fragment, fragment, plain
+from gym_patches.checkpoint.records import CapturedRecord, Fragment, capture_record, fragment, plain
 from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
 from gym_patches.responses_api_agents.loop import RunRequestError, SimpleAgentLoopState, parse_run_body
 from gym_patches.server_utils import cancel_and_wait, json_error
@@ -90,7 +90,7 @@ class _Session:
     # Times the session entered a phase in which the loop may change its state: versions the state,
     # so a capture of a session that has not moved since the previous snapshot reuses that one's bytes.
     version: int = 0
-    captured: "tuple[int, Fragment] | None" = None
+    captured: "tuple[int, CapturedRecord] | None" = None
 
 
 @dataclass(frozen=True)
@@ -218,12 +218,16 @@ class AgentSessionParticipant(CheckpointParticipant):
                 self._precapture(s)
             self.notify_changed()
 
-    @staticmethod
-    def _captured_state(s: _Session) -> Fragment:
-        """The parked session's state as JSON, serialised again only if it may have changed."""
-        assert s.state is not None
+    def _captured(self, s: _Session) -> CapturedRecord:
+        """The parked session's record, checked and frozen, made again only if the session may have
+        moved: the loop changes its state and boundary only in a mutable phase, and every entry
+        into one bumps ``version``."""
+        assert s.state is not None and s.boundary is not None
         if s.captured is None or s.captured[0] != s.version:
-            s.captured = (s.version, fragment(s.state))
+            entry = capture_record(make_record(s.episode, s.boundary, fragment(s.state)))
+            if entry is None:  # cannot happen: an EpisodeId, strings and a fragment
+                raise CheckpointError(f"{self.name}: the record of session {s.episode} cannot be captured")
+            s.captured = (s.version, entry)
         return s.captured[1]
 
     def _precapture(self, s: _Session) -> None:
@@ -232,7 +236,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         instead of doing it while every rollout is held. Failures are left for the capture to report."""
         if s.state is not None and s.boundary is not None:
             try:
-                self._captured_state(s)
+                self._captured(s)
             except Exception:
                 s.captured = None
 
@@ -288,16 +292,17 @@ class AgentSessionParticipant(CheckpointParticipant):
         return report
 
     # -- lifecycle ---------------------------------------------------------
-    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
-        wanted = None if episodes is None else {e.capture_key for e in episodes}
-        records: list[Record] = []
+    def _exportable(self, wanted: set[str] | None) -> list[_Session]:
+        """The sessions a commit of ``wanted`` (None: all) exports, in key order; raises for one in
+        scope that is not at a boundary."""
+        out: list[_Session] = []
         for key in sorted(self._sessions):
             s = self._sessions[key]
             if wanted is not None and key not in wanted:
                 continue
             if s.phase == "admitting":
                 if key in self._restored or wanted is None:
-                    continue  # a restored one is exported below
+                    continue  # a restored one is exported from ``_restored``
                 raise CheckpointError(
                     f"{self.name}: /run {key} arrived while the checkpoint was open and has not started; "
                     "it has no boundary to save"
@@ -306,12 +311,23 @@ class AgentSessionParticipant(CheckpointParticipant):
                 raise CheckpointError(f"{self.name}: session {key} is {s.phase}, not parked at a boundary")
             if s.state is None or s.boundary is None:
                 raise CheckpointError(f"{self.name}: session {key} has no boundary state")
-            records.append(make_record(s.episode, s.boundary, self._captured_state(s)))
-        for key in sorted(self._restored):
-            if wanted is None or key in wanted:
-                r = self._restored[key]
-                records.append(make_record(r.episode, r.boundary, r.state))
-        return records
+            out.append(s)
+        return out
+
+    def _restored_records(self, wanted: set[str] | None) -> list[Record]:
+        return [make_record(r.episode, r.boundary, r.state)
+                for key, r in sorted(self._restored.items()) if wanted is None or key in wanted]
+
+    async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
+        wanted = None if episodes is None else {e.capture_key for e in episodes}
+        records: list[Record] = [make_record(s.episode, s.boundary, self._captured(s).record["state"])
+                                 for s in self._exportable(wanted)]
+        return records + self._restored_records(wanted)
+
+    async def capture_records(self) -> list[Any]:
+        """Each parked session's ``CapturedRecord``, kept while it has not moved (most were made as
+        the sessions came to rest, so this does almost no work while rollouts are held)."""
+        return [self._captured(s) for s in self._exportable(None)] + self._restored_records(None)
 
     async def install(self, records: list[Record]) -> list[str]:
         parsed: list[RestoredSession] = []

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
 from gym_patches.checkpoint.identity import EpisodeId, checked_capture_key
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import Fragment, RecordEncodeError, encode_record
+from gym_patches.checkpoint.records import CapturedRecord, RecordEncodeError, encode_record, frozen_copy
 from gym_patches.checkpoint.store import (
     EncodedRecords,
     WriteStopped,
@@ -93,31 +93,6 @@ class _CommitWork:
         self.stop = False
         self.writing = False
         self.task: asyncio.Task[dict[str, Any]] | None = None
-
-
-_SCALARS = frozenset({int, float, bool, type(None)})
-
-
-def _frozen_copy(record: Record) -> tuple[Record | None, int]:
-    """A copy of ``record`` that nothing running later can change, if one is cheap, and about the
-    size of its JSON line (exact for strings and fragments, 12 bytes per name and number besides).
-    Cheap: its ``episode_id`` (already checked) rebuilt and every other value immutable (a string,
-    number, bool, None or JSON fragment), so encoding it can wait until persist. ``(None, 0)``: some
-    value could still change (a resources state given as Python objects); encode that record now."""
-    copy: Record = {}
-    size = 0
-    for name, value in record.items():
-        kind = type(value)
-        if kind is Fragment or kind is str:
-            size += len(value)
-        elif name == "episode_id":
-            value = {"rollout_id": value["rollout_id"], "attempt": value["attempt"]}
-            size += len(value["rollout_id"]) + 40
-        elif kind not in _SCALARS:
-            return None, 0
-        copy[name] = value
-        size += len(name) + 12
-    return copy, size
 
 
 class _Staged:
@@ -513,16 +488,22 @@ class ParticipantControlPlane:
         """Copy every exportable session's record now, while everything is held (on the loop: a
         thread would only wait on the GIL). A record of immutable values is kept as it is (its
         fragments are already bytes) and encoded by ``persist``; any other is encoded here. A
+        ``CapturedRecord`` is that work done by the participant when its session came to rest. A
         record without a valid episode_id fails the prepare."""
-        records = await self.participant.export(None)
+        records = await self.participant.capture_records()
         fill = self.participant.scope_fill()
         entries: dict[str, list[Record | bytes]] = {}
         nbytes = 0
         for index, record in enumerate(records):
+            if type(record) is CapturedRecord:  # checked and frozen by the participant, maybe long ago
+                key, kept, size = record
+                entries.setdefault(key, []).append(kept)
+                nbytes += size
+                continue
             key = _record_key(record)
             if key is None:
                 raise CheckpointError(f"{self.instance} exported record {index} without a valid episode_id")
-            kept, size = _frozen_copy(record)
+            kept, size = frozen_copy(record)
             if kept is None:
                 try:
                     kept = encode_record(record)

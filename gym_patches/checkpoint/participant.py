@@ -59,6 +59,12 @@ class CheckpointParticipant(ABC):
         """Install records under ``next_attempt``; return the new capture keys.
         All or nothing: on error nothing is installed."""
 
+    async def capture_records(self) -> list[Any]:
+        """What a staged capture takes, the moment the participant is prepared: ``export(None)``.
+        An override may hand over ``records.CapturedRecord``s (``capture_record``) kept per
+        session that has not moved, so the capture does no per-record work for those."""
+        return await self.export(None)
+
     def scope_fill(self) -> Callable[[EpisodeId], Record | None] | None:
         """For a staged capture (taken with ``export(None)`` the moment the participant is
         prepared): how to make, later, the record of an in-scope episode that export left out,

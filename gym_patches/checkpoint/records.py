@@ -11,10 +11,12 @@ session. The bytes are a copy that nothing running later can change.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from pydantic import BaseModel
+
+from gym_patches.checkpoint.identity import checked_capture_key
 
 Fragment = msgspec.Raw
 _ENCODER = msgspec.json.Encoder(order="sorted")  # dict keys sorted: equal records encode to equal bytes
@@ -72,3 +74,49 @@ def plain(record: dict[str, Any]) -> dict[str, Any]:
     if not any(isinstance(v, Fragment) for v in record.values()):
         return record
     return _DECODER.decode(encode_record(record))
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def frozen_copy(record: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+    """A copy of ``record`` that nothing running later can change, if one is cheap, and about the
+    size of its JSON line (exact for strings and fragments, 12 bytes per name and number besides).
+    Cheap: its ``episode_id`` (checked by the caller) rebuilt and every other value immutable (a
+    string, number, bool, None or JSON fragment), so encoding it can wait. ``(None, 0)``: some value
+    could still change (a state given as Python objects); encode that record at once instead."""
+    copy: dict[str, Any] = {}
+    size = 0
+    for name, value in record.items():
+        kind = type(value)
+        if kind is Fragment or kind is str:
+            size += len(value)
+        elif name == "episode_id":
+            value = {"rollout_id": value["rollout_id"], "attempt": value["attempt"]}
+            size += len(value["rollout_id"]) + 40
+        elif kind not in _SCALARS:
+            return None, 0
+        copy[name] = value
+        size += len(name) + 12
+    return copy, size
+
+
+class CapturedRecord(NamedTuple):
+    """A record checked and copied for a staged capture: its capture key, a copy of immutable values
+    that nothing later changes, and about its JSON size. Made by ``capture_record``; a participant
+    may keep one per session that has not moved and hand it to every capture, which then does no
+    work for that session."""
+
+    key: str
+    record: dict[str, Any]
+    size: int
+
+
+def capture_record(record: dict[str, Any]) -> CapturedRecord | None:
+    """``record`` checked (a valid ``episode_id``) and frozen; None if it cannot be (no valid
+    episode id, or a value that could still change)."""
+    key = checked_capture_key(record.get("episode_id")) if type(record) is dict else None
+    if key is None:
+        return None
+    copy, size = frozen_copy(record)
+    return None if copy is None else CapturedRecord(key, copy, size)

@@ -29,7 +29,14 @@ from pydantic import ValidationError
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import Fragment, RecordEncodeError, check_plain_json, plain
+from gym_patches.checkpoint.records import (
+    CapturedRecord,
+    Fragment,
+    RecordEncodeError,
+    capture_record,
+    check_plain_json,
+    plain,
+)
 from gym_patches.checkpoint.wire import PrepareReport, ResourcesCheckpointMode, RestartOnlyPolicy
 
 logger = logging.getLogger(__name__)
@@ -69,6 +76,7 @@ class LiveSession:
     freed: bool = False
     calls: int = 0  # calls begun: a state changes only inside a call, so this versions it
     exported: tuple[int, Any] | None = None  # (calls, export) of the last capture, reused while unchanged
+    captured: tuple[int, CapturedRecord] | None = None  # (calls, record) frozen for staged captures, likewise
 
 
 @dataclass
@@ -118,9 +126,9 @@ class ResourcesParticipant(CheckpointParticipant):
         that work is left for the time every rollout is held. Failures are left for the capture."""
         if self.mode == "exported" and session.inflight == 0 and not session.ended:
             try:
-                self._export_state(session)
+                self._captured(session)
             except Exception:
-                session.exported = None
+                session.exported = session.captured = None
 
     async def open_admission(self) -> None:
         self.accepting = True
@@ -251,12 +259,37 @@ class ResourcesParticipant(CheckpointParticipant):
                 continue  # the commit scope spans every server; other rollouts live elsewhere
             if session.inflight:
                 raise CheckpointError(f"{self.instance}: session {session.session_id!r} of {key} has a call in flight")
-            state = None if self.mode == "stateless" else self._export_state(session)
-            records.append(
-                {"episode_id": {"rollout_id": session.episode.rollout_id, "attempt": session.episode.attempt},
-                 "session_id": session.session_id, "state": state}
-            )
+            records.append(self._record(session))
         return records
+
+    async def capture_records(self) -> list[Any]:
+        """Each session's ``CapturedRecord``, kept while no call has begun on it (most were made as
+        their last call ended); a state given as Python objects goes as a plain record."""
+        if self.mode == "restart_only":
+            return []
+        out: list[Any] = []
+        for session in self.sessions.values():
+            if session.inflight:
+                raise CheckpointError(f"{self.instance}: session {session.session_id!r} of "
+                                      f"{session.episode.capture_key} has a call in flight")
+            out.append(self._captured(session))
+        return out
+
+    def _record(self, session: LiveSession) -> Record:
+        state = None if self.mode == "stateless" else self._export_state(session)
+        return {"episode_id": {"rollout_id": session.episode.rollout_id, "attempt": session.episode.attempt},
+                "session_id": session.session_id, "state": state}
+
+    def _captured(self, session: LiveSession) -> CapturedRecord | Record:
+        cached = session.captured
+        if cached is not None and cached[0] == session.calls:
+            return cached[1]
+        record = self._record(session)
+        entry = capture_record(record)
+        if entry is None:
+            return record  # Python objects: the capture encodes it
+        session.captured = (session.calls, entry)
+        return entry
 
     def _export_state(self, session: LiveSession) -> Any:
         """The hook's export, reused while no call has begun on the session since it was taken.

@@ -292,10 +292,12 @@ async def test_sessions_are_serialised_as_they_come_to_rest_once_a_checkpoint_ha
     await until(lambda: phase(p, "r1") == "awaiting_model" and len(io.model_bodies["r1"]) == 2)
     s = p._sessions["r1"]
     assert s.captured is not None and s.captured[0] == s.version
-    assert bytes(s.captured[1]) == bytes(fragment(s.state))
+    entry = s.captured[1]
+    assert entry.key == "r1" and bytes(entry.record["state"]) == bytes(fragment(s.state))
     await p.close_admission("block")
     [record] = await p.export(None)
-    assert record["state"] is s.captured[1], "the capture reuses the bytes taken while open"
+    assert record["state"] is entry.record["state"], "the export reuses the bytes taken while open"
+    assert await p.capture_records() == [entry] and (await p.capture_records())[0] is entry
     await p.open_admission()
     second.set()
     assert (await run).reward == 1.0

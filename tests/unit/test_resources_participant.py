@@ -306,6 +306,25 @@ async def test_after_a_checkpoint_a_call_ending_while_open_exports_its_session(h
     assert exports == [1, 2] and record["state"] == {"count": 2}, "the capture reuses it"
 
 
+async def test_capture_records_are_frozen_for_fragment_states_and_plain_for_python_ones(hooks: CounterHooks) -> None:
+    from gym_patches.checkpoint.records import CapturedRecord, fragment
+    from pydantic import BaseModel
+
+    class Count(BaseModel):
+        count: int
+
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1")
+    plain_records = await p.capture_records()
+    assert plain_records == await p.export(None) and type(plain_records[0]) is dict  # Python objects: encoded by the capture
+    hooks.export_session_state = lambda state: fragment(Count(count=state["count"]))  # type: ignore[method-assign]
+    async with p.session_call("s1") as session:  # a call begins: the next capture exports again
+        session.state["count"] += 5
+    [entry] = await p.capture_records()
+    assert type(entry) is CapturedRecord and entry.key == "r1" and bytes(entry.record["state"]) == b'{"count":5}'
+    assert (await p.capture_records())[0] is entry, "kept while no call begins on the session"
+
+
 @pytest.mark.parametrize("bad, named", [
     ({"count": b"\x00"}, "state.count is a bytes"),
     ({"count": {1, 2}}, "state.count is a set"),

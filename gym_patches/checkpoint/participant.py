@@ -66,8 +66,8 @@ class CheckpointParticipant(ABC):
         return await self.export(None)
 
     def scope_fill(self) -> Callable[[EpisodeId], Record | None] | None:
-        """For a staged capture (taken with ``export(None)`` the moment the participant is
-        prepared): how to make, later, the record of an in-scope episode that export left out,
+        """For a staged capture (``capture_records()``, taken the moment the participant is
+        prepared): how to make, later, the record of an in-scope episode the capture left out,
         as things stood when prepared. None (the default): such an episode has no record."""
         return None
 

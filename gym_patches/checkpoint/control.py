@@ -29,9 +29,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
-from gym_patches.checkpoint.identity import EpisodeId, checked_capture_key
+from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import CapturedRecord, RecordEncodeError, encode_record, frozen_copy
+from gym_patches.checkpoint.records import CapturedRecord, RecordEncodeError, encode_record, frozen_copy, record_key
 from gym_patches.checkpoint.store import (
     EncodedRecords,
     WriteStopped,
@@ -73,11 +73,6 @@ _INTERNAL_ERROR = "internal_error"  # 500: a participant raised something that i
 # below the server's 64 MiB aiohttp cap.
 MAX_CONTROL_BODY_BYTES = 32 * 1024 * 1024
 _BODY_CHUNK = 256 * 1024
-
-
-def _record_key(record: Record) -> str | None:
-    """The record's capture key if its ``episode_id`` is plainly a valid one; None otherwise."""
-    return checked_capture_key(record.get("episode_id")) if type(record) is dict else None
 
 
 def _keys(episodes: list[EpisodeId] | None) -> tuple[str, ...] | None:
@@ -500,7 +495,7 @@ class ParticipantControlPlane:
                 entries.setdefault(key, []).append(kept)
                 nbytes += size
                 continue
-            key = _record_key(record)
+            key = record_key(record)
             if key is None:
                 raise CheckpointError(f"{self.instance} exported record {index} without a valid episode_id")
             kept, size = frozen_copy(record)
@@ -668,7 +663,7 @@ class ParticipantControlPlane:
     def _exported_keys(self, records: list[Record], scope: set[str] | None) -> list[str]:
         keys: list[str] = []
         for index, record in enumerate(records):
-            key = _record_key(record)
+            key = record_key(record)
             if key is None:
                 raise CheckpointError(f"{self.instance} exported record {index} without a valid episode_id")
             if scope is not None and key not in scope:

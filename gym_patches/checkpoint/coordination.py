@@ -283,11 +283,7 @@ async def prepare(
         stage = participants.by_kind(kind)
         if not stage:
             continue
-        control = participants.control
-        replies = await _gather_all("prepare", {
-            p.name: _typed(control.post(p.name, p.url, "prepare", requests[p.name]), p.name, PrepareReply)
-            for p in stage
-        })
+        replies = await _fan_out(participants, stage, "prepare", requests, PrepareReply)
         for name, reply in replies.items():
             result.replies[name] = reply
             result.kinds[name] = kind
@@ -324,19 +320,12 @@ async def commit(
     server gets only its own episodes; servers left out get none), or None
     (all each can export).
     """
-    scopes = _per_server(participants, "commit", episode_ids)
-    control = participants.control
-    calls = {
-        p.name: _typed(
-            control.post(p.name, p.url, "commit", CommitRequest(
-                checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
-                episode_ids=scopes[p.name],
-            )),
-            p.name, CommitReply,
-        )
-        for p in participants
+    requests = {
+        name: CommitRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
+                            episode_ids=scope)
+        for name, scope in _per_server(participants, "commit", episode_ids).items()
     }
-    return await _gather_all("commit", calls)
+    return await _fan_out(participants, participants.members, "commit", requests, CommitReply)
 
 
 async def forget(
@@ -356,19 +345,12 @@ async def persist(
 ) -> dict[str, PersistReply]:
     """Every participant writes its episodes' records from what its ``capture`` prepare of
     ``checkpoint_id`` serialised (after resume is fine); scopes as for ``commit``."""
-    scopes = _per_server(participants, "persist", episode_ids)
-    control = participants.control
-    calls = {
-        p.name: _typed(
-            control.post(p.name, p.url, "persist", PersistRequest(
-                checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
-                episode_ids=scopes[p.name] or [],
-            )),
-            p.name, PersistReply,
-        )
-        for p in participants
+    requests = {
+        name: PersistRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
+                             episode_ids=scope or [])
+        for name, scope in _per_server(participants, "persist", episode_ids).items()
     }
-    return await _gather_all("persist", calls)
+    return await _fan_out(participants, participants.members, "persist", requests, PersistReply)
 
 
 async def restore(
@@ -398,10 +380,8 @@ async def restore(
         for name, scope in scopes.items()
     }
     control = participants.control
-    calls = {p.name: _typed(control.post(p.name, p.url, "restore", requests[p.name]), p.name, RestoreReply)
-             for p in participants}
     try:
-        return await _gather_all("restore", calls)
+        return await _fan_out(participants, participants.members, "restore", requests, RestoreReply)
     except Exception as exc:
         logger.warning("restore of %s failed (%s); retiring its next attempts and resuming", checkpoint_id, exc)
         everything = {e.capture_key: e for scope in scopes.values() for e in scope}
@@ -484,12 +464,15 @@ async def _fan_out(
     participants: Participants,
     stage: Sequence[Participant],
     route: str,
-    req: CheckpointRequest,
+    req: CheckpointRequest | Mapping[str, CheckpointRequest],
     reply_model: type[_R],
 ) -> dict[str, _R]:
+    """Post ``req`` (one for all, or server -> its own) to every server of ``stage`` at once."""
     control = participants.control
-    return await _gather_all(route, {p.name: _typed(control.post(p.name, p.url, route, req), p.name, reply_model)
-                                     for p in stage})
+    requests = req if isinstance(req, Mapping) else {p.name: req for p in stage}
+    return await _gather_all(route, {
+        p.name: _typed(control.post(p.name, p.url, route, requests[p.name]), p.name, reply_model) for p in stage
+    })
 
 
 async def _typed(call: Awaitable[dict[str, Any]], server: str, model: type[_R]) -> _R:

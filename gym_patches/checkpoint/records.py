@@ -112,10 +112,15 @@ class CapturedRecord(NamedTuple):
     size: int
 
 
+def record_key(record: Any) -> str | None:
+    """The record's capture key if its ``episode_id`` is plainly a valid one; None otherwise."""
+    return checked_capture_key(record.get("episode_id")) if type(record) is dict else None
+
+
 def capture_record(record: dict[str, Any]) -> CapturedRecord | None:
     """``record`` checked (a valid ``episode_id``) and frozen; None if it cannot be (no valid
     episode id, or a value that could still change)."""
-    key = checked_capture_key(record.get("episode_id")) if type(record) is dict else None
+    key = record_key(record)
     if key is None:
         return None
     copy, size = frozen_copy(record)

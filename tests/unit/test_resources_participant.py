@@ -258,8 +258,8 @@ async def test_readiness_change_wakes_a_waiter(hooks: CounterHooks) -> None:
     assert p.readiness().ready
 
 
-async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: CounterHooks) -> None:
-    """A session's export is taken again only after a call began on it (calls are what change a state)."""
+def count_exports(hooks: CounterHooks) -> list[Any]:
+    """Record the count of every state the hooks export, in order (the hooks still export it)."""
     exports: list[Any] = []
     real = hooks.export_session_state
 
@@ -268,6 +268,12 @@ async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: Counte
         return real(state)
 
     hooks.export_session_state = counting  # type: ignore[method-assign]
+    return exports
+
+
+async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: CounterHooks) -> None:
+    """A session's export is taken again only after a call began on it (calls are what change a state)."""
+    exports = count_exports(hooks)
     p = ResourcesParticipant("exported", hooks)
     await seed(p, "r1", "s1")
     await seed(p, "r2", "s2")
@@ -282,14 +288,7 @@ async def test_export_is_reused_until_a_call_begins_on_the_session(hooks: Counte
 
 
 async def test_after_a_checkpoint_a_call_ending_while_open_exports_its_session(hooks: CounterHooks) -> None:
-    exports: list[Any] = []
-    real = hooks.export_session_state
-
-    def counting(state: Any) -> dict[str, Any]:
-        exports.append(state["count"])
-        return real(state)
-
-    hooks.export_session_state = counting  # type: ignore[method-assign]
+    exports = count_exports(hooks)
     p = ResourcesParticipant("exported", hooks)
     await seed(p, "r1", "s1")
     async with p.session_call("s1") as session:

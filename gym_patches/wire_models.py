@@ -144,3 +144,49 @@ def item_text(item: Item) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+# -- /run errors and agent activity ----------------------------------------
+
+RUN_ERROR_UPSTREAM_TIMEOUT = "upstream_timeout"  # 504: a Gym server the agent called did not answer in time
+RUN_ERROR_UPSTREAM = "upstream_error"  # 502: a Gym server the agent called failed or answered nonsense
+
+
+class RunError(BaseModel):
+    """``server`` is the Gym server that failed or did not answer: the agent's model or
+    resources server, or the agent itself for its own errors; None where nobody said."""
+
+    code: str
+    detail: str
+    server: str | None = None
+
+
+class RunErrorBody(BaseModel):
+    """The error body of an agent's ``/run`` (the ``{"error": {"code", "detail"}}`` shape
+    every Gym route uses, plus ``server``); RL parses it with this same model."""
+
+    error: RunError
+
+
+ACTIVITY_ROUTE = "/ng-activity/v1/runs"
+
+RunPhase = Literal["seeding", "model_call", "tool_call", "verify", "between_calls"]
+
+
+class RunActivity(BaseModel):
+    """What one ``/run`` in flight is doing: the call it waits on (``server``, and ``tool``
+    for a tool call) and for how long; ``between_calls`` is the agent's own work (or a
+    run parked by a checkpoint after its last call returned)."""
+
+    capture_key: str
+    phase: RunPhase
+    server: str | None = None
+    tool: str | None = None
+    since_s: float = Field(ge=0)
+
+
+class AgentActivity(BaseModel):
+    """``GET /ng-activity/v1/runs`` of an agent: every ``/run`` it is running now."""
+
+    agent: str
+    runs: list[RunActivity] = Field(default_factory=list)

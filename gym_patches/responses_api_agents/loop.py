@@ -18,19 +18,26 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gym_patches.activity import ActivityBoard, RunTrack
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.config import ServerRef
-from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase, json_error
+from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase
 from gym_patches.wire_models import (
+    ACTIVITY_ROUTE,
     ROLLOUT_ID_FIELD,
     ROLLOUT_PREFIX,
+    RUN_ERROR_UPSTREAM,
+    RUN_ERROR_UPSTREAM_TIMEOUT,
     SESSION_COOKIE,
     Boundary,
     Item,
     ResponsesReply,
     ResponsesRequest,
     ResponseUsage,
+    RunError,
+    RunErrorBody,
+    RunPhase,
     RunReply,
     SeedSessionReply,
     TaskRow,
@@ -70,7 +77,24 @@ class SimpleAgentLoopState(BaseModel):
 
 
 class LoopError(RuntimeError):
-    """Another Gym server failed or answered nonsense; names the server and route."""
+    """Another Gym server failed or answered nonsense; names the server and route.
+
+    ``server`` is that server's name, so ``/run`` can say which one failed."""
+
+    def __init__(self, message: str, *, server: str | None = None):
+        super().__init__(message)
+        self.server = server
+
+
+class UpstreamTimeout(LoopError):
+    """A Gym server did not answer a call within the agent's timeout for it (hung, stopped,
+    deadlocked): without one the rollout would wait forever and nothing would say on what."""
+
+    def __init__(self, server: str, route: str, timeout_s: float, setting: str):
+        super().__init__(
+            f"Gym server {server!r} did not answer POST {route} within {timeout_s:g}s ({setting})", server=server
+        )
+        self.route, self.timeout_s = route, timeout_s
 
 
 class ModelRequestRejected(LoopError):
@@ -197,7 +221,8 @@ async def run_turns(
         try:
             reply = ResponsesReply.model_validate(body)
         except ValidationError as exc:
-            raise LoopError(f"model reply for {capture_key} is not a Responses API object: {exc}") from None
+            raise LoopError(f"model reply for {capture_key} is not a Responses API object: {exc}",
+                            server=getattr(io, "model_server", None)) from None
         state.step += 1
         state.model_calls += 1
         state.usage = _add_usage(state.usage, reply)
@@ -251,18 +276,43 @@ async def run_episode(
 
 
 class ServerLoopIO:
-    """``LoopIO`` over HTTP to the agent's model and resources servers."""
+    """``LoopIO`` over HTTP to the agent's model and resources servers.
 
-    def __init__(self, client: ServerClient, model_server: str, resources_server: str):
+    Every call has a timeout (a hung server must fail the run, not hold it forever).
+    ``for_run`` gives a run its own view that also reports each call to its ``RunTrack``."""
+
+    def __init__(self, client: ServerClient, model_server: str, resources_server: str, *,
+                 model_call_timeout_s: float = 1800.0, resources_call_timeout_s: float = 300.0,
+                 run: RunTrack | None = None):
         self.client = client
         self.model_server = model_server
         self.resources_server = resources_server
+        self.model_call_timeout_s = model_call_timeout_s
+        self.resources_call_timeout_s = resources_call_timeout_s
+        self.run = run
 
-    async def _post(self, server: str, path: str, **kw: Any):
+    def for_run(self, run: RunTrack) -> "ServerLoopIO":
+        return ServerLoopIO(self.client, self.model_server, self.resources_server,
+                            model_call_timeout_s=self.model_call_timeout_s,
+                            resources_call_timeout_s=self.resources_call_timeout_s, run=run)
+
+    async def _post(self, server: str, path: str, phase: RunPhase, tool: str | None = None, **kw: Any):
+        if phase == "model_call":
+            timeout_s, setting = self.model_call_timeout_s, "model_call_timeout_s"
+        else:
+            timeout_s, setting = self.resources_call_timeout_s, "resources_call_timeout_s"
+        run = self.run
+        if run is not None:
+            run.enter(phase, server, tool)
         try:
-            return await self.client.post(server, path, **kw)
+            return await self.client.post(server, path, timeout_s=timeout_s, **kw)
+        except TimeoutError:
+            raise UpstreamTimeout(server, path, timeout_s, setting) from None
         except ServerCallError as exc:
-            raise LoopError(str(exc)) from None
+            raise LoopError(str(exc), server=server) from None
+        finally:
+            if run is not None:
+                run.leave()
 
     def _fail(self, server: str, path: str, resp: Any) -> Exception:
         shown = resp.body if resp.body is not None else resp.text[:500]
@@ -270,11 +320,12 @@ class ServerLoopIO:
         error = resp.body.get("error") if isinstance(resp.body, dict) else None
         if isinstance(error, dict) and error.get("code") == "stale_attempt":
             return StaleAttemptError(detail)  # the episode was retired there: so is this run
-        return LoopError(detail)
+        return LoopError(detail, server=server)
 
     async def seed(self, row: dict[str, Any], capture_key: str) -> dict[str, str]:
         path = "/seed_session"
-        resp = await self._post(self.resources_server, path, json={"row": row, ROLLOUT_ID_FIELD: capture_key})
+        resp = await self._post(self.resources_server, path, "seeding",
+                                json={"row": row, ROLLOUT_ID_FIELD: capture_key})
         if resp.status != 200:
             raise self._fail(self.resources_server, path, resp)
         if SESSION_COOKIE in resp.cookies:
@@ -286,17 +337,17 @@ class ServerLoopIO:
 
     async def call_model(self, capture_key: str, body: dict[str, Any]) -> dict[str, Any]:
         path = f"{ROLLOUT_PREFIX}/{capture_key}/v1/responses"
-        resp = await self._post(self.model_server, path, json=body)
+        resp = await self._post(self.model_server, path, "model_call", json=body)
         if resp.status != 200 or not isinstance(resp.body, dict):
             error = self._fail(self.model_server, path, resp)
             if 400 <= resp.status < 500 and resp.status not in (408, 409, 429) and type(error) is LoopError:
-                raise ModelRequestRejected(str(error))
+                raise ModelRequestRejected(str(error), server=self.model_server)
             raise error
         return resp.body
 
     async def call_tool(self, name: str, arguments: dict[str, Any], cookies: dict[str, str]) -> str:
         path = f"/{name}"
-        resp = await self._post(self.resources_server, path, json=arguments, cookies=cookies)
+        resp = await self._post(self.resources_server, path, "tool_call", name, json=arguments, cookies=cookies)
         if resp.status == 200:
             try:
                 return ToolReply.model_validate(resp.body).output
@@ -309,7 +360,7 @@ class ServerLoopIO:
     async def verify(self, row: dict[str, Any], output: list[Item], cookies: dict[str, str]) -> float:
         path = "/verify"
         resp = await self._post(
-            self.resources_server, path, json={"row": row, "response": {"output": output}}, cookies=cookies
+            self.resources_server, path, "verify", json={"row": row, "response": {"output": output}}, cookies=cookies
         )
         if resp.status != 200:
             raise self._fail(self.resources_server, path, resp)
@@ -326,6 +377,10 @@ class LoopAgentConfig(ServerConfigBase):
     model_server: ServerRef
     resources_server: ServerRef
     max_steps: int = Field(default=6, ge=1, le=1000)
+    # A model reply may be held across a checkpoint's prepare, and reasoning generations are long.
+    model_call_timeout_s: float = Field(default=1800.0, gt=0, allow_inf_nan=False, strict=True)
+    # Seed, tool calls and verify: a resources server that takes longer is taken as hung.
+    resources_call_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False, strict=True)
 
     @field_validator("model_server")
     @classmethod
@@ -389,7 +444,11 @@ class LoopAgentServer(GymServer):
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         cfg: LoopAgentConfig = self.config  # type: ignore[assignment]
-        self.io: LoopIO = ServerLoopIO(self.client, cfg.model_server.name, cfg.resources_server.name)
+        self.io: LoopIO = ServerLoopIO(
+            self.client, cfg.model_server.name, cfg.resources_server.name,
+            model_call_timeout_s=cfg.model_call_timeout_s, resources_call_timeout_s=cfg.resources_call_timeout_s,
+        )
+        self.activity = ActivityBoard(self.name)
 
     @property
     def max_steps(self) -> int:
@@ -397,6 +456,7 @@ class LoopAgentServer(GymServer):
 
     def setup_routes(self, app: web.Application) -> None:
         app.router.add_post("/run", self._run_route)
+        app.router.add_get(ACTIVITY_ROUTE, self._activity_route)
 
     def needs_row(self, episode: EpisodeId) -> bool:
         """Whether this run starts from the row (False when it continues a restored session)."""
@@ -412,35 +472,48 @@ class LoopAgentServer(GymServer):
 
         async def runner(activation: Activation | None = None, restored_from: Boundary | None = None,
                          restored_state: SimpleAgentLoopState | None = None) -> RunReply:
-            return await run_episode(
-                self.io,
-                row,
-                capture_key=episode.capture_key,
-                max_steps=self.max_steps,
-                activation=activation,
-                restored_from=restored_from,
-                restored_state=restored_state,
-            )
+            with self.activity.track(episode.capture_key) as run:
+                io = self.io.for_run(run) if isinstance(self.io, ServerLoopIO) else self.io
+                return await run_episode(
+                    io,
+                    row,
+                    capture_key=episode.capture_key,
+                    max_steps=self.max_steps,
+                    activation=activation,
+                    restored_from=restored_from,
+                    restored_state=restored_state,
+                )
 
         return runner
+
+    def run_error(self, status: int, code: str, detail: str, server: str | None = None) -> web.Response:
+        """A ``/run`` error (``RunErrorBody``); ``server`` defaults to this agent (its own error)."""
+        body = RunErrorBody(error=RunError(code=code, detail=detail, server=server or self.name))
+        return web.json_response(body.model_dump(mode="json"), status=status)
 
     async def _run_route(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
         except ValueError:
-            return json_error(422, "invalid_request", "POST /run body is not valid JSON")
+            return self.run_error(422, "invalid_request", "POST /run body is not valid JSON")
         try:
             episode, row = parse_run_body(body)
             if self.needs_row(episode):
                 check_row(row)
             reply = await self.run_rollout(episode, row)
         except RunRequestError as exc:
-            return json_error(exc.status, exc.code, exc.detail)
+            return self.run_error(exc.status, exc.code, exc.detail)
         except CheckpointError as exc:
-            return web.json_response(exc.to_body(), status=exc.status)
+            return self.run_error(exc.status, exc.code, exc.detail)
+        except UpstreamTimeout as exc:
+            return self.run_error(504, RUN_ERROR_UPSTREAM_TIMEOUT, f"{self.name}: {exc}", exc.server)
         except LoopError as exc:
-            return json_error(502, "upstream_error", f"{self.name}: {exc}")
+            return self.run_error(502, RUN_ERROR_UPSTREAM, f"{self.name}: {exc}", exc.server)
         except Exception as exc:  # a bug here must still answer in the one error shape
             logger.exception("agent %s: /run failed", self.name)
-            return json_error(500, "internal_error", f"{self.name}: /run failed: {type(exc).__name__}: {exc}")
+            return self.run_error(500, "internal_error", f"{self.name}: /run failed: {type(exc).__name__}: {exc}")
         return web.json_response(reply.model_dump(mode="json"))
+
+    async def _activity_route(self, _: web.Request) -> web.Response:
+        """Read only and unauthenticated, like ``/health``: what each running ``/run`` waits on."""
+        return web.json_response(self.activity.snapshot().model_dump(mode="json"))

@@ -114,8 +114,13 @@ class ControlClient:
     async def get(self, server: str, url: str, route: str, *, timeout_s: float) -> dict[str, Any]:
         return await self._call("GET", server, url, route, None, timeout_s)
 
-    async def post(self, server: str, url: str, route: str, request: CheckpointRequest) -> dict[str, Any]:
-        return await self._call("POST", server, url, route, dump(request), self.timeout_for(request.deadline_ts))
+    async def post(
+        self, server: str, url: str, route: str, request: CheckpointRequest, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """``timeout_s`` caps the wait below the deadline's (a resume must not wait on a hung server)."""
+        limit = self.timeout_for(request.deadline_ts)
+        return await self._call("POST", server, url, route, dump(request),
+                                limit if timeout_s is None else min(limit, timeout_s))
 
     async def _call(
         self, method: str, server: str, url: str, route: str, body: Any, timeout_s: float
@@ -395,15 +400,21 @@ async def restore(
         raise
 
 
-async def resume(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, ResumeReply]:
-    """Reopen every server, callers last; every server is tried, failures raised together."""
+async def resume(
+    participants: Participants, checkpoint_id: str, deadline_ts: float, *, call_timeout_s: float | None = None
+) -> dict[str, ResumeReply]:
+    """Reopen every server, callers last; every server is tried, failures raised together.
+
+    ``call_timeout_s`` bounds each call: a server that hangs (stopped, deadlocked) fails its own
+    resume quickly instead of keeping the later stages closed until the deadline."""
     req = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
     replies: dict[str, ResumeReply] = {}
     failures: dict[str, BaseException] = {}
     for kind in reversed(PREPARE_ORDER):
         stage = participants.by_kind(kind)
         outcomes = await asyncio.gather(
-            *(_typed(participants.control.post(p.name, p.url, "resume", req), p.name, ResumeReply) for p in stage),
+            *(_typed(participants.control.post(p.name, p.url, "resume", req, timeout_s=call_timeout_s), p.name,
+                     ResumeReply) for p in stage),
             return_exceptions=True,
         )
         for p, outcome in zip(stage, outcomes):
@@ -416,6 +427,25 @@ async def resume(participants: Participants, checkpoint_id: str, deadline_ts: fl
     if failures:
         raise CoordinationFailures("resume", failures)
     return replies
+
+
+async def probe(participants: Participants, timeout_s: float) -> dict[str, StatusReply | CoordinationError]:
+    """Every participant's status, or why it did not give one within ``timeout_s``.
+
+    Tells a server that is slow to become ready (it answers, with blockers) from one that does not
+    answer at all (stopped, deadlocked): only the second is to blame for a stalled prepare."""
+
+    async def one(p: Participant) -> StatusReply | CoordinationError:
+        try:
+            body = await participants.control.get(p.name, p.url, "status", timeout_s=timeout_s)
+            return StatusReply.model_validate(body)
+        except CoordinationError as exc:
+            return exc
+        except ValidationError as exc:
+            return CoordinationError(p.name, 200, "bad_reply", f"malformed status: {_fields(exc)}")
+
+    outcomes = await asyncio.gather(*(one(p) for p in participants))
+    return {p.name: outcome for p, outcome in zip(participants, outcomes)}
 
 
 async def retire(

@@ -60,6 +60,16 @@ class GymCheckpointCommitSummary:
         return [EpisodeId.from_capture_key(k) for k in self.exported_by_server.get(server, [])]
 
 
+@dataclass(frozen=True)
+class GymServerProbe:
+    """One server's answer to a status probe: whether it answered at all, and what it said."""
+
+    answered: bool
+    detail: str  # the error if it did not answer, else its phase and blocker count
+    blocker_count: int = 0
+    blockers: list[str] | None = None  # the first few blocking capture keys
+
+
 def _is_restart_only(name: str, status: StatusReply) -> bool:
     """``{"restart_only": true}`` (agents) or ``{"mode": "restart_only"}`` (resources)."""
     extra = status.model_extra or {}
@@ -192,5 +202,17 @@ class GymCheckpointAdapter:
         agents = {p.name for p in self.participants.by_kind("agent")}
         return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
 
-    async def resume(self, checkpoint_id: str, deadline_ts: float) -> None:
-        await coordination.resume(self.participants, checkpoint_id, deadline_ts)
+    async def resume(self, checkpoint_id: str, deadline_ts: float, call_timeout_s: float | None = None) -> None:
+        await coordination.resume(self.participants, checkpoint_id, deadline_ts, call_timeout_s=call_timeout_s)
+
+    async def probe(self, timeout_s: float) -> dict[str, "GymServerProbe"]:
+        """Each participant's answer to a status call within ``timeout_s`` (see ``coordination.probe``)."""
+        out: dict[str, GymServerProbe] = {}
+        for name, status in (await coordination.probe(self.participants, timeout_s)).items():
+            if isinstance(status, BaseException):
+                out[name] = GymServerProbe(False, str(status))
+            else:
+                count = status.report.blocker_count
+                out[name] = GymServerProbe(True, f"phase {status.phase}, {count} blocking", count,
+                                           list(status.report.blockers[:5]))
+        return out

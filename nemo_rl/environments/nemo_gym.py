@@ -11,9 +11,12 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable
+
+from pydantic import ValidationError
 
 import ray
 
@@ -22,12 +25,14 @@ from gym_patches.checkpoint.wire import RestartOnlyPolicy
 from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
-from gym_patches.wire_models import ROLLOUT_ID_FIELD, RunReply
+from gym_patches.activity import fetch_activity
+from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
 from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointAdapter,
     GymCheckpointCommitSummary,
     GymCheckpointInstance,
+    GymServerProbe,
 )
 
 
@@ -44,6 +49,14 @@ class GymRolloutError(RuntimeError):
 
 def _rebuild_rollout_error(message, rollout_id, server, infra, code):
     return GymRolloutError(message, rollout_id=rollout_id, server=server, infra=infra, code=code)
+
+
+def parse_run_error(body: Any) -> RunError | None:
+    """The error of a failed ``/run`` (code, detail, and the Gym server that failed), if it has the shape."""
+    try:
+        return RunErrorBody.model_validate(body).error
+    except ValidationError:
+        return None
 
 
 class GymReplicaLost(RuntimeError):
@@ -119,6 +132,8 @@ def _lease_grace_seconds(block: Any) -> float:
 # groups: with thousands of rollouts parked in one replica, a prepare, commit or resume must never
 # queue behind them (it is what releases them).
 ROLLOUT_CONCURRENCY = 100_000
+# How long a replica that failed to answer is passed over for new rollouts (while its shard has another).
+UNHEALTHY_FOR_S = 60.0
 CONTROL_CONCURRENCY = 32
 
 
@@ -183,34 +198,67 @@ class NemoGym:
             raise self._infra_error(str(exc), rollout_id, agent) from None
         except TimeoutError:
             raise self._infra_error(
-                f"Gym agent {agent!r} /run timed out after {self.rollout_timeout_s}s", rollout_id, agent
+                f"Gym agent {agent!r} /run for {rollout_id} did not answer within {self.rollout_timeout_s:g}s "
+                f"(async_rl.rollout_failure.nemo_gym.rollout_timeout_s)", rollout_id, agent, "rollout_timeout",
             ) from None
         if resp.status == 200:
             return RunReply.model_validate(resp.body).model_dump()
-        code = (resp.body or {}).get("error", {}).get("code") if isinstance(resp.body, dict) else None
+        error = parse_run_error(resp.body)
+        code = error.code if error is not None else None
         message = f"Gym agent {agent!r} /run for {rollout_id} returned {resp.status}: {resp.text[:300]}"
         if code == "admission_closed":
             raise GymCheckpointParked(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
         if resp.status >= 500:
-            raise self._infra_error(message, rollout_id, agent, code)
+            # The server that failed is the one the agent names (its resources or model server), not the agent.
+            raise self._infra_error(message, rollout_id, (error.server if error is not None else None) or agent, code)
         raise GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
 
-    def _infra_error(self, message: str, rollout_id: str, agent: str, code: str | None = None) -> GymRolloutError:
-        """A failed ``/run``; if a server process of this deployment has exited, name it (it will not come back)."""
+    def _infra_error(self, message: str, rollout_id: str, server: str, code: str | None = None) -> GymRolloutError:
+        """A failed ``/run``, blaming ``server``; if a server process of this deployment has exited or
+        is stopped, name it instead (it explains the failure better than the call that noticed)."""
         dead = self.dead_servers()
         if not dead:
-            return GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=True, code=code)
+            stopped = self.stopped_servers()
+            if stopped:
+                names = ", ".join(repr(name) for name in stopped)
+                return GymRolloutError(
+                    f"Gym server {names} of {self.instance.instance_id} is stopped (not answering); {message}",
+                    rollout_id=rollout_id, server=stopped[0], infra=True, code=code or "server_stopped",
+                )
+            return GymRolloutError(message, rollout_id=rollout_id, server=server, infra=True, code=code)
         names = ", ".join(repr(name) for name in dead)
         return GymRolloutError(
             f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {message}",
             rollout_id=rollout_id, server=dead[0], infra=True, code="server_dead",
         )
 
+    async def activity(self, timeout_s: float) -> dict[str, AgentActivity | str]:
+        """Each agent's runs in flight and what they wait on, or why the agent did not answer."""
+        assert self.client is not None, "spinup() first"
+        agents = [name for name, inst in self.deployment.config.instances.items()
+                  if inst.server_type == "responses_api_agents"]
+        return await fetch_activity(self.client, agents, timeout_s)
+
     def dead_servers(self) -> list[str]:
         """Servers of this deployment whose process has exited."""
         if self.deployment is None:
             return []
         return sorted(name for name, ok in self.deployment.alive().items() if not ok)
+
+    def stopped_servers(self) -> list[str]:
+        """Servers whose process is stopped (SIGSTOP, a debugger): alive, but answering nothing."""
+        if self.deployment is None:
+            return []
+        out = []
+        for name in self.deployment.config.instances:
+            try:
+                with open(f"/proc/{self.deployment.pid(name)}/stat") as fh:
+                    state = fh.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError, KeyError, ValueError):
+                continue
+            if state in ("T", "t"):
+                out.append(name)
+        return sorted(out)
 
     # -- checkpoint calls (thin: the adapter does the work) -----------------------
     @ray.method(concurrency_group="control")
@@ -261,8 +309,22 @@ class NemoGym:
         )
 
     @ray.method(concurrency_group="control")
-    async def checkpoint_resume(self, checkpoint_id: str, deadline_ts: float) -> None:
-        await self._named(self._adapter().resume(checkpoint_id, deadline_ts))
+    async def checkpoint_resume(self, checkpoint_id: str, deadline_ts: float,
+                                call_timeout_s: float | None = None) -> None:
+        await self._named(self._adapter().resume(checkpoint_id, deadline_ts, call_timeout_s))
+
+    @ray.method(concurrency_group="control")
+    async def checkpoint_probe(self, timeout_s: float) -> dict[str, GymServerProbe]:
+        """Which servers answer a status call within ``timeout_s`` (a stalled prepare names the one that does not)."""
+        probes = await self._adapter().probe(timeout_s)
+        stopped = self.stopped_servers()
+        for name in self.dead_servers():
+            if name in probes:
+                probes[name] = GymServerProbe(False, f"Gym server {name!r} is dead (its process exited)")
+        for name in stopped:
+            if name in probes and not probes[name].answered:
+                probes[name] = GymServerProbe(False, f"{probes[name].detail} (its process is stopped)")
+        return probes
 
     async def _named(self, call: Awaitable[Any]) -> Any:
         """A checkpoint call; if it failed because a server process is gone, the error says which one."""
@@ -332,6 +394,8 @@ class NemoGymShardSet:
     placement: dict[str, dict[str, str]] = field(default_factory=dict)
     # instance id -> server -> prepare policy, for restart-only servers no turn-level rollout passes through
     prepare_policy_overrides: dict[str, dict[str, RestartOnlyPolicy]] = field(default_factory=dict)
+    # instance id -> (when, why) it last failed to answer: new rollouts go elsewhere while others are healthy
+    unhealthy: dict[str, tuple[float, str]] = field(default_factory=dict)
     _cycle: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -349,13 +413,32 @@ class NemoGymShardSet:
             raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.checkpoint_handles)}") from None
 
     def pick_instance(self, agent_name: str) -> str:
-        """Round-robin over the replicas of the shard serving ``agent_name``."""
+        """Round-robin over the replicas of the shard serving ``agent_name``, skipping replicas that
+        recently failed to answer while the shard has a healthy one."""
         shard = self.agent_shards.get(agent_name)
         if shard is None:
             raise KeyError(f"no Gym shard serves agent {agent_name!r}; agents: {sorted(self.agent_shards)}")
+        count = len(self.handles[shard])
         if shard not in self._cycle:
-            self._cycle[shard] = itertools.cycle(range(len(self.handles[shard])))
-        return GymCheckpointInstance(shard, next(self._cycle[shard])).instance_id
+            self._cycle[shard] = itertools.cycle(range(count))
+        first = None
+        for _ in range(count):
+            iid = GymCheckpointInstance(shard, next(self._cycle[shard])).instance_id
+            first = first or iid
+            if not self.is_unhealthy(iid):
+                return iid
+        return first  # every replica is unhealthy: keep spreading the load
+
+    def mark_unhealthy(self, instance_id: str, why: str) -> None:
+        self.unhealthy[instance_id] = (time.monotonic(), why)
+
+    def mark_healthy(self, instance_id: str) -> None:
+        self.unhealthy.pop(instance_id, None)
+
+    def is_unhealthy(self, instance_id: str) -> bool:
+        """Marked within the last ``UNHEALTHY_FOR_S`` (a replica that answers again is cleared sooner)."""
+        mark = self.unhealthy.get(instance_id)
+        return mark is not None and time.monotonic() - mark[0] < UNHEALTHY_FOR_S
 
     def shutdown(self) -> None:
         refs = [h.shutdown.remote() for hs in self.handles.values() for h in hs]

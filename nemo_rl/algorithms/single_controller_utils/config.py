@@ -157,6 +157,10 @@ class RolloutRecoveryConfig(_Section):
     task_source_target_level_overrides: dict[str, RecoveryTargetLevel] = Field(default_factory=dict)
     agent_target_level_overrides: dict[str, RecoveryTargetLevel] = Field(default_factory=dict)
     gym_prepare_timeout_s: float = Field(default=300.0, gt=0)
+    # Once the other Gym replicas are prepared, a replica not prepared within this grace leaves the
+    # snapshot (its rollouts are not saved in it) instead of holding every replica until the deadline;
+    # also how long a status probe waits before a server counts as not answering (docs/design.md §5.4).
+    gym_park_grace_s: float = Field(default=1.5, gt=0)
     allow_restart_only_gym_servers: bool = False
 
     @model_validator(mode="before")
@@ -231,6 +235,40 @@ class RolloutCheckpointConfig(_Section):
     keep_latest_k: int = Field(default=2, ge=1)
 
 
+class NemoGymRolloutFailureConfig(_Section):
+    # A /run that has not answered after this long fails as an infrastructure failure (retried from
+    # the prompt, preferring another replica).
+    rollout_timeout_s: float = Field(default=1800.0, gt=0)
+
+
+class RolloutFailureConfig(_Section):
+    # Attempts of one rollout (one generation of a prompt) before the run stops, naming the server.
+    max_infra_attempts_per_prompt: int = Field(default=3, ge=1)
+    nemo_gym: NemoGymRolloutFailureConfig = Field(default_factory=NemoGymRolloutFailureConfig)
+
+
+class StallWatchdogConfig(_Section):
+    interval_s: float = Field(default=10.0, gt=0)  # how often progress is checked
+    stall_timeout_s: float = Field(default=300.0, gt=0)  # no rollout progressed for this long: a stall
+    stall_action: Literal["warn", "abort"] = "warn"  # abort: the run stops, saying what is stuck
+
+    @model_validator(mode="after")
+    def _timeout_covers_interval(self) -> "StallWatchdogConfig":
+        if self.stall_timeout_s < self.interval_s:
+            raise ValueError(
+                f"async_rl.stall_watchdog.stall_timeout_s ({self.stall_timeout_s:g}) must be at least "
+                f"async_rl.stall_watchdog.interval_s ({self.interval_s:g})"
+            )
+        return self
+
+
+class AsyncRLConfig(_Section):
+    """Upstream's ``async_rl`` section: how rollout failures and stalls are handled."""
+
+    rollout_failure: RolloutFailureConfig = Field(default_factory=RolloutFailureConfig)
+    stall_watchdog: StallWatchdogConfig = Field(default_factory=StallWatchdogConfig)
+
+
 class MasterConfig(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)
@@ -242,6 +280,7 @@ class MasterConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     rollout_recovery: RolloutRecoveryConfig = Field(default_factory=RolloutRecoveryConfig)
     rollout_checkpointing: RolloutCheckpointConfig = Field(default_factory=RolloutCheckpointConfig)
+    async_rl: AsyncRLConfig = Field(default_factory=AsyncRLConfig)
 
     @model_validator(mode="after")
     def _cross_section(self) -> "MasterConfig":

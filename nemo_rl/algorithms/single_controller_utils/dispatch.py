@@ -17,8 +17,10 @@ class LedgerChanges:
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
+        self.count = 0  # notifications so far: the stall watchdog's measure of progress
 
     async def notify(self) -> None:
+        self.count += 1
         async with self._cond:
             self._cond.notify_all()
 

@@ -3,6 +3,13 @@
 ``GymCheckpointCoordinator.prepared()`` is the scope of one snapshot: prepare
 all replicas, keep their leases renewed, and always resume them on the way out
 (also on error or cancellation) so Gym is never left closed by us.
+
+A replica that cannot be parked in time leaves the snapshot instead of holding
+the others (docs/design.md §5.4, "Stalled replicas"): one whose servers do not
+answer a status probe leaves at once, one still preparing ``park_grace_s`` after
+every other replica is prepared leaves then; it is resumed at once, its rollouts
+are not saved in this snapshot, and the reason names the server. A replica whose
+resume failed sits the next snapshot out while it is reopened.
 """
 
 from __future__ import annotations
@@ -12,31 +19,38 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable
 
 import ray
 
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
-from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
-from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary
+from gym_patches.checkpoint.coordination import CoordinationError, CoordinationFailures, PrepareResult
+from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary, GymServerProbe
 from nemo_rl.environments.nemo_gym import GymReplicaLost, NemoGymShardSet
 
 logger = logging.getLogger(__name__)
 _MAX_REPLY_GRACE_S = 5.0
+# Each server's resume call: a hung server fails its own quickly and the others reopen.
+RESUME_CALL_TIMEOUT_S = 5.0
+PROBE_AFTER_S = 0.5  # a replica still preparing after this long has its servers' status probed ...
+PROBE_EVERY_S = 1.0  # ... this often, until it is prepared or leaves the snapshot
+_TICK_S = 0.1
 
 
 class GymCheckpointNotReady(RuntimeError):
     """Some replica did not prepare by the deadline; ``blockers[instance][server]`` = keys."""
 
-    def __init__(self, blockers: dict[str, dict[str, list[str]]]):
+    def __init__(self, blockers: dict[str, dict[str, list[str]]], left_out: dict[str, str] | None = None):
         self.blockers = blockers
+        self.left_out = dict(left_out or {})
         parts = []
         for iid, servers in sorted(blockers.items()):
             for server, keys in sorted(servers.items()):
                 shown = ", ".join(keys[:5]) + (", ..." if len(keys) > 5 else "")
                 parts.append(f"{server!r} on {iid} ({len(keys)} blocking: {shown})")
+        parts += [f"{iid} left out: {why}" for iid, why in sorted(self.left_out.items())]
         super().__init__("Gym not ready for a checkpoint: " + "; ".join(parts))
 
     @property
@@ -44,7 +58,20 @@ class GymCheckpointNotReady(RuntimeError):
         return sorted({s for servers in self.blockers.values() for s in servers})
 
     def __reduce__(self):
-        return (GymCheckpointNotReady, (self.blockers,))
+        return (GymCheckpointNotReady, (self.blockers, self.left_out))
+
+
+class GymReplicasLeftOut(RuntimeError):
+    """Every replica left the snapshot (none could be parked); ``left_out[instance]`` says why,
+    naming the server that did not answer."""
+
+    def __init__(self, left_out: dict[str, str]):
+        self.left_out = dict(left_out)
+        super().__init__("no Gym replica could be prepared for a checkpoint: "
+                         + "; ".join(f"{iid}: {why}" for iid, why in sorted(self.left_out.items())))
+
+    def __reduce__(self):
+        return (GymReplicasLeftOut, (self.left_out,))
 
 
 class GymCheckpointOperationError(RuntimeError):
@@ -64,7 +91,7 @@ class GymCheckpointOperationError(RuntimeError):
 
 def is_transient_gym_checkpoint_failure(exc: BaseException) -> bool:
     """Not-ready and unreachable Gym are retried at the next interval; anything else is a bug."""
-    if isinstance(exc, GymCheckpointNotReady):
+    if isinstance(exc, (GymCheckpointNotReady, GymReplicasLeftOut)):
         return True
     if isinstance(exc, GymCheckpointOperationError):
         return all(isinstance(e, CoordinationError) for e in exc.failures.values())
@@ -79,21 +106,56 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 @dataclass
 class PreparedGym:
-    """What a successful prepare gives the snapshot: every replica's ``PrepareResult``."""
+    """What a successful prepare gives the snapshot: the ``PrepareResult`` of every replica that
+    takes part, and why each other one left it (its rollouts are not saved in this snapshot)."""
 
     checkpoint_id: str
     deadline_ts: float
     results: dict[str, PrepareResult]
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def instance_ids(self) -> list[str]:
+        return sorted(self.results)
 
     def unsaved_keys(self, instance_id: str) -> set[str]:
         return self.results[instance_id].unsaved_keys()
 
 
+_UNANSWERED_CODES = ("timeout", "unreachable", "server_dead")
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """A server that did not answer (or is gone), as opposed to one that answered with an error."""
+    if isinstance(exc, CoordinationFailures):
+        return all(_unanswered(e) for e in exc.failures.values())
+    return isinstance(exc, CoordinationError) and exc.code in _UNANSWERED_CODES
+
+
+def _silent_reason(iid: str, silent: dict[str, GymServerProbe]) -> str:
+    return "; ".join(f"Gym server {name!r} on {iid} did not answer ({probe.detail})"
+                     for name, probe in sorted(silent.items()))
+
+
+def _straggler_reason(iid: str, grace_s: float, probes: dict[str, GymServerProbe] | None) -> str:
+    why = f"{iid} was not prepared within {grace_s:g}s after the other replicas"
+    blocking = {name: p for name, p in (probes or {}).items() if p.answered and p.blocker_count}
+    if blocking:
+        why += "; blocking: " + "; ".join(
+            f"Gym server {name!r} ({p.blocker_count} rollouts: {', '.join(p.blockers or [])})"
+            for name, p in sorted(blocking.items()))
+    return why
+
+
 class GymCheckpointCoordinator:
-    def __init__(self, shard_set: NemoGymShardSet, prepare_timeout_s: float, restart_only_policy: RestartOnlyPolicy):
+    def __init__(self, shard_set: NemoGymShardSet, prepare_timeout_s: float, restart_only_policy: RestartOnlyPolicy,
+                 park_grace_s: float = 1.5):
         self.shard_set = shard_set
         self.prepare_timeout_s = prepare_timeout_s
         self.policy = restart_only_policy
+        self.park_grace_s = park_grace_s
+        # instance -> checkpoint id some of its servers did not resume -> why: it sits snapshots out until reopened
+        self._unresumed: dict[str, dict[str, str]] = {}
 
     @property
     def instance_ids(self) -> list[str]:
@@ -101,6 +163,15 @@ class GymCheckpointCoordinator:
 
     async def _collect(self, operation: str, calls: dict[str, Awaitable[Any]], deadline_ts: float) -> dict[str, Any]:
         """Await every replica until the deadline plus a short grace; name the failures."""
+        out, failures = await self._gather_replicas(operation, calls, deadline_ts)
+        if failures:
+            raise GymCheckpointOperationError(operation, failures)
+        return out
+
+    async def _gather_replicas(
+        self, operation: str, calls: dict[str, Awaitable[Any]], deadline_ts: float
+    ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """Every replica's answer or error (a lost replica is raised as ``GymReplicaLost``)."""
         grace = min(self.prepare_timeout_s, _MAX_REPLY_GRACE_S)
         timeout = max(0.1, deadline_ts - time.time() + grace)
         tasks = {iid: asyncio.ensure_future(c) for iid, c in calls.items()}
@@ -126,9 +197,7 @@ class GymCheckpointCoordinator:
         for iid, exc in sorted(failures.items()):
             if isinstance(exc, ray.exceptions.RayActorError):
                 raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
-        if failures:
-            raise GymCheckpointOperationError(operation, failures)
-        return out
+        return out, failures
 
     def _handles(self) -> dict[str, Any]:
         return self.shard_set.checkpoint_handles
@@ -146,40 +215,157 @@ class GymCheckpointCoordinator:
     @contextlib.asynccontextmanager
     async def prepared(self, checkpoint_id: str, *, capture: bool = False) -> AsyncIterator[PreparedGym]:
         """Prepare every replica (``capture``: each server serialises its sessions as it becomes
-        prepared, for ``persist`` after resume); resume all of them on exit, whatever happened."""
+        prepared, for ``persist`` after resume); resume all of them on exit, whatever happened.
+
+        Replicas that cannot be parked in time leave the snapshot (``PreparedGym.left_out``); if
+        every one does, ``GymReplicasLeftOut`` names them."""
         deadline = time.time() + self.prepare_timeout_s
         renewer: asyncio.Task | None = None
+        leavers: dict[str, asyncio.Task] = {}  # left-out replicas being resumed meanwhile
+        left_out = self._sit_out_unresumed(leavers)
+        asked = [iid for iid in sorted(self._handles()) if iid not in left_out]
         try:
-            results = await self._collect(
-                "prepare",
-                {
-                    iid: h.checkpoint_prepare.remote(
-                        checkpoint_id, deadline, self.policy, self.shard_set.prepare_policy_overrides.get(iid), capture
-                    )
-                    for iid, h in self._handles().items()
-                },
-                deadline,
-            )
+            results = await self._prepare_replicas(checkpoint_id, asked, deadline, capture, left_out, leavers)
             not_ready = {iid: r.blockers for iid, r in results.items() if not r.prepared}
             if not_ready:
-                raise GymCheckpointNotReady(not_ready)
-            renewer = asyncio.create_task(self._renew_until_stopped(checkpoint_id), name=f"gym-renew:{checkpoint_id}")
-            yield PreparedGym(checkpoint_id, deadline, results)
+                raise GymCheckpointNotReady(not_ready, left_out)
+            if not results:
+                raise GymReplicasLeftOut(left_out)
+            for iid in results:
+                self.shard_set.mark_healthy(iid)
+            renewer = asyncio.create_task(self._renew_until_stopped(checkpoint_id, sorted(results)),
+                                          name=f"gym-renew:{checkpoint_id}")
+            yield PreparedGym(checkpoint_id, deadline, results, dict(left_out))
         finally:
             if renewer is not None:
                 renewer.cancel()
                 await asyncio.gather(renewer, return_exceptions=True)
-            await self.resume(checkpoint_id)
+            try:
+                await self.resume(checkpoint_id, [iid for iid in asked if iid not in leavers])
+            finally:
+                await asyncio.gather(*leavers.values(), return_exceptions=True)
 
-    async def _renew_until_stopped(self, checkpoint_id: str) -> None:
+    async def _prepare_replicas(
+        self, checkpoint_id: str, asked: list[str], deadline: float, capture: bool,
+        left_out: dict[str, str], leavers: dict[str, asyncio.Task],
+    ) -> dict[str, PrepareResult]:
+        """Prepare ``asked`` at once; probe the servers of replicas that take long; move replicas
+        that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``)."""
+        handles = self._handles()
+        refs = {
+            iid: handles[iid].checkpoint_prepare.remote(
+                checkpoint_id, deadline, self.policy, self.shard_set.prepare_policy_overrides.get(iid), capture)
+            for iid in asked
+        }
+        tasks = {iid: asyncio.ensure_future(ref) for iid, ref in refs.items()}
+        probes: dict[str, asyncio.Future] = {}
+        last_probe: dict[str, dict[str, GymServerProbe]] = {}
+        probed_at: dict[str, float] = {}
+        results: dict[str, PrepareResult] = {}
+        failures: dict[str, BaseException] = {}
+        started = time.monotonic()
+        hard_stop = started + max(0.1, deadline - time.time()) + min(self.prepare_timeout_s, _MAX_REPLY_GRACE_S)
+        others_prepared_at: float | None = None
+
+        def leave(iid: str, why: str) -> None:
+            left_out[iid] = why
+            logger.warning("snapshot %s: %s leaves this snapshot (its rollouts are not saved in it): %s",
+                           checkpoint_id, iid, why)
+            with contextlib.suppress(Exception):  # its prepare stops in the actor; the resume reopens what it closed
+                ray.cancel(refs[iid])
+            tasks[iid].cancel()
+            self.shard_set.mark_unhealthy(iid, why)
+            leavers[iid] = asyncio.create_task(self.resume(checkpoint_id, [iid]), name=f"gym-leave:{iid}")
+
+        def pending() -> list[str]:
+            return [iid for iid in asked if iid not in results and iid not in failures and iid not in left_out]
+
+        try:
+            while waiting := pending():
+                await asyncio.wait([tasks[i] for i in waiting] + list(probes.values()), timeout=_TICK_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                now = time.monotonic()
+                for iid in waiting:
+                    if tasks[iid].done():
+                        exc = tasks[iid].exception()
+                        if exc is None:
+                            results[iid] = tasks[iid].result()
+                        else:
+                            failures[iid] = _unwrap(exc)
+                for iid in [i for i, p in probes.items() if p.done()]:
+                    probe = probes.pop(iid)
+                    try:
+                        last_probe[iid] = probe.result()
+                    except Exception:  # noqa: BLE001 - the prepare call reports what is wrong with the actor
+                        continue
+                    silent = {name: p for name, p in last_probe[iid].items() if not p.answered}
+                    if silent and iid in pending():
+                        leave(iid, _silent_reason(iid, silent))
+                for iid, exc in list(failures.items()):
+                    # A server that fails its prepare (unreachable, dead, timed out) takes its replica
+                    # out of this snapshot; a bug-shaped error (bad reply, conflict) stops it below.
+                    if _unanswered(exc):
+                        del failures[iid]
+                        leave(iid, f"{iid}: {exc}")
+                waiting = pending()
+                if not waiting:
+                    break
+                others_ready = bool(results) and not failures and all(r.prepared for r in results.values())
+                if others_ready and others_prepared_at is None:
+                    others_prepared_at = now
+                    probed_at.clear()  # the grace starts: probe the stragglers now, to name what holds them
+                for iid in waiting:
+                    if iid not in probes and (others_ready or now - started >= PROBE_AFTER_S) \
+                            and now - probed_at.get(iid, float("-inf")) >= PROBE_EVERY_S:
+                        probed_at[iid] = now
+                        probes[iid] = asyncio.ensure_future(handles[iid].checkpoint_probe.remote(self.park_grace_s))
+                if others_ready and now - others_prepared_at >= self.park_grace_s:
+                    for iid in waiting:
+                        # A probe under way answers within its own timeout (the grace): wait for it, so the
+                        # reason names the server that does not answer, unless it is late itself.
+                        if iid not in probes or now - others_prepared_at >= 2 * self.park_grace_s + 1.0:
+                            leave(iid, _straggler_reason(iid, self.park_grace_s, last_probe.get(iid)))
+                if now >= hard_stop:
+                    for iid in pending():
+                        failures[iid] = TimeoutError(f"prepare on {iid} did not answer within "
+                                                     f"{now - started:.1f}s")
+                        tasks[iid].cancel()
+        finally:
+            leftover = [t for t in (*tasks.values(), *probes.values()) if not t.done()]
+            for task in leftover:
+                task.cancel()
+            await asyncio.gather(*tasks.values(), *probes.values(), return_exceptions=True)
+        for iid, exc in sorted(failures.items()):
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
+        if failures:
+            raise GymCheckpointOperationError("prepare", failures)
+        return results
+
+    def _sit_out_unresumed(self, leavers: dict[str, asyncio.Task]) -> dict[str, str]:
+        """Replicas whose earlier resume failed (a server did not answer) sit this snapshot out: one
+        still closed under an old id would refuse the prepare as a conflict, and waiting for it here
+        would hold the others. Each is reopened meanwhile, by a task in ``leavers``."""
+        left: dict[str, str] = {}
+        for iid, cids in sorted(self._unresumed.items()):
+            left[iid] = f"{iid} has not reopened after checkpoint(s) {', '.join(sorted(cids))}, being reopened " \
+                        f"meanwhile: {'; '.join(cids[c] for c in sorted(cids))}"
+            leavers[iid] = asyncio.create_task(self._reopen(iid, sorted(cids)), name=f"gym-reopen:{iid}")
+        return left
+
+    async def _reopen(self, iid: str, checkpoint_ids: list[str]) -> None:
+        for cid in checkpoint_ids:
+            await self.resume(cid, [iid])
+
+    async def _renew_until_stopped(self, checkpoint_id: str, iids: list[str]) -> None:
         period = max(0.05, min(self.prepare_timeout_s / 3, 10.0))
         while True:
             await asyncio.sleep(period)
             deadline = time.time() + self.prepare_timeout_s
+            handles = self._handles()
             try:
                 await self._collect(
-                    "renew",
-                    {iid: h.checkpoint_renew.remote(checkpoint_id, deadline) for iid, h in self._handles().items()},
+                    "renew", {iid: handles[iid].checkpoint_renew.remote(checkpoint_id, deadline) for iid in iids},
                     deadline,
                 )
             except GymCheckpointOperationError as exc:
@@ -190,11 +376,12 @@ class GymCheckpointCoordinator:
     ) -> dict[str, GymCheckpointCommitSummary]:
         """Each replica's servers write only their own episodes, ``scope[iid][server]``, inside the pause."""
         deadline = time.time() + self.prepare_timeout_s
+        handles = self._handles()
         return await self._collect(
             "commit",
             {
-                iid: h.checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, {}))
-                for iid, h in self._handles().items()
+                iid: handles[iid].checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, {}))
+                for iid in prepared.instance_ids
             },
             deadline,
         )
@@ -216,27 +403,45 @@ class GymCheckpointCoordinator:
     async def persist(
         self, checkpoint_id: str, root: str, scope: dict[str, dict[str, list[EpisodeId]]]
     ) -> dict[str, GymCheckpointCommitSummary]:
-        """Each replica's servers write ``scope[iid][server]`` from what their capture prepare
-        serialised (Gym is already resumed)."""
+        """Each replica of ``scope`` (those that took part) writes ``scope[iid][server]`` from what its
+        capture prepare serialised (Gym is already resumed)."""
         deadline = time.time() + self.prepare_timeout_s
+        handles = self._handles()
         return await self._collect(
             "persist",
-            {iid: h.checkpoint_persist.remote(checkpoint_id, deadline, root, scope.get(iid, {}))
-             for iid, h in self._handles().items()},
+            {iid: handles[iid].checkpoint_persist.remote(checkpoint_id, deadline, root, by_server)
+             for iid, by_server in scope.items()},
             deadline,
         )
 
-    async def resume(self, checkpoint_id: str) -> None:
+    async def resume(self, checkpoint_id: str, iids: list[str] | None = None) -> dict[str, BaseException]:
+        """Reopen ``iids`` (default: every replica); each server's call is short, so one hung server
+        never keeps the others closed. A replica that did not fully reopen is remembered and reopened
+        before its next prepare (the lease reopens it anyway, later). Returns the failures."""
         deadline = time.time() + self.prepare_timeout_s
-        try:
-            await self._collect(
-                "resume",
-                {iid: h.checkpoint_resume.remote(checkpoint_id, deadline) for iid, h in self._handles().items()},
-                deadline,
-            )
-        except GymCheckpointOperationError as exc:
-            # The lease reopens a server we could not reach; report, don't mask the caller's error.
-            logger.error("resume of %s failed (Gym reopens itself when the lease expires): %s", checkpoint_id, exc)
+        handles = self._handles()
+        targets = sorted(handles) if iids is None else iids
+        if not targets:
+            return {}
+        _, failures = await self._gather_replicas(
+            "resume",
+            {iid: handles[iid].checkpoint_resume.remote(checkpoint_id, deadline, RESUME_CALL_TIMEOUT_S)
+             for iid in targets},
+            deadline,
+        )
+        for iid in targets:
+            if iid in failures:
+                self._unresumed.setdefault(iid, {})[checkpoint_id] = str(failures[iid])
+            elif iid in self._unresumed:
+                self._unresumed[iid].pop(checkpoint_id, None)
+                if not self._unresumed[iid]:
+                    del self._unresumed[iid]
+        if failures:
+            # Report, don't mask the caller's error: the next prepare reopens them first.
+            logger.error("resume of %s failed on %s (reopened before the next snapshot; Gym also reopens "
+                         "itself when the lease expires): %s", checkpoint_id, ", ".join(sorted(failures)),
+                         "; ".join(f"{iid}: {exc}" for iid, exc in sorted(failures.items())))
+        return failures
 
     async def restore(
         self, restore_id: str, root: str, exported: dict[str, dict[str, list[str]]], source_checkpoint_id: str

@@ -236,7 +236,8 @@ def _spinup_gym(
                 instances[inst_id.instance_id] = inst_id
                 handles[shard.name].append(
                     NemoGym.options(name=None, resources=dict(shard.ray_resources) or None).remote(
-                        inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir)
+                        inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir),
+                        rollout_timeout_s=config.async_rl.rollout_failure.nemo_gym.rollout_timeout_s,
                     )
                 )
         _gather(shard_set, lambda h: h.spinup.remote(env.spinup_timeout_s), "start", env.spinup_timeout_s + 30)

@@ -37,6 +37,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointCoordinator,
     GymCheckpointNotReady,
     GymCheckpointOperationError,
+    GymReplicasLeftOut,
     PreparedGym,
     is_transient_gym_checkpoint_failure,
 )
@@ -265,6 +266,9 @@ class SnapshotOutcome:
     captured_bytes_by_server: dict[str, int] = field(default_factory=dict)  # "<instance>/<server>" -> staged copy
     path: str | None = None
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # replicas that could not be parked in time and left this snapshot -> why (names the server)
+    left_out: dict[str, str] = field(default_factory=dict)
+    left_out_rollouts: int = 0  # turn-level rollouts in flight on them: not saved in this snapshot
     post_publish_error: str | None = None
     error: str | None = None  # why an attempt that did not commit failed (names the file for an I/O error)
 
@@ -354,6 +358,8 @@ class RolloutSnapshotter:
             logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
             if isinstance(exc, GymCheckpointNotReady):
                 outcome.blockers = exc.blockers
+            if isinstance(exc, (GymCheckpointNotReady, GymReplicasLeftOut)):
+                outcome.left_out = exc.left_out
             if outcome.reason != "superseded":  # not a failure: the next step's snapshots follow
                 self._failed(exc)
         finally:
@@ -376,6 +382,8 @@ class RolloutSnapshotter:
                     step=self.inputs.step(),
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
+                    **({"left_out": outcome.left_out, "left_out_rollouts": outcome.left_out_rollouts}
+                       if outcome.left_out else {}),
                     **({"post_publish_error": outcome.post_publish_error} if outcome.post_publish_error else {}),
                     **({"error": outcome.error} if outcome.error and not outcome.committed else {}),
                 )
@@ -390,7 +398,7 @@ class RolloutSnapshotter:
         """The ``reason`` of a failed attempt; ``invariant_error`` stops the run."""
         if isinstance(exc, SnapshotSuperseded):
             return "superseded"
-        if isinstance(exc, GymCheckpointNotReady):
+        if isinstance(exc, (GymCheckpointNotReady, GymReplicasLeftOut)):
             return "gym_unavailable"
         if isinstance(exc, TimeoutError):
             return "timeout"
@@ -425,8 +433,8 @@ class RolloutSnapshotter:
             raise SnapshotSuperseded(f"training reached step {inputs.step()} while the snapshot of step {step} "
                                      "was being prepared")
         crash_point("prepare", step)  # test-only: Gym is prepared, nothing committed
-        iids = self.coordinator.instance_ids
-        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids})
+        iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
+        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out)
         restart_only = self.coordinator.shard_set.restart_only_servers
         # A saving server reports as unsaved only runs that reached it after it closed: not started.
         not_started = {
@@ -455,6 +463,9 @@ class RolloutSnapshotter:
                                          "was being committed")
             # Exclusive cut: no awaits until the state is captured in memory.
             owned = check_cut(inputs.ledger, plan, exported, not_started)
+            if plan.left_out:
+                outcome.left_out = dict(prepared.left_out)
+                outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
             counts = cut_counts(inputs.ledger, plan, exported, not_started, owned)
             unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
             capture = ControllerStateCapture.take(inputs)

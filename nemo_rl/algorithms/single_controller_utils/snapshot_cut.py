@@ -33,6 +33,14 @@ class CutPlan:
     instance_ids: tuple[str, ...]
     scope: dict[str, dict[str, str | None]]  # instance -> capture key -> its agent: what the instance commits
     unsaved: dict[str, frozenset[str]]  # keys Gym said it cannot save (restart-only servers)
+    # instances that left this snapshot (not parked in time): their rollouts are in no scope and
+    # restart from the prompt if it is restored
+    left_out: tuple[str, ...] = ()
+
+    @property
+    def topology(self) -> tuple[str, ...]:
+        """Every live instance, in the snapshot or not (what the ledger's inventory spans)."""
+        return tuple(sorted(self.instance_ids + self.left_out))
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,16 @@ def plan_cut(
     ledger: RolloutRecoveryLedger,
     instance_ids: Iterable[str],
     gym_unsaved: Mapping[str, Iterable[str]],
+    left_out: Iterable[str] = (),
 ) -> CutPlan:
-    """The commit scope of every instance, from one pass over the whole ledger."""
+    """The commit scope of every instance, from one pass over the whole ledger (``left_out``:
+    instances not in this snapshot; they get no scope)."""
     iids = tuple(sorted(instance_ids))
+    out = tuple(sorted(set(left_out) - set(iids)))
     unsaved = {iid: frozenset(gym_unsaved.get(iid, ())) for iid in iids}
-    owned = ledger.gym_checkpoint_agents(iids)
+    owned = ledger.gym_checkpoint_agents(iids + out)
     scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} for iid in iids}
-    return CutPlan(iids, scope, unsaved)
+    return CutPlan(iids, scope, unsaved, out)
 
 
 def server_scopes(
@@ -119,7 +130,7 @@ def check_cut(
     saving agent after it closed, or one the drain did not see finish): they restart from the
     prompt after a crash, like unsaved ones, having lost nothing."""
     problems = []
-    owned_by = ledger.gym_checkpoint_keys(plan.instance_ids)
+    owned_by = ledger.gym_checkpoint_keys(plan.topology)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         outside = done - plan.scope[iid].keys()
@@ -146,7 +157,7 @@ def cut_counts(
     """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed and returned ``owned``).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted."""
-    inventory = owned if owned is not None else ledger.gym_checkpoint_keys(plan.instance_ids)
+    inventory = owned if owned is not None else ledger.gym_checkpoint_keys(plan.topology)
     saved = unsaved = waiting = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))

@@ -8,7 +8,6 @@ all of them.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -396,7 +395,7 @@ class NemoGymShardSet:
     prepare_policy_overrides: dict[str, dict[str, RestartOnlyPolicy]] = field(default_factory=dict)
     # instance id -> (when, why) it last failed to answer: new rollouts go elsewhere while others are healthy
     unhealthy: dict[str, tuple[float, str]] = field(default_factory=dict)
-    _cycle: dict[str, Any] = field(default_factory=dict, repr=False)
+    _cycle: dict[str, int] = field(default_factory=dict, repr=False)  # shard -> next replica index
 
     @property
     def checkpoint_handles(self) -> dict[str, Any]:
@@ -419,15 +418,13 @@ class NemoGymShardSet:
         if shard is None:
             raise KeyError(f"no Gym shard serves agent {agent_name!r}; agents: {sorted(self.agent_shards)}")
         count = len(self.handles[shard])
-        if shard not in self._cycle:
-            self._cycle[shard] = itertools.cycle(range(count))
-        first = None
-        for _ in range(count):
-            iid = GymCheckpointInstance(shard, next(self._cycle[shard])).instance_id
-            first = first or iid
+        start = self._cycle.get(shard, 0)
+        self._cycle[shard] = (start + 1) % count
+        for offset in range(count):
+            iid = GymCheckpointInstance(shard, (start + offset) % count).instance_id
             if not self.is_unhealthy(iid):
                 return iid
-        return first  # every replica is unhealthy: keep spreading the load
+        return GymCheckpointInstance(shard, start).instance_id  # every replica is unhealthy: keep spreading
 
     def mark_unhealthy(self, instance_id: str, why: str) -> None:
         self.unhealthy[instance_id] = (time.monotonic(), why)

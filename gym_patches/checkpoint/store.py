@@ -143,6 +143,7 @@ def write_participant_state(
         records, should_stop=should_stop, where=directory)
     manifest_path = directory / MANIFEST_NAME
     tmp = directory / f".records-{uuid.uuid4().hex}.tmp"
+    target = directory / f"records-{encoded.sha256}.jsonl"  # the file a failed write names
     try:
         _stop_if(should_stop, directory)
         check_write(directory / "records.jsonl")  # test-only fault injection; inert unless asked for
@@ -168,9 +169,11 @@ def write_participant_state(
         os.replace(tmp, directory / manifest.records_file)
         _fsync_dir(directory)
         _stop_if(should_stop, directory)
+        target = manifest_path
         return _publish_manifest(manifest_path, manifest)
     except OSError as exc:
-        raise CheckpointStoreError(f"cannot write checkpoint state in {directory}: {exc}") from None
+        why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
+        raise CheckpointStoreError(f"cannot write {target}: {why}") from None
     finally:
         _unlink_quietly(tmp)
 

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,10 @@ from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
 from nemo_rl.algorithms.loss_functions import clipped_pg_loss
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.models.policy import HFPolicy
+from nemo_rl.utils.write_errors import as_write_error, naming_write, newest_file
 
 CHECKPOINT_FORMAT = "nemo_rl.grpo_trainer.v2"
+_MAX_SHARD_SIZE = "50GB"  # transformers 5's default, given explicitly so a failed shard can be named
 # config.json fields that must agree between a checkpoint and the model it is loaded into.
 _ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "intermediate_size")
@@ -76,12 +78,50 @@ class _Seq:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write, fsync, rename; a failure names ``path`` (``RunWriteError``) and leaves no ``.tmp`` behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with naming_write(path):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def _weights_files(model: Any) -> list[str]:
+    """The safetensors files ``save_pretrained(max_shard_size=_MAX_SHARD_SIZE)`` writes, in order."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(model.state_dict(), filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=_MAX_SHARD_SIZE)
+    return list(split.filename_to_tensors)
+
+
+def _hf_save(directory: Path, save: Callable[[], Any], weights: Sequence[str] = ()) -> None:
+    """Run a Hugging Face ``save_pretrained``; a failed write leaves as ``RunWriteError`` naming its file.
+
+    Neither safetensors' ``SafetensorError (os error N)`` nor an ``OSError`` from ``write()`` names
+    the file, so it is found here: a failed weights shard is not left on disk (safetensors removes
+    it), so it is the first of ``weights`` missing; any other file is the newest one in the directory.
+    """
+    started = time.time()
+    try:
+        save()
+    except Exception as exc:
+        if isinstance(exc, OSError) and exc.filename:
+            path: Path | str = exc.filename
+        elif not isinstance(exc, OSError) and weights:
+            path = next((directory / w for w in weights if not (directory / w).exists()), directory / weights[-1])
+        else:
+            path = newest_file(directory, started) or directory
+        converted = as_write_error(exc, path)
+        if converted is None or converted is exc:
+            raise
+        raise converted from exc
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -259,15 +299,21 @@ class GRPOTrainer:
 
     # ----- checkpoint ----------------------------------------------------
     def save(self, directory: str | os.PathLike, dataloader_state: dict | None = None) -> Path:
-        """Hugging Face model + tokenizer, optimizer, reference, RNG; ``trainer_state.json`` goes last."""
+        """Hugging Face model + tokenizer, optimizer, reference, RNG; ``trainer_state.json`` goes last.
+
+        A file that cannot be written (disk full, I/O error) raises ``RunWriteError`` naming it, so
+        the run ends with one line instead of a library traceback.
+        """
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        with naming_write(d):
+            d.mkdir(parents=True, exist_ok=True)
         if dataloader_state is not None:
             if not isinstance(dataloader_state, dict):
                 raise TypeError(f"dataloader_state must be a dict, got {type(dataloader_state).__name__}")
             self.dataloader_state = copy.deepcopy(dataloader_state)
-        self.policy.model.save_pretrained(d)
-        self.tokenizer.save_pretrained(d)
+        model = self.policy.model
+        _hf_save(d, lambda: model.save_pretrained(d, max_shard_size=_MAX_SHARD_SIZE), _weights_files(model))
+        _hf_save(d, lambda: self.tokenizer.save_pretrained(d))
         _atomic_write_bytes(d / "optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
         if self.reference is not None:
             _atomic_write_bytes(d / "reference.pt", _torch_bytes(self.reference.state_dict_cpu()))

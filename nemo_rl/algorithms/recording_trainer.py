@@ -15,6 +15,7 @@ from typing import Any
 
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.utils.snapshot_store import write_json_atomic
+from nemo_rl.utils.write_errors import naming_write
 
 STATE_FILE = "recording_trainer.json"
 
@@ -44,10 +45,12 @@ class RecordingTrainer:
         return {"loss": 0.0, "num_samples": float(len(samples))}
 
     def save(self, directory: Path, extra_state: dict[str, Any]) -> None:
-        write_json_atomic(
-            Path(directory) / STATE_FILE,
-            {"weight_version": self.weight_version, "batches": self.batches, "extra_state": extra_state},
-        )
+        """One file (the lineage); a failed write raises ``RunWriteError`` naming it, like the real trainer."""
+        path = Path(directory) / STATE_FILE
+        with naming_write(path):
+            write_json_atomic(
+                path, {"weight_version": self.weight_version, "batches": self.batches, "extra_state": extra_state},
+            )
 
     def load(self, directory: Path) -> dict[str, Any]:
         state = json.loads((Path(directory) / STATE_FILE).read_text())

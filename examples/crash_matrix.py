@@ -162,6 +162,16 @@ def final_lineage(spec: RunSpec) -> list[dict[str, Any]]:
     return json.loads(path.read_text())["batches"]
 
 
+def final_trained_record(spec: RunSpec) -> dict[str, Any] | None:
+    """What the final trainer checkpoint's ledger says was trained (``trained_count``,
+    ``trained_positions``); None when the file holds no controller state (a hand-made lineage)."""
+    path = spec.ckpt / f"step_{spec.steps}" / "recording_trainer.json"
+    ledger = (json.loads(path.read_text()).get("extra_state") or {}).get("ledger")
+    if ledger is None:
+        return None
+    return {"count": ledger["trained_count"], "ranges": ledger["trained_positions"]}
+
+
 def lineage_rewards(spec: RunSpec) -> dict[tuple[str, int], float]:
     """Reward of every trained sample by (group, generation): what a crash must not change."""
     out = {}
@@ -211,6 +221,11 @@ def check_lineage(spec: RunSpec, reference: dict[tuple[str, int], float] | None 
     extra = sorted(set(groups) - set(expected_groups(spec)))
     if missing or extra:
         problems.append(f"groups missing {missing} / unexpected {extra}")
+    record = final_trained_record(spec)
+    positions = [[0, spec.steps * spec.prompts]]  # the dataloader handed out 0.. in order, each trained once
+    if record is not None and (record["count"] != len(groups) or record["ranges"] != positions):
+        problems.append(f"the ledger's trained record {record} does not match the lineage "
+                        f"({len(groups)} groups, positions {positions})")
     rollouts = [r for b in batches for r in b["rollout_ids"]]
     if len(rollouts) != len(set(rollouts)):
         problems.append("a rollout id was trained twice")

@@ -9,16 +9,20 @@ over from its prompt, or the whole group is redone (DESIGN §4.3, §4.5).
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 import uuid
 from enum import Enum
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gym_patches.checkpoint.identity import EpisodeId, capture_key
 
-ROLLOUT_RECOVERY_SCHEMA_VERSION = 1
+# 2: trained groups are recorded as merged ranges of dataloader positions
+# (``trained_positions``, ``trained_count``), not as a list of ids that grows with the run.
+ROLLOUT_RECOVERY_SCHEMA_VERSION = 2
 DEFAULT_MAX_ATTEMPTS_PER_SIBLING = 3
 
 # Group ids become part of Gym rollout ids, so they must be wire-safe.
@@ -177,6 +181,9 @@ class PromptGroupRecoveryRecord(_Record):
     restore_level: RecoveryTargetLevel
     expected_generations: int = Field(ge=1)
     target_step: int = Field(ge=0)
+    # The dataloader position it was reserved at: unique over the run, so a trained group is
+    # remembered by it (as part of a range) once its record is compacted away.
+    position: int = Field(ge=0)
     siblings: list[RolloutSiblingRecord]
     status: PromptGroupStatus = PromptGroupStatus.GENERATING
 
@@ -244,24 +251,96 @@ class RestartSummary(BaseModel):
     discarded_rollout_ids: list[str] = Field(default_factory=list)
 
 
+PositionRange = tuple[int, int]  # half-open [lo, hi) of dataloader positions
+
+
+def position_in(ranges: list[PositionRange], position: int) -> bool:
+    """Whether ``position`` lies in one of the sorted, disjoint ``ranges``."""
+    i = bisect.bisect_right(ranges, (position, math.inf))
+    return i > 0 and position < ranges[i - 1][1]
+
+
+def with_position(ranges: list[PositionRange], position: int) -> list[PositionRange]:
+    """``ranges`` plus ``position`` (not in them: the caller checks), merged with its neighbours; a new list."""
+    i = bisect.bisect_right(ranges, (position, math.inf))
+    lo, hi = position, position + 1
+    left = i > 0 and ranges[i - 1][1] == position
+    right = i < len(ranges) and ranges[i][0] == hi
+    if left:
+        lo = ranges[i - 1][0]
+    if right:
+        hi = ranges[i][1]
+    return [*ranges[: i - 1 if left else i], (lo, hi), *ranges[i + 1 if right else i:]]
+
+
+def range_problem(ranges: list[PositionRange]) -> str | None:
+    """Why ``ranges`` is not in merged form (sorted, non-empty, neither overlapping nor touching), or None."""
+    for i, (lo, hi) in enumerate(ranges):
+        if lo < 0 or hi <= lo:
+            return f"trained_positions[{i}] = [{lo}, {hi}) is empty or negative"
+        if i == 0:
+            continue
+        plo, phi = ranges[i - 1]
+        if lo < plo:
+            return f"trained_positions[{i}] = [{lo}, {hi}) is not sorted (it comes after [{plo}, {phi}))"
+        if lo < phi:
+            return f"trained_positions[{i}] = [{lo}, {hi}) overlaps [{plo}, {phi}) (a position trained twice?)"
+        if lo == phi:
+            return f"trained_positions[{i}] = [{lo}, {hi}) touches [{plo}, {phi}): ranges must be merged"
+    return None
+
+
 class LedgerState(BaseModel):
-    """The persisted form of the ledger (``state_dict``)."""
+    """The persisted form of the ledger (``state_dict``).
+
+    Trained groups are kept as ``trained_positions`` (merged ``[lo, hi)``
+    ranges of their dataloader positions) and ``trained_count``: in order they
+    are one range, out of order a few more, so the state stays as large as
+    the work in flight however long the run is.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = ROLLOUT_RECOVERY_SCHEMA_VERSION
+    schema_version: Literal[2] = ROLLOUT_RECOVERY_SCHEMA_VERSION
     max_attempts_per_sibling: int = Field(ge=1)
     groups: list[PromptGroupRecoveryRecord]
-    trained_group_ids: list[str]
+    trained_positions: list[tuple[int, int]]
+    trained_count: int = Field(ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_schema(cls, data: Any) -> Any:
+        """An older ledger is refused with what to do, not with a list of missing fields."""
+        if not isinstance(data, dict):
+            return data
+        version = data.get("schema_version", ROLLOUT_RECOVERY_SCHEMA_VERSION)
+        if version == ROLLOUT_RECOVERY_SCHEMA_VERSION:
+            return data
+        if version == 1 or "trained_group_ids" in data:
+            raise ValueError(
+                f"ledger schema_version {version!r} (a list of trained_group_ids) was written by an older "
+                f"version of this code, which reads schema_version {ROLLOUT_RECOVERY_SCHEMA_VERSION} (trained "
+                "dataloader positions as ranges); it cannot resume that checkpoint: use a new checkpoint_dir"
+            )
+        raise ValueError(
+            f"ledger schema_version {version!r} is unknown; this code reads {ROLLOUT_RECOVERY_SCHEMA_VERSION}"
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> "LedgerState":
         seen: set[str] = set()
         uuids: set[str] = set()
+        positions: dict[int, str] = {}
         for group in self.groups:
             if group.group_id in seen:
                 raise ValueError(f"duplicate group_id {group.group_id}")
             seen.add(group.group_id)
+            if group.position in positions:
+                raise ValueError(
+                    f"groups {positions[group.position]} and {group.group_id} share dataloader position "
+                    f"{group.position}"
+                )
+            positions[group.position] = group.group_id
             for sibling in group.siblings:
                 for attempt in sibling.attempts:
                     if attempt.attempt_uuid in uuids:
@@ -269,20 +348,23 @@ class LedgerState(BaseModel):
                             f"group {group.group_id}: attempt_uuid {attempt.attempt_uuid} reused"
                         )
                     uuids.add(attempt.attempt_uuid)
-        trained = {g.group_id for g in self.groups if g.status is PromptGroupStatus.TRAINED}
-        if len(set(self.trained_group_ids)) != len(self.trained_group_ids):
-            raise ValueError("trained_group_ids has duplicates")
-        if not trained <= set(self.trained_group_ids):  # trained groups may be compacted away, never unlisted
-            raise ValueError(
-                "groups with status trained are missing from trained_group_ids: "
-                f"{sorted(trained - set(self.trained_group_ids))}"
-            )
-        present = {g.group_id for g in self.groups}
-        if set(self.trained_group_ids) & present - trained:
-            raise ValueError(
-                "trained_group_ids lists groups that are not trained: "
-                f"{sorted(set(self.trained_group_ids) & present - trained)}"
-            )
+        problem = range_problem(self.trained_positions)
+        if problem:
+            raise ValueError(problem)
+        counted = sum(hi - lo for lo, hi in self.trained_positions)
+        if counted != self.trained_count:
+            raise ValueError(f"trained_count is {self.trained_count} but trained_positions hold {counted} positions")
+        for group in self.groups:  # trained groups may be compacted away, never left out of the ranges
+            trained = position_in(self.trained_positions, group.position)
+            if group.status is PromptGroupStatus.TRAINED and not trained:
+                raise ValueError(
+                    f"group {group.group_id} is trained but its position {group.position} is not in trained_positions"
+                )
+            if group.status is not PromptGroupStatus.TRAINED and trained:
+                raise ValueError(
+                    f"group {group.group_id} is {group.status.value} but its position {group.position} is in "
+                    "trained_positions (trained already)"
+                )
         return self
 
 
@@ -294,8 +376,18 @@ class RolloutRecoveryLedger:
             raise ValueError("max_attempts_per_sibling must be >= 1")
         self.max_attempts_per_sibling = max_attempts_per_sibling
         self.groups: dict[str, PromptGroupRecoveryRecord] = {}
-        self.trained_group_ids: list[str] = []
+        # Positions of every group trained this run, as merged [lo, hi) ranges (see LedgerState).
+        self.trained_positions: list[PositionRange] = []
         self._by_base: dict[str, tuple[str, int, int]] = {}  # base id -> (group, g, attempt idx)
+        self._by_position: dict[int, str] = {}  # dataloader position -> group id in the ledger
+
+    @property
+    def trained_count(self) -> int:
+        """How many groups this run has trained (compacted ones included)."""
+        return sum(hi - lo for lo, hi in self.trained_positions)
+
+    def is_trained_position(self, position: int) -> bool:
+        return position_in(self.trained_positions, position)
 
     # ----- lifecycle -------------------------------------------------------
     def reserve_group(
@@ -308,10 +400,22 @@ class RolloutRecoveryLedger:
         restore_level: RecoveryTargetLevel | str,
         num_generations: int,
         target_step: int,
+        *,
+        position: int,
     ) -> PromptGroupRecoveryRecord:
-        """Record a new prompt group with one reserved attempt per generation."""
+        """Record a new prompt group with one reserved attempt per generation.
+
+        ``position`` is the dataloader position it takes; one already trained
+        or held by another group is refused, so no prompt is trained twice.
+        """
         if group_id in self.groups:
             raise LedgerError(f"group {group_id} is already in the ledger")
+        if self.is_trained_position(position):
+            raise LedgerError(f"group {group_id}: dataloader position {position} was already trained")
+        if position in self._by_position:
+            raise LedgerError(
+                f"group {group_id}: dataloader position {position} is held by group {self._by_position[position]}"
+            )
         if num_generations < 1:
             raise LedgerError(f"group {group_id}: num_generations must be >= 1")
         group = PromptGroupRecoveryRecord(
@@ -323,6 +427,7 @@ class RolloutRecoveryLedger:
             restore_level=RecoveryTargetLevel(restore_level),
             expected_generations=num_generations,
             target_step=target_step,
+            position=position,
             siblings=[
                 RolloutSiblingRecord(generation_index=g, attempts=[RolloutAttemptRecord()])
                 for g in range(num_generations)
@@ -448,18 +553,17 @@ class RolloutRecoveryLedger:
         return [g for g in self.groups.values() if g.status is PromptGroupStatus.COMPLETE]
 
     def mark_group_trained(self, group_id: str) -> None:
-        if group_id in self.trained_group_ids:
-            raise LedgerError(f"group {group_id} was already trained")
+        """Record a complete group as trained; refused if it (or its position) was trained already."""
         group = self._group(group_id)
-        if group.status is PromptGroupStatus.TRAINED or group_id in self.trained_group_ids:
-            raise LedgerError(f"group {group_id} was already trained")
+        if group.status is PromptGroupStatus.TRAINED or self.is_trained_position(group.position):
+            raise LedgerError(f"group {group_id} (position {group.position}) was already trained")
         if group.status is not PromptGroupStatus.COMPLETE:
             raise LedgerError(f"group {group_id} is {group.status.value}, not complete")
         group.status = PromptGroupStatus.TRAINED
-        self.trained_group_ids.append(group_id)
+        self.trained_positions = with_position(self.trained_positions, group.position)
 
     def compact_trained(self, group_ids) -> list[str]:
-        """Drop the records of trained groups (their ids stay in ``trained_group_ids``).
+        """Drop the records of trained groups (their positions stay in ``trained_positions``).
 
         Returns the Gym rollout ids of every attempt they had, for Gym to forget.
         Keeps the ledger, and every snapshot of it, as large as the work in flight.
@@ -474,6 +578,7 @@ class RolloutRecoveryLedger:
                     base = attempt.base_rollout_id(group_id, sibling.generation_index)
                     rollout_ids.append(base)
                     self._by_base.pop(base, None)
+            self._by_position.pop(group.position, None)
             del self.groups[group_id]
         return rollout_ids
 
@@ -552,7 +657,7 @@ class RolloutRecoveryLedger:
         new_groups = {gid: g.model_copy(deep=True) for gid, g in self.groups.items()}
         staged = RolloutRecoveryLedger(self.max_attempts_per_sibling)
         staged.groups = new_groups
-        staged.trained_group_ids = list(self.trained_group_ids)
+        staged.trained_positions = list(self.trained_positions)
         staged._reindex()
         for group in new_groups.values():
             if group.status is not PromptGroupStatus.GENERATING:
@@ -625,22 +730,22 @@ class RolloutRecoveryLedger:
             summary.restarted_from_prompt.append(self._append_attempt(group, sibling))
 
     # ----- persistence -----------------------------------------------------
-    def state_dict(self) -> dict:
-        """Pure-JSON state (enums as strings)."""
+    def _state(self) -> LedgerState:
         return LedgerState(
             max_attempts_per_sibling=self.max_attempts_per_sibling,
             groups=list(self.groups.values()),
-            trained_group_ids=list(self.trained_group_ids),
-        ).model_dump(mode="json")
+            trained_positions=list(self.trained_positions),
+            trained_count=self.trained_count,
+        )
+
+    def state_dict(self) -> dict:
+        """Pure-JSON state (enums as strings)."""
+        return self._state().model_dump(mode="json")
 
     def state_json(self) -> bytes:
         """``state_dict`` as JSON bytes, serialised by pydantic-core in one pass (about twice as fast:
         a snapshot takes it while rollouts are held)."""
-        state = LedgerState(
-            max_attempts_per_sibling=self.max_attempts_per_sibling,
-            groups=list(self.groups.values()),
-            trained_group_ids=list(self.trained_group_ids),
-        )
+        state = self._state()
         return state.__pydantic_serializer__.to_json(state)
 
     def load_state_dict(self, state: dict) -> None:
@@ -648,7 +753,7 @@ class RolloutRecoveryLedger:
         parsed = LedgerState.model_validate(state)
         self.max_attempts_per_sibling = parsed.max_attempts_per_sibling
         self.groups = {g.group_id: g for g in parsed.groups}
-        self.trained_group_ids = list(parsed.trained_group_ids)
+        self.trained_positions = [tuple(r) for r in parsed.trained_positions]
         self._reindex()
 
     @classmethod
@@ -662,7 +767,9 @@ class RolloutRecoveryLedger:
         try:
             return self.groups[group_id]
         except KeyError:
-            raise LedgerError(f"unknown group {group_id}") from None
+            raise LedgerError(
+                f"unknown group {group_id}: not in the ledger (never reserved, or trained and compacted)"
+            ) from None
 
     def _current(self, rollout_id: str):
         """(group, sibling, attempt) for the capture key of a current attempt."""
@@ -706,6 +813,7 @@ class RolloutRecoveryLedger:
         return attempt.rollout_id(group.group_id, g)
 
     def _index_group(self, group: PromptGroupRecoveryRecord) -> None:
+        self._by_position[group.position] = group.group_id
         for sibling in group.siblings:
             for idx, attempt in enumerate(sibling.attempts):
                 base = attempt.base_rollout_id(group.group_id, sibling.generation_index)
@@ -713,5 +821,6 @@ class RolloutRecoveryLedger:
 
     def _reindex(self) -> None:
         self._by_base = {}
+        self._by_position = {}
         for group in self.groups.values():
             self._index_group(group)

@@ -27,6 +27,23 @@ from nemo_rl.experience.sample import RolloutSample
 INST = "nemo_gym/replica-0"
 
 
+def merged_ranges(positions):
+    """Reference merge of sorted positions into [lo, hi) ranges, written the plain way."""
+    out = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
+def _next_position(ledger):
+    """The next free dataloader position, as the controller's dataloader would hand it out."""
+    held = [g.position for g in ledger.groups.values()] + [hi - 1 for _, hi in ledger.trained_positions]
+    return max(held, default=-1) + 1
+
+
 def _reserve(ledger, group_id="grp0", level=L.TURN, n=2, **kw):
     return ledger.reserve_group(
         group_id=group_id,
@@ -37,6 +54,7 @@ def _reserve(ledger, group_id="grp0", level=L.TURN, n=2, **kw):
         restore_level=level,
         num_generations=n,
         target_step=kw.get("target_step", 1),
+        position=kw.get("position", _next_position(ledger)),
     )
 
 
@@ -96,9 +114,9 @@ def test_lifecycle_dispatch_seal_complete_train():
     assert [g.group_id for g in ledger.complete_groups()] == ["grp0"]
     assert group.status is PromptGroupStatus.COMPLETE
     ledger.mark_group_trained("grp0")
-    assert ledger.trained_group_ids == ["grp0"]
+    assert (ledger.trained_positions, ledger.trained_count) == ([(0, 1)], 1)
     assert ledger.complete_groups() == []
-    with pytest.raises(LedgerError, match="grp0 was already trained"):
+    with pytest.raises(LedgerError, match=r"grp0 \(position 0\) was already trained"):
         ledger.mark_group_trained("grp0")
 
 
@@ -324,7 +342,8 @@ def test_load_state_dict_rejects_bad_state():
     assert "gym_instance_id" in broken(
         lambda s: s["groups"][0]["siblings"][0]["attempts"][0].update(gym_attempt=1, gym_instance_id=None)
     )
-    assert "trained_group_ids" in broken(lambda s: s.update(trained_group_ids=["grp0"]))
+    assert "group grp0 is generating but its position 0 is in trained_positions" in broken(
+        lambda s: s.update(trained_positions=[[0, 1]], trained_count=1))
     assert "expected_generations" in broken(lambda s: s["groups"][0].update(expected_generations=3))
     assert "reused" in broken(
         lambda s: s["groups"][0]["siblings"][1]["attempts"][0].update(
@@ -365,7 +384,8 @@ class _Run:
         level = list(L)[a % 4]
         gid = f"grp{self.n_groups}"
         self.n_groups += 1
-        self.ledger.reserve_group(gid, f"p{a}", self.n_groups, "src", "agent", level, 2 + b % 2, 1)
+        self.ledger.reserve_group(gid, f"p{a}", self.n_groups, "src", "agent", level, 2 + b % 2, 1,
+                                  position=self.n_groups - 1)
 
     def _live(self, status):
         return [
@@ -430,7 +450,9 @@ class _Run:
     def check(self):
         assert self.ledger.sealed_rollout_ids() == self.store.rollout_ids()
         assert len(set(self.trained)) == len(self.trained)
-        assert self.ledger.trained_group_ids == self.trained
+        positions = sorted(int(g.removeprefix("grp")) for g in self.trained)  # grp<i> took position i
+        assert self.ledger.trained_positions == merged_ranges(positions)
+        assert self.ledger.trained_count == len(self.trained)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -506,7 +528,7 @@ def test_a_refused_restored_attempt_keeps_its_replica_and_stays_in_the_inventory
 
 def test_state_json_is_the_state_dict_as_json():
     ledger = RolloutRecoveryLedger()
-    ledger.reserve_group("g1", "p", 0, None, "agent_a", "turn", 2, 1)
+    ledger.reserve_group("g1", "p", 0, None, "agent_a", "turn", 2, 1, position=0)
     for req in ledger.reserved_attempts():
         ledger.mark_dispatched(req.rollout_id, INST)
     assert json.loads(ledger.state_json()) == ledger.state_dict()

@@ -36,6 +36,17 @@ from nemo_rl.experience.rollout_recovery import (
 )
 from nemo_rl.experience.sample import RolloutSample
 
+def _merged(positions: list[int]) -> list[tuple[int, int]]:
+    """Reference merge of sorted positions into [lo, hi) ranges (the plain way, not the ledger's bisect)."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
 # turn twice: turn-level rollouts are the ones a snapshot saves
 LEVELS = [RecoveryTargetLevel.TURN, RecoveryTargetLevel.TURN, RecoveryTargetLevel.SIBLING,
           RecoveryTargetLevel.PROMPT_GROUP]
@@ -88,6 +99,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         self.data_plane = DataPlaneStore()
         self.position = 0  # prompts consumed (the dataloader)
         self.trained: list[str] = []  # the trainer's lineage
+        self.positions: dict[str, int] = {}  # group -> the dataloader position it took (never rolled back)
         self.checkpoint = Durable(self.ledger.state_dict(), [], 0, [])
         self.snapshot: Durable | None = None
 
@@ -117,7 +129,9 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
             if sum(g.status is not PromptGroupStatus.TRAINED for g in self.ledger.groups.values()) >= MAX_GROUPS_LIVE:
                 return
             gid = f"p{self.position}"
-            self.ledger.reserve_group(gid, gid, self.position, None, None, level, self.generations, 0)
+            self.ledger.reserve_group(gid, gid, self.position, None, None, level, self.generations, 0,
+                                      position=self.position)
+            self.positions[gid] = self.position
             self.position += 1
 
     @rule(data=st.data(), count=st.integers(min_value=1, max_value=6))
@@ -231,10 +245,25 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         if not hasattr(self, "ledger"):
             return
         assert len(self.trained) == len(set(self.trained))
-        assert self.trained == self.ledger.trained_group_ids
+        trained_positions = sorted(self.positions[g] for g in self.trained)
+        assert self.ledger.trained_positions == _merged(trained_positions)
+        assert self.ledger.trained_count == len(self.trained)
         live = {g for g, rec in self.ledger.groups.items() if rec.status is not PromptGroupStatus.TRAINED}
         assert not live & set(self.trained)  # a group is live or trained, never both
         assert live | set(self.trained) == {f"p{i}" for i in range(self.position)}  # every consumed prompt
+
+    @invariant()
+    def trained_record_bounded_by_the_work_in_flight(self) -> None:
+        """Groups train out of order here, yet every gap between ranges holds a live group:
+        the ranges grow with what is in flight, not with the run."""
+        if not hasattr(self, "ledger"):
+            return
+        live = [g.position for g in self.ledger.groups.values() if g.status is not PromptGroupStatus.TRAINED]
+        assert len(self.ledger.trained_positions) <= len(live) + 1
+        ranges = self.ledger.trained_positions
+        for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+            assert any(hi <= p < lo for p in live), f"gap [{hi}, {lo}) holds no live group"
+        event(f"{len(ranges)} trained range(s)")
 
     @invariant()
     def no_sample_lost_or_duplicated(self) -> None:

@@ -162,8 +162,8 @@ def test_the_ledger_compacts_trained_groups_and_names_their_rollouts():
     from nemo_rl.experience.rollout_recovery import LedgerError, RolloutRecoveryLedger
 
     ledger = RolloutRecoveryLedger()
-    ledger.reserve_group("g1", "p", 0, None, None, "turn", 2, 1)
-    ledger.reserve_group("g2", "p", 1, None, None, "turn", 1, 1)
+    ledger.reserve_group("g1", "p", 0, None, None, "turn", 2, 1, position=0)
+    ledger.reserve_group("g2", "p", 1, None, None, "turn", 1, 1, position=1)
     for req in ledger.reserved_attempts():
         ledger.mark_dispatched(req.rollout_id, "a/replica-0")
     keys = sorted(e.capture_key for e in ledger.gym_checkpoint_inventory(["a/replica-0"])["a/replica-0"])
@@ -177,11 +177,13 @@ def test_the_ledger_compacts_trained_groups_and_names_their_rollouts():
     ledger.mark_group_trained("g1")
     ids = ledger.compact_trained(["g1"])
     assert sorted(ids) == sorted([failed, retry, [k for k in keys if k.startswith("g1_g1")][0]])
-    assert set(ledger.groups) == {"g2"} and ledger.trained_group_ids == ["g1"]
+    assert set(ledger.groups) == {"g2"} and ledger.trained_positions == [(0, 1)]
     again = RolloutRecoveryLedger.from_state_dict(ledger.state_dict())  # a compacted ledger round-trips
-    assert again.trained_group_ids == ["g1"] and set(again.groups) == {"g2"}
-    with pytest.raises(LedgerError, match="already trained"):
+    assert again.trained_positions == [(0, 1)] and again.trained_count == 1 and set(again.groups) == {"g2"}
+    with pytest.raises(LedgerError, match="unknown group g1: not in the ledger"):
         ledger.mark_group_trained("g1")
+    with pytest.raises(LedgerError, match="position 0 was already trained"):  # nor can it come back
+        ledger.reserve_group("g1", "p", 0, None, None, "turn", 2, 1, position=0)
 
 
 async def test_the_copy_is_immune_to_changes_in_place_after_resume(h, tmp_path):

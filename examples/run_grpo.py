@@ -53,12 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     # Test-only: lets the RL-level stall regression test reach the snapshot loop.
     skip_check = os.environ.get("NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK") == "1"
     from gym_patches.config import GymConfigError
+    from nemo_rl.utils.write_errors import RunWriteError
 
     try:
         return run(config, launched_at=launched, skip_restart_only_check=skip_check)
     except GymConfigError as exc:  # a bad key in the Gym config: a config error like the RL ones
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunWriteError as exc:  # a file the run writes (checkpoint, records, logs) could not be written: it is named
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

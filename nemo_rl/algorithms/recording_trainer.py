@@ -36,7 +36,7 @@ class RecordingTrainer:
             "gym_instances": {s.rollout_id: s.gym_instance_id for s in samples},
             "restored_from": {s.rollout_id: s.restored_from for s in samples if s.restored_from},
         }
-        with open(self.log_path, "a") as f:
+        with naming_write(self.log_path), open(self.log_path, "a") as f:
             f.write(json.dumps(batch, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -33,6 +33,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 )
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
+from nemo_rl.algorithms.single_controller_utils.stall_watchdog import StallWatchdog
 from nemo_rl.algorithms.single_controller_utils.snapshot import (
     CONTROLLER_STATE_FILE,
     GymCheckpointIndex,
@@ -54,19 +55,22 @@ from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.fault_injection import crash_point
 from nemo_rl.utils.run_identity import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
+from nemo_rl.utils.write_errors import as_write_error
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
     ensure_bootstrap_anchor,
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    remove_stale_tmp_dirs,
     resolve_restore_point,
 )
 
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
 MAX_REFUSALS_PER_ATTEMPT = 20
+ACTIVITY_TIMEOUT_S = 2.0  # each agent's answer to the stall watchdog's activity call
+# Infra failures that mean a Gym server did not answer: new rollouts prefer another replica meanwhile.
+_UNANSWERED_CODES = ("rollout_timeout", "upstream_timeout", "server_dead", "server_stopped")
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
@@ -102,7 +106,7 @@ class SingleController:
         self.on_progress = on_progress or (lambda _: None)
         self.checkpoint_dir = Path(config.checkpointing.checkpoint_dir)
         self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file)
-        self.ledger = RolloutRecoveryLedger()
+        self.ledger = RolloutRecoveryLedger(config.async_rl.rollout_failure.max_infra_attempts_per_prompt)
         self.data_plane = DataPlaneStore()
         self.dataloader = PromptDataloader(rows, seed=config.data.seed, shuffle=config.data.shuffle)
         self.step = 0
@@ -116,11 +120,16 @@ class SingleController:
                 shard_set,
                 recovery.gym_prepare_timeout_s,
                 "best_effort" if recovery.allow_restart_only_gym_servers else "block",
+                park_grace_s=recovery.gym_park_grace_s,
             )
             if recovery.turn_checkpointing_enabled and config.checkpointing.enabled
             else None
         )
         self.snapshotter: RolloutSnapshotter | None = None  # built after restore, over the restored state
+        self.watchdog = StallWatchdog(
+            config.async_rl.stall_watchdog, in_flight=lambda: len(self._rollouts),
+            transitions=lambda: self.changes.count, activity=self._gym_activity,
+        )
 
     @property
     def dispatch_open(self) -> bool:
@@ -143,15 +152,21 @@ class SingleController:
         try:
             async with asyncio.TaskGroup() as tasks:
                 pump = tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
+                watchdog = tasks.create_task(self.watchdog.run(), name="stall-watchdog")
                 try:
                     await self._train(tasks)
                 finally:
                     pump.cancel()
+                    watchdog.cancel()
                     for rollout in list(self._rollouts.values()):
                         rollout.cancel()
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
-        return {"step": self.step, "trained_groups": list(self.ledger.trained_group_ids)}
+        finally:
+            if self.coordinator is not None:
+                await self.coordinator.aclose()
+        return {"step": self.step, "trained_groups": self.ledger.trained_count,
+                "trained_positions": [list(r) for r in self.ledger.trained_positions]}
 
     async def _train(self, tasks: asyncio.TaskGroup) -> None:
         grpo = self.config.grpo
@@ -216,6 +231,13 @@ class SingleController:
 
         runs = [tasks.create_task(one(i, row), name=f"validation:{i}") for i, row in enumerate(self.val_rows)]
         rewards = [r for r in await asyncio.gather(*runs) if r is not None]
+        if self.coordinator is not None:  # Gym keeps per-rollout records until told: drop the validation ones
+            try:
+                await self.coordinator.forget([f"val_s{self.step}_{i}_{tag}" for i in range(len(self.val_rows))])
+            except GymCheckpointOperationError as exc:
+                if not is_transient_gym_checkpoint_failure(exc):
+                    raise
+                logger.warning("Gym could not forget the validation rollouts (it keeps their records): %s", exc)
         return {
             "val_reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "val_samples": len(rewards),
@@ -228,11 +250,12 @@ class SingleController:
         have = sum(1 for g in self.ledger.groups.values() if g.target_step == target_step)
         recovery = self.config.rollout_recovery
         for _ in range(self.config.grpo.num_prompts_per_step - have):
+            position = self.dataloader.position  # monotonic over the run (across epochs): the group's key
             index = self.dataloader.next_index()
             row = self.rows[index]
             agent = (row.get("agent_ref") or {}).get("name")
             task_source = row.get("task_source")
-            group_id = f"s{target_step}p{self.dataloader.position - 1}"
+            group_id = f"s{target_step}p{position}"
             self.ledger.reserve_group(
                 group_id=group_id,
                 prompt_id=str(row.get("id", index)),
@@ -242,6 +265,7 @@ class SingleController:
                 restore_level=recovery.resolve_for(task_source, agent),
                 num_generations=self.config.grpo.num_generations_per_prompt,
                 target_step=target_step,
+                position=position,
             )
 
     async def _generate(self, tasks: asyncio.TaskGroup, target_step: int) -> list[str]:
@@ -296,12 +320,17 @@ class SingleController:
                 if not exc.infra:
                     raise
                 reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
-                logger.warning("rollout %s failed on %s (%s); retrying from the prompt", rollout_id, exc.server, reason)
+                logger.warning("rollout %s failed on %s of %s (%s); retrying from the prompt", rollout_id,
+                               exc.server, instance, reason)
+                if exc.code in _UNANSWERED_CODES:
+                    self.shard_set.mark_unhealthy(instance, reason)  # the retry prefers a healthy replica
                 try:
                     self.ledger.mark_failed(rollout_id)
                 except RolloutRetriesExhausted as exhausted:
                     raise RuntimeError(
-                        f"Gym server {exc.server!r} on {instance} keeps failing: {exhausted}; last error: {reason}"
+                        f"Gym server {exc.server!r} on {instance} keeps failing: {exhausted} "
+                        f"(async_rl.rollout_failure.max_infra_attempts_per_prompt="
+                        f"{self.ledger.max_attempts_per_sibling}); last error: {reason}"
                     ) from None
             else:
                 if self.ledger.attempt_status(rollout_id) is not RolloutAttemptStatus.DISPATCHED:
@@ -334,6 +363,18 @@ class SingleController:
     def anchor_dir(self) -> Path:
         return anchor_dir(self.checkpoint_dir, self.step)
 
+    async def _gym_activity(self) -> dict[str, dict[str, Any]]:
+        """Every replica's agents: what each run in flight is doing (the stall watchdog reads it)."""
+        handles = self.shard_set.checkpoint_handles
+        refs = {iid: h.activity.remote(ACTIVITY_TIMEOUT_S) for iid, h in handles.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for iid, ref in refs.items():
+            try:
+                out[iid] = await asyncio.wait_for(ref, ACTIVITY_TIMEOUT_S + 5.0)
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                out[iid] = {"<replica actor>": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        return out
+
     # ------------------------------------------------------- trainer checkpoints
     async def save_trainer_checkpoint(self) -> None:
         """Capture the step's bookkeeping here, write the trainer state and publish off the event loop."""
@@ -341,20 +382,35 @@ class SingleController:
         extra = {
             "step": step,
             "dataloader": self.dataloader.state_dict(),
-            "trained_group_ids": list(self.ledger.trained_group_ids),
-            "ledger": self.ledger.state_dict(),
+            "ledger": self.ledger.state_dict(),  # trained groups as position ranges: no growing list
         }
 
         def write() -> None:
-            tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
-            self.trainer.save(tmp, extra)
-            publish_trainer_step(tmp, final, metadata={"step": step})
+            import shutil
 
-        await asyncio.to_thread(write)
+            tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
+            try:
+                self.trainer.save(tmp, extra)
+                publish_trainer_step(tmp, final, metadata={"step": step})
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (startup would remove it too)
+                raise
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:  # not named by the trainer (mkdir, rename): the file the OS names, else the step
+            named = as_write_error(exc, None if exc.filename else self.checkpoint_dir / f"step_{step}")
+            if named is exc:
+                raise
+            raise named from exc
         self.anchor_step = step
         # Older anchors go, but not under a snapshot that is still being persisted.
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
-            await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir, self.config.checkpointing.keep_latest_k)
+            try:
+                await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,
+                                        self.config.checkpointing.keep_latest_k)
+            except OSError as exc:  # a read-only or failing disk: name what could not be removed
+                raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
 
     async def _forget_trained(self) -> None:
         """Trained groups whose step is durable leave the ledger, and Gym forgets their rollouts:
@@ -373,12 +429,14 @@ class SingleController:
                                len(rollout_ids), exc)
 
     # ---------------------------------------------------------------- restore
+    def _load_ledger(self, state: dict[str, Any]) -> None:
+        """A saved ledger, under this run's retry budget (the config may have changed since)."""
+        self.ledger.load_state_dict(state)
+        self.ledger.max_attempts_per_sibling = self.config.async_rl.rollout_failure.max_infra_attempts_per_prompt
+
     async def restore_if_any(self) -> None:
         if not self.config.checkpointing.enabled:
             return  # checkpointing.enabled=false: every start is a new run
-        removed = remove_stale_tmp_dirs(self.checkpoint_dir)
-        for path in removed:
-            logger.warning("removed a half-written checkpoint directory left by a crash: %s", path)
         point = resolve_restore_point(self.checkpoint_dir)
         self.startup.resumed = point is not None and point.step > 0
         if point is None:
@@ -393,7 +451,7 @@ class SingleController:
             self.startup.mark("trainer_load")
             self.step = self.anchor_step = int(extra["step"])
             self.dataloader.load_state_dict(extra["dataloader"])
-            self.ledger.load_state_dict(extra["ledger"])
+            self._load_ledger(extra["ledger"])
             if self.generation is not None:
                 await asyncio.to_thread(self.generation.refit, self.trainer)
         for path, why in point.snapshot.skipped:
@@ -418,7 +476,7 @@ class SingleController:
         state = json.loads((snap / CONTROLLER_STATE_FILE).read_text())
         if int(state["step"]) != self.step:
             raise RuntimeError(f"{snap / CONTROLLER_STATE_FILE}: snapshot is for step {state['step']}, anchor is step {self.step}")
-        self.ledger.load_state_dict(state["ledger"])
+        self._load_ledger(state["ledger"])
         self.dataloader.load_state_dict(state["dataloader"])
         self.data_plane = DataPlaneStore.load(snap, state["data_plane"]["sha256"], state["data_plane"]["count"])
         restored: set[tuple[str, str, int]] = set()  # (instance, rollout id, the attempt Gym restored it as)

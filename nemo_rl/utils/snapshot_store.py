@@ -30,6 +30,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gym_patches.testing.write_faults import check_write
+from nemo_rl.utils.write_errors import naming_write
 
 MANIFEST_NAME = "manifest.json"
 SNAPSHOTS_DIRNAME = "rollout_snapshots"
@@ -58,21 +59,25 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, fsync, then rename over ``path``."""
+    """Write via a temp file in the same directory, fsync, then rename over ``path``.
+
+    Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error.
+    """
     path = Path(path)
-    check_write(path)  # test-only fault injection; inert unless asked for
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with naming_write(path):
+        check_write(path)  # test-only fault injection; inert unless asked for
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
@@ -139,10 +144,12 @@ def _seal(
         path = root / rel
         if path.is_symlink() or not path.is_file():
             raise SnapshotStoreError(f"{path}: only regular files may be published")
-        _fsync_file(path)
-        files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
+        with naming_write(path):  # an fsync that fails (EIO) names the file it could not make durable
+            _fsync_file(path)
+            files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
     for dirpath, _dirs, _files in os.walk(root):
-        fsync_dir(dirpath)
+        with naming_write(dirpath):
+            fsync_dir(dirpath)
     manifest = DirectoryManifest(
         kind=kind, sequence=sequence, created_at=time.time(), files=files, metadata=metadata or {}
     )
@@ -251,7 +258,9 @@ def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
     newest_seq = snapshot_sequence(newest.name)
     for path in root.iterdir():
         if path.name.startswith(TMP_PREFIX) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)  # stale: there is one writer
+            # stale: the run lock (nemo_rl/utils/run_lock.py) makes this run the only writer, and its
+            # attempts never overlap (the pump awaits each publish), so no other .tmp- dir is being written
+            shutil.rmtree(path, ignore_errors=True)
     older = sorted(
         (
             (snapshot_sequence(p.name), p)
@@ -440,7 +449,13 @@ def resolve_restore_point(checkpoint_dir: str | Path) -> RestorePoint | None:
 
 
 def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
-    """Delete ``.tmp-*`` dirs a crash left behind (call once at startup, single writer)."""
+    """Delete ``.tmp-*`` dirs a crash left behind, each named in a warning.
+
+    Only the holder of the run directory's lock may call it (``runner.run`` does, at every start, also
+    when the run is complete): a ``.tmp-`` dir is then certainly no live writer's.
+    """
+    import logging
+
     root = Path(checkpoint_dir)
     removed = []
     if not root.is_dir():
@@ -456,4 +471,6 @@ def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
             if path.name.startswith(TMP_PREFIX) and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
+                logging.getLogger(__name__).warning(
+                    "removed a half-written checkpoint directory left by a crash: %s", path)
     return removed

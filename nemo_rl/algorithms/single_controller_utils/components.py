@@ -157,14 +157,14 @@ def preflight(config: MasterConfig) -> str | None:
     """
     from nemo_rl.models.policy import resolve_model_source
 
-    if config.policy.model_name == SCRIPTED_TEST_BACKEND:
-        return None
     point = _trainer_restore_point(config)
     if point is not None:
         if point.step >= config.grpo.max_num_steps:
             return (f"The run is complete: {config.checkpointing.checkpoint_dir} holds trainer step {point.step} "
                     f"of grpo.max_num_steps={config.grpo.max_num_steps}. Nothing to do (raise grpo.max_num_steps "
                     "to train further, or use a fresh checkpointing.checkpoint_dir for a new run).")
+        return None
+    if config.policy.model_name == SCRIPTED_TEST_BACKEND:  # no model to find; a finished run is still finished
         return None
     if not config.policy.is_embedded:
         resolve_model_source(config.policy.model_name)

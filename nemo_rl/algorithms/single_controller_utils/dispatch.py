@@ -17,10 +17,12 @@ class LedgerChanges:
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
-        self.count = 0  # notifications so far: the stall watchdog's measure of progress
+        self.count = 0  # ledger transitions so far: the stall watchdog's measure of progress
 
-    async def notify(self) -> None:
-        self.count += 1
+    async def notify(self, *, transition: bool = True) -> None:
+        """Wake the waiters; ``transition=False`` for a wake-up that is not a ledger transition."""
+        if transition:
+            self.count += 1
         async with self._cond:
             self._cond.notify_all()
 
@@ -50,4 +52,4 @@ class DispatchGate:
             yield
         finally:
             self._open = True
-            await self._changes.notify()
+            await self._changes.notify(transition=False)

@@ -156,6 +156,9 @@ class GymCheckpointCoordinator:
         self.park_grace_s = park_grace_s
         # instance -> checkpoint id some of its servers did not resume -> why: it sits snapshots out until reopened
         self._unresumed: dict[str, dict[str, str]] = {}
+        self._reopening: dict[str, asyncio.Task] = {}  # left-out replica -> its resume, owned until ``aclose``
+        self._reopen_why: dict[str, str] = {}  # ... and why it left
+        self._unforgotten: dict[str, list[str]] = {}  # replica -> finished rollouts it has yet to forget
 
     @property
     def instance_ids(self) -> list[str]:
@@ -243,7 +246,18 @@ class GymCheckpointCoordinator:
             try:
                 await self.resume(checkpoint_id, [iid for iid in asked if iid not in leavers])
             finally:
-                await asyncio.gather(*leavers.values(), return_exceptions=True)
+                # Left-out replicas finish reopening in the background (each call is short); until
+                # then they sit snapshots out. ``aclose`` stops what is left when the run ends.
+                self._reopening.update(leavers)
+                self._reopen_why.update({iid: left_out[iid] for iid in leavers if iid in left_out})
+
+    async def aclose(self) -> None:
+        """Stop reopening left-out replicas (the run is ending; their leases reopen them)."""
+        tasks = list(self._reopening.values())
+        self._reopening.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _prepare_replicas(
         self, checkpoint_id: str, asked: list[str], deadline: float, capture: bool,
@@ -347,7 +361,15 @@ class GymCheckpointCoordinator:
         still closed under an old id would refuse the prepare as a conflict, and waiting for it here
         would hold the others. Each is reopened meanwhile, by a task in ``leavers``."""
         left: dict[str, str] = {}
+        for iid, task in list(self._reopening.items()):
+            if task.done():
+                del self._reopening[iid]
+            else:
+                left[iid] = (f"{iid} is still being reopened after it left a snapshot: "
+                             f"{self._reopen_why.get(iid, 'a server did not answer')}")
         for iid, cids in sorted(self._unresumed.items()):
+            if iid in left:
+                continue
             left[iid] = f"{iid} has not reopened after checkpoint(s) {', '.join(sorted(cids))}, being reopened " \
                         f"meanwhile: {'; '.join(cids[c] for c in sorted(cids))}"
             leavers[iid] = asyncio.create_task(self._reopen(iid, sorted(cids)), name=f"gym-reopen:{iid}")
@@ -387,17 +409,28 @@ class GymCheckpointCoordinator:
         )
 
     async def forget(self, rollout_ids: list[str]) -> int:
-        """Every replica drops what its servers keep about these finished rollouts (chunked)."""
+        """Every replica drops what its servers keep about these finished rollouts (chunked). A replica
+        that is not reopened yet (it left a snapshot) gets them later, with the next forget it can take."""
         total = 0
-        for start in range(0, len(rollout_ids), MAX_EPISODES_PER_REQUEST):
-            chunk = rollout_ids[start:start + MAX_EPISODES_PER_REQUEST]
-            deadline = time.time() + self.prepare_timeout_s
-            cid = f"forget-{uuid.uuid4().hex[:12]}"
-            done = await self._collect(
-                "forget", {iid: h.checkpoint_forget.remote(cid, deadline, chunk) for iid, h in self._handles().items()},
-                deadline,
-            )
-            total += sum(done.values())
+        handles = self._handles()
+        closed = set(self._unresumed) | {iid for iid, task in self._reopening.items() if not task.done()}
+        for iid in handles:
+            self._unforgotten.setdefault(iid, []).extend(rollout_ids)
+        for iid in sorted(handles):
+            if iid in closed:
+                continue
+            ids, self._unforgotten[iid] = self._unforgotten[iid], []
+            try:
+                for start in range(0, len(ids), MAX_EPISODES_PER_REQUEST):
+                    chunk = ids[start:start + MAX_EPISODES_PER_REQUEST]
+                    deadline = time.time() + self.prepare_timeout_s
+                    cid = f"forget-{uuid.uuid4().hex[:12]}"
+                    done = await self._collect(
+                        "forget", {iid: handles[iid].checkpoint_forget.remote(cid, deadline, chunk)}, deadline)
+                    total += done[iid]
+            except BaseException:
+                self._unforgotten[iid] = ids + self._unforgotten[iid]  # tried again with the next forget
+                raise
         return total
 
     async def persist(
@@ -423,11 +456,12 @@ class GymCheckpointCoordinator:
         targets = sorted(handles) if iids is None else iids
         if not targets:
             return {}
+        # Three stages of short calls: a replica that has not answered by then has failed its resume.
         _, failures = await self._gather_replicas(
             "resume",
             {iid: handles[iid].checkpoint_resume.remote(checkpoint_id, deadline, RESUME_CALL_TIMEOUT_S)
              for iid in targets},
-            deadline,
+            min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S),
         )
         for iid in targets:
             if iid in failures:

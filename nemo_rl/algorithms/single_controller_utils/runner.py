@@ -30,7 +30,10 @@ from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
 from nemo_rl.utils.run_identity import check_run_identity
+from nemo_rl.utils.run_lock import hold_run_dirs
+from nemo_rl.utils.snapshot_store import remove_stale_tmp_dirs
 from nemo_rl.utils.startup_clock import StartupClock
+from nemo_rl.utils.write_errors import naming_write
 
 
 def _warn_to_stderr(message, category, filename, lineno, file=None, line=None) -> None:
@@ -123,9 +126,18 @@ class _RunReaper:
 
 
 def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_only_check: bool = False) -> int:
+    """The run directories stay locked until this returns: a second launch on them is refused at once."""
     launched_at = launched_at or time.monotonic()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
+    ckpt = config.checkpointing
+    with hold_run_dirs(config.logger.log_dir, ckpt.checkpoint_dir if ckpt.enabled else None):
+        return _run_locked(config, launched_at, skip_restart_only_check)
+
+
+def _run_locked(config: MasterConfig, launched_at: float, skip_restart_only_check: bool) -> int:
     check_run_identity(config)  # another run's checkpoint_dir is refused before anything starts
+    if config.checkpointing.enabled:
+        remove_stale_tmp_dirs(config.checkpointing.checkpoint_dir)  # only this process writes here now
     finished = preflight(config)  # an unfetchable policy.model_name fails here too, in seconds
     if finished:
         print(finished, flush=True)
@@ -135,7 +147,8 @@ def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_
     log_dir.mkdir(parents=True, exist_ok=True)
     startup = StartupClock(log_dir)
     startup.mark("config")
-    (log_dir / "config.yaml").write_text(config.to_yaml())
+    with naming_write(log_dir / "config.yaml"):
+        (log_dir / "config.yaml").write_text(config.to_yaml())
     rows = load_jsonl(config.data.train_data_path)
     wants_val = config.grpo.val_period > 0 or config.grpo.val_at_start
     val_rows = load_jsonl(config.data.val_data_path)[: config.grpo.max_val_samples] if wants_val else []

@@ -379,7 +379,7 @@ class RolloutSnapshotter:
                     commit_mode=self.settings.commit_mode if self.coordinator is not None else "ledger_only",
                     captured_bytes=outcome.captured_bytes,
                     captured_bytes_by_server=outcome.captured_bytes_by_server,
-                    step=self.inputs.step(),
+                    step=self._step,  # the step the attempt belongs to (training may have moved on since)
                     path=outcome.path,
                     blocking_servers=sorted({s for v in outcome.blockers.values() for s in v}),
                     **({"left_out": outcome.left_out, "left_out_rollouts": outcome.left_out_rollouts}

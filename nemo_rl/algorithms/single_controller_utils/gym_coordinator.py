@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 _MAX_REPLY_GRACE_S = 5.0
 # Each server's resume call: a hung server fails its own quickly and the others reopen.
 RESUME_CALL_TIMEOUT_S = 5.0
+FORGET_TIMEOUT_S = 10.0  # a forget that has not answered by then is tried again with the next one
 PROBE_AFTER_S = 0.5  # a replica still preparing after this long has its servers' status probed ...
 PROBE_EVERY_S = 1.0  # ... this often, until it is prepared or leaves the snapshot
 _TICK_S = 0.1
@@ -90,11 +91,12 @@ class GymCheckpointOperationError(RuntimeError):
 
 
 def is_transient_gym_checkpoint_failure(exc: BaseException) -> bool:
-    """Not-ready and unreachable Gym are retried at the next interval; anything else is a bug."""
+    """Not-ready, unreachable and unanswering Gym are retried at the next interval; anything else is a bug."""
     if isinstance(exc, (GymCheckpointNotReady, GymReplicasLeftOut)):
         return True
     if isinstance(exc, GymCheckpointOperationError):
-        return all(isinstance(e, CoordinationError) for e in exc.failures.values())
+        # A replica that did not answer in time is as transient as one whose server did not.
+        return all(isinstance(e, (CoordinationError, TimeoutError)) for e in exc.failures.values())
     return False
 
 
@@ -423,7 +425,8 @@ class GymCheckpointCoordinator:
             try:
                 for start in range(0, len(ids), MAX_EPISODES_PER_REQUEST):
                     chunk = ids[start:start + MAX_EPISODES_PER_REQUEST]
-                    deadline = time.time() + self.prepare_timeout_s
+                    # Short: the training loop waits for it, and a hung server must not hold a step.
+                    deadline = time.time() + min(self.prepare_timeout_s, FORGET_TIMEOUT_S)
                     cid = f"forget-{uuid.uuid4().hex[:12]}"
                     done = await self._collect(
                         "forget", {iid: handles[iid].checkpoint_forget.remote(cid, deadline, chunk)}, deadline)

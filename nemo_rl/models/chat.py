@@ -29,6 +29,8 @@ first ``<tool_call>``; every block (the last one may be unterminated) must be a
 JSON object with a string ``name``; ``arguments`` (an object) is re-serialized
 with ``json.dumps(..., ensure_ascii=False)``. If any block is malformed, nothing
 is guessed: the whole text is the content and there are no tool calls.
+``parse_reply`` runs it only for a request that lists tools, as vLLM runs its
+tool parser only then: a reply to a request without tools is all content.
 """
 
 from __future__ import annotations
@@ -252,3 +254,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
                       "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     content = text[: text.index(TOOL_CALL_OPEN)].strip()
     return (content or None), calls
+
+
+def parse_reply(text: str, tools: list | None) -> tuple[str | None, list[dict]]:
+    """A served reply's (content, tool_calls): tool calls only when the request listed tools.
+
+    vLLM's server parses tool calls only for a request that offers tools; a model may still write
+    ``<tool_call>`` text without them, and a client that asked for none must get it as text.
+    """
+    if not tools:
+        return (text.strip() or None), []
+    return parse_tool_calls(text)

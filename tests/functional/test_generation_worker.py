@@ -216,17 +216,29 @@ def test_openai_client_gets_400_naming_the_field(setup, kwargs, param):
 
 
 def test_openai_client_receives_parsed_tool_calls(setup):
-    """A copy of the policy is taught one tool call; the client gets it back as ``tool_calls``."""
+    """A copy of the policy is taught one tool call, with and without tools in the prompt; the client
+    gets it back as ``tool_calls`` only when it listed tools (as vLLM's server parses only then)."""
     tok, cfg, trainer, worker, base_url = setup
     learner = load_policy(tok.name_or_path, "float32", "cpu", 256)
     learner.load_state(trainer.state_dict_for_refit())
-    row = {"id": "r", "task_source": "demo", "responses_create_params": {"input": MESSAGES[:2], "tools": TOOLS},
-           "ground_truth": [{"name": "directory_find_email", "arguments": {"name": "bo"}}]}
+    gt = [{"name": "directory_find_email", "arguments": {"name": "bo"}}]
+    rows = [{"id": "r", "task_source": "demo", "responses_create_params": {"input": MESSAGES[:2], "tools": TOOLS},
+             "ground_truth": gt},
+            {"id": "r0", "task_source": "demo", "responses_create_params": {"input": MESSAGES[:2]}, "ground_truth": gt}]
     demo = [*MESSAGES[:2], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "directory_find_email", "arguments": '{"name": "bo"}'}}]}]
-    warm_start(learner, [row], steps=200, batch_size=1, lr=5e-3, label_smoothing=0.0, conversations=[demo])
+    warm_start(learner, rows, steps=300, batch_size=2, lr=5e-3, label_smoothing=0.0, conversations=[demo, demo])
     ray.get(worker.refit.remote(learner.state_dict_cpu(), 99))
     try:
+        # No tools listed: the same call text comes back as content, nothing parsed.
+        for extra in ({}, {"tools": []}):
+            r = _client(base_url).chat.completions.create(model="tiny", messages=MESSAGES[:2], temperature=0,
+                                                          max_tokens=40, **extra)
+            choice = r.choices[0]
+            assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice.message
+            assert choice.message.content.startswith("<tool_call>"), choice.message
+            assert json.loads(choice.message.content.removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
+                "name": "directory_find_email", "arguments": {"name": "bo"}}
         r = _client(base_url).chat.completions.create(model="tiny", messages=MESSAGES[:2], tools=TOOLS,
                                                       temperature=0, max_tokens=40)
         choice = r.choices[0]

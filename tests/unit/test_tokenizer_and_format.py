@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from nemo_rl.models.chat import (
     format_tool_call,
+    parse_reply,
     parse_tool_calls,
     render_prompt,
     render_text,
@@ -150,6 +151,15 @@ def test_malformed_calls_give_no_calls_and_keep_the_text(bad):
 def test_plain_reply():
     assert parse_tool_calls("  Done.  ") == ("Done.", [])
     assert parse_tool_calls("") == (None, [])
+
+
+def test_reply_parsed_for_tool_calls_only_when_the_request_lists_tools():
+    text = "Looking. " + format_tool_call("directory_find_email", {"name": "bo"})
+    for no_tools in (None, []):
+        assert parse_reply(text, no_tools) == (text, [])  # vLLM: no tools offered, no tool parser
+        assert parse_reply("  Done.  ", no_tools) == ("Done.", [])
+    content, calls = parse_reply(text, [{"type": "function", "function": {"name": "directory_find_email"}}])
+    assert content == "Looking." and [c["function"]["name"] for c in calls] == ["directory_find_email"]
 
 
 @settings(max_examples=100, deadline=None)

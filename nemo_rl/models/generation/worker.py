@@ -10,7 +10,8 @@ exactly one ``weight_version``, which it reports.
 The model is a Hugging Face causal LM (``HFPolicy``): prompts are rendered by
 its tokenizer's chat template with the request's ``tools``, and replies are
 split into content and ``tool_calls`` by the hermes parser
-(``nemo_rl.models.chat.parse_tool_calls``), as vLLM's ``hermes`` parser would.
+(``nemo_rl.models.chat.parse_tool_calls``), as vLLM's ``hermes`` parser would:
+only when the request lists tools (``parse_reply``), else the text is content.
 
 Replies carry four extensions Gym's model server passes through for training:
 ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and
@@ -37,7 +38,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from nemo_rl.algorithms.grpo_config import PolicyConfig
-from nemo_rl.models.chat import parse_tool_calls, render_prompt
+from nemo_rl.models.chat import parse_reply, render_prompt
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import ChatCompletionRequest, check_tools, error_body
 from nemo_rl.models.policy import HFPolicy, load_tokenizer, resolve_device, resolve_dtype
@@ -296,7 +297,7 @@ class GenerationServer:
 
     def _completion_body(self, req: ChatCompletionRequest, prompt_ids: list[int], out: dict) -> dict:
         gen = out["token_ids"]
-        content, tool_calls = parse_tool_calls(self.policy.decode_completion(gen))
+        content, tool_calls = parse_reply(self.policy.decode_completion(gen), req.tools)
         finish = out["finish_reason"]
         if finish == "stop" and tool_calls:
             finish = "tool_calls"

@@ -383,18 +383,19 @@ def publish_trainer_step(
     return manifest
 
 
-def prune_trainer_steps(checkpoint_dir: str | Path, keep_latest_k: int | None) -> list[Path]:
-    """Delete all but the newest ``keep_latest_k`` valid trainer steps (and ``bootstrap/`` once a
-    step exists), each with its rollout snapshots. A directory is first renamed to a ``.tmp-``
-    name, so a crash mid-delete leaves nothing that looks valid (startup removes the rest)."""
-    if keep_latest_k is None:
+def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_top_k`` valid trainer steps (``checkpointing.keep_top_k`` with no
+    metric: the latest k), and ``bootstrap/`` once a step exists, each with its rollout snapshots. A
+    directory is first renamed to a ``.tmp-`` name, so a crash mid-delete leaves nothing that looks
+    valid (startup removes the rest)."""
+    if keep_top_k is None:
         return []
-    if keep_latest_k < 1:
-        raise SnapshotStoreError(f"keep_latest_k must be >= 1, got {keep_latest_k}")
+    if keep_top_k < 1:
+        raise SnapshotStoreError(f"keep_top_k must be >= 1, got {keep_top_k}")
     steps = [s for s in list_trainer_steps(checkpoint_dir) if s > 0]
     if not steps:
         return []
-    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_latest_k]]
+    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k]]
     bootstrap = anchor_dir(checkpoint_dir, 0)
     if bootstrap.exists():
         doomed.append(bootstrap)

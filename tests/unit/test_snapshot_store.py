@@ -269,5 +269,5 @@ def test_prune_trainer_steps_keeps_the_newest_k_with_their_snapshots(tmp_path):
     assert list_trainer_steps(tmp_path) == [3, 4]
     assert resolve_latest_snapshot(anchor_dir(tmp_path, 4)).path == final  # the kept step keeps its snapshots
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]  # no trash left
-    with pytest.raises(SnapshotStoreError, match="keep_latest_k"):
+    with pytest.raises(SnapshotStoreError, match="keep_top_k"):
         prune_trainer_steps(tmp_path, 0)

@@ -1,23 +1,34 @@
-"""Run records a user (or a test) reads: ``snapshots.jsonl``, ``restore.json``, ``metrics.jsonl``."""
+"""Run records a user (or a test) reads: ``snapshots.jsonl``, ``restore.json``, ``metrics.jsonl``.
+
+Each row, once on disk, also goes to the metric backends (``logger.*_enabled``) under upstream's
+series names (``nemo_rl.utils.loggers.names``): one place, so the views never disagree with the files."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.utils.loggers import MetricLoggers
+from nemo_rl.utils.loggers.names import SnapshotSeries, restore_metrics, step_metrics
 from nemo_rl.utils.snapshot_store import write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 
 class RunRecords:
-    def __init__(self, log_dir: str | Path, metrics_file: str = "metrics.jsonl"):
+    def __init__(self, log_dir: str | Path, metrics_file: str = "metrics.jsonl",
+                 loggers: MetricLoggers | None = None):
         self.log_dir = Path(log_dir)
         self.metrics_file = metrics_file  # ``logger.metrics_file``
+        self.opened = time.monotonic()  # the restore's timing runs from here (the controller's start)
         with naming_write(self.log_dir):
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = loggers if loggers is not None else MetricLoggers()
+        self._snapshots = SnapshotSeries(self._earlier_attempts() if self.loggers else ())
+        self.loggers.before_close(self._flush_snapshots)
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
         """One line, fsynced. A failed write (``RunWriteError`` naming the file) is cut back off, so
@@ -56,12 +67,34 @@ class RunRecords:
             dict(checkpoint_id=checkpoint_id, committed=committed, reason=reason, saved=saved, unsaved=unsaved,
                  pause_s=round(pause_s, 4), **extra),
         )
+        if self.loggers:
+            row = dict(extra, committed=committed, reason=reason, saved=saved, unsaved=unsaved, pause_s=pause_s)
+            for step, metrics in self._snapshots.add(row):
+                self.loggers.log_metrics(metrics, step)
+
+    def _earlier_attempts(self) -> list[dict[str, Any]]:
+        """This log_dir's earlier attempts (a resumed run counts on from them); a line a kill tore is skipped."""
+        path = self.log_dir / "snapshots.jsonl"
+        rows = []
+        for line in (path.read_text(errors="replace").splitlines() if path.exists() else ()):
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+        return [r for r in rows if isinstance(r, dict)]
+
+    def _flush_snapshots(self) -> None:
+        for step, metrics in self._snapshots.flush():
+            self.loggers.log_metrics(metrics, step)
 
     def metrics(self, record: dict[str, Any]) -> None:
         self._append(self.metrics_file, record)
+        if self.loggers:
+            self.loggers.log_metrics(step_metrics(record), int(record.get("step") or 0))
 
     def restore(self, record: dict[str, Any]) -> None:
         write_json_atomic(self.log_dir / "restore.json", record)
+        if self.loggers:
+            seconds = round(time.monotonic() - self.opened, 4)
+            self.loggers.log_metrics(restore_metrics(record, seconds), int(record.get("trainer_step") or 0))
 
     def read(self, name: str) -> list[dict[str, Any]]:
         path = self.log_dir / name

@@ -119,19 +119,24 @@ def _audit_model(audit_dir):
 def _snapshot_hooks(path):
     def coordinator_hook(module):
         cls = module.GymCheckpointCoordinator
-        original = cls._collect
 
-        @functools.wraps(original)
-        async def _collect(self, operation, calls, deadline_ts):
-            start, ok = time.time(), False
-            try:
-                result = await original(self, operation, calls, deadline_ts)
-                ok = True
-                return result
-            finally:
-                _append(path, {"event": f"gym:{operation}", "start": start, "end": time.time(), "ok": ok})
+        def timed(original, operation_of):
+            @functools.wraps(original)
+            async def wrapper(self, *args, **kwargs):
+                start, ok = time.time(), False
+                try:
+                    result = await original(self, *args, **kwargs)
+                    ok = True
+                    return result
+                finally:
+                    _append(path, {"event": f"gym:{operation_of(args)}", "start": start, "end": time.time(),
+                                   "ok": ok})
+            return wrapper
 
-        cls._collect = _collect
+        # Every fan-out over the replicas (resume, commit, persist, renew, forget, ...) and the prepare,
+        # which watches its replicas itself.
+        cls._gather_replicas = timed(cls._gather_replicas, lambda args: args[0])
+        cls._prepare_replicas = timed(cls._prepare_replicas, lambda args: "prepare")
 
     def snapshot_hook(module):
         cls = module.RolloutSnapshotter

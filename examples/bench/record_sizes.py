@@ -6,7 +6,7 @@
 One real ``examples/run_grpo.py`` run of ``examples/configs/grpo_workplace_turn.yaml``
 (scripted backend, recording trainer), started and reaped through the run
 harness: 1 prompt x 2 generations per step, a trainer checkpoint every step
-and every step kept (``checkpointing.keep_latest_k=null``), a rollout snapshot
+and every step kept (``checkpointing.keep_top_k=null``), a rollout snapshot
 every ``interval_s``. Afterwards, for every step N:
 
 - ``controller_state.json``: bytes of the newest rollout snapshot under
@@ -60,7 +60,7 @@ def measure(*, workdir: Path, steps: int = 300, prompts: int = 1, generations: i
     dirs = RunDirs(root)
     args = ["--config", CONFIG, SCRIPTED, f"grpo.max_num_steps={steps}", f"grpo.num_prompts_per_step={prompts}",
             f"grpo.num_generations_per_prompt={generations}", "checkpointing.save_period=1",
-            "checkpointing.keep_latest_k=null", f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
+            "checkpointing.keep_top_k=null", f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
             "rollout_checkpointing.max_consecutive_failures=1000", *dirs.overrides(), "logger.plot=false"]
     metrics = JsonlFollower(dirs.logs / "metrics.jsonl")
     last_log = [time.monotonic()]

@@ -33,6 +33,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 )
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
+from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import StallWatchdog
 from nemo_rl.algorithms.single_controller_utils.snapshot import (
     CONTROLLER_STATE_FILE,
@@ -57,6 +58,7 @@ from nemo_rl.utils.run_identity import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.write_errors import as_write_error
 from nemo_rl.utils.snapshot_store import (
+    SnapshotSelection,
     anchor_dir,
     ensure_bootstrap_anchor,
     prepare_trainer_step,
@@ -95,6 +97,7 @@ class SingleController:
         val_rows: list[dict[str, Any]] | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         startup: StartupClock | None = None,
+        loggers: MetricLoggers | None = None,  # the metric backends (opened and closed by the runner)
     ):
         self.config = config
         self.startup = startup or StartupClock(None)
@@ -105,7 +108,7 @@ class SingleController:
         self.rows = rows
         self.on_progress = on_progress or (lambda _: None)
         self.checkpoint_dir = Path(config.checkpointing.checkpoint_dir)
-        self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file)
+        self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file, loggers)
         self.ledger = RolloutRecoveryLedger(config.async_rl.rollout_failure.max_infra_attempts_per_prompt)
         self.data_plane = DataPlaneStore()
         self.dataloader = PromptDataloader(rows, seed=config.data.seed, shuffle=config.data.shuffle)
@@ -408,7 +411,7 @@ class SingleController:
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
             try:
                 await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,
-                                        self.config.checkpointing.keep_latest_k)
+                                        self.config.checkpointing.keep_top_k)
             except OSError as exc:  # a read-only or failing disk: name what could not be removed
                 raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
 
@@ -443,9 +446,13 @@ class SingleController:
             ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
             record_run_identity(self.config)  # the directory now belongs to this run
             return
-        # A turn-level run needs gym_checkpoint.json in the snapshot; one without it is skipped, not half-used.
-        point = point._replace(snapshot=resolve_restorable_snapshot(
-            point.anchor, required_snapshot_files(self.coordinator is not None)))
+        from_trainer_only = self.config.rollout_checkpointing.restore_mode == "trainer_checkpoint"
+        if from_trainer_only:  # the snapshots stay on disk, unread
+            point = point._replace(snapshot=SnapshotSelection(None, []))
+        else:
+            # A turn-level run needs gym_checkpoint.json in the snapshot; one without it is skipped, not half-used.
+            point = point._replace(snapshot=resolve_restorable_snapshot(
+                point.anchor, required_snapshot_files(self.coordinator is not None)))
         if point.step > 0:
             extra = await asyncio.to_thread(self.trainer.load, point.anchor)
             self.startup.mark("trainer_load")
@@ -467,9 +474,11 @@ class SingleController:
         if point.snapshot.path is None:
             # Anything the trainer state still counts as in flight restarts from its prompt.
             summary = self.ledger.prepare_for_restart(set())
+            why = ("rollout_checkpointing.restore_mode=trainer_checkpoint: rollout snapshots are not read"
+                   if from_trainer_only else "no valid rollout snapshot")
             record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
-                          kept_siblings=len(summary.kept_siblings))
-            print(f"Resuming from trainer checkpoint step {point.step} (no valid rollout snapshot).", flush=True)
+                          kept_siblings=len(summary.kept_siblings), snapshot_reason=why)
+            print(f"Resuming from trainer checkpoint step {point.step} ({why}).", flush=True)
             self.records.restore(record)
             return
         snap = point.snapshot.path

@@ -144,6 +144,44 @@ def test_sigkill_after_snapshot_then_rerun_restores(dirs):
     assert all(r == 1.0 for b in final["batches"] for r in b["rewards"].values())
 
 
+def test_restore_mode_trainer_checkpoint_resumes_from_the_trainer_step_only(dirs):
+    """rollout_checkpointing.restore_mode=trainer_checkpoint: a committed snapshot with turn-level
+    rollouts is left unread; the run resumes from the trainer step and every rollout starts anew."""
+    marker = uuid.uuid4().hex
+    env = env_for(delay_s=0.3, extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = WORKPLACE + SCRIPTED + dirs.overrides() + [
+        "grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "rollout_checkpointing.snapshot_attempt_interval_s=0.4",
+    ]
+
+    def snapshot_with_saved_rollouts_in_step_1() -> bool:
+        return any(s["committed"] and s["saved"] > 0 and s["step"] == 1 for s in dirs.records("snapshots.jsonl"))
+
+    run_until_then_kill(args, env=env, until=snapshot_with_saved_rollouts_in_step_1)
+    assert wait_for_no_processes(marker) == [], "processes of the killed run outlived it"
+    newest = [s for s in dirs.records("snapshots.jsonl") if s["committed"]][-1]
+
+    proc = run_grpo(args + ["rollout_checkpointing.restore_mode=trainer_checkpoint"], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout_checkpointing.restore_mode=trainer_checkpoint" in proc.stdout
+
+    restore = dirs.restore_json()
+    assert restore["trainer_step"] == newest["step"] == 1
+    assert restore["snapshot"] is None and restore["skipped_snapshots"] == []
+    assert "restore_mode=trainer_checkpoint" in restore["snapshot_reason"]
+    assert restore["restored_turn"] == 0 and "restored_rollout_ids" not in restore
+
+    import json
+
+    final = json.loads((dirs.ckpt / "step_2" / "recording_trainer.json").read_text())
+    groups = [g for b in final["batches"] for g in b["groups"]]
+    assert len(groups) == len(set(groups)) == 2 * 2
+    rollouts = [r for b in final["batches"] for r in b["rollout_ids"]]
+    assert len(rollouts) == len(set(rollouts)) == 2 * 2 * 4
+    # Nothing continued from a Gym save (those come back as attempt -a1): step 2 started from its prompts.
+    assert not any(r.endswith("-a1") for r in rollouts)
+    assert all(r == 1.0 for b in final["batches"] for r in b["rewards"].values())
+
+
 def test_stall_under_block_fails_after_max_consecutive_failures(dirs):
     proc = run_grpo(
         MIXED + SCRIPTED + dirs.overrides() + [

@@ -224,8 +224,6 @@ def test_cross_section_rules_name_both_keys():
         load_config(None, ["checkpointing.enabled=false"])
     assert "rollout_checkpointing.snapshot_attempt_interval_s" in str(exc.value)
     assert "checkpointing.enabled" in str(exc.value)
-    with pytest.raises(ConfigError, match=r"env\.should_use_nemo_gym was removed"):
-        load_config(None, ["++env.should_use_nemo_gym=false"])
 
 
 def _leaves(data, schema, prefix=""):
@@ -281,3 +279,54 @@ def test_round_trip_through_dict_and_yaml():
     again = MasterConfig.model_validate(cfg.to_dict())
     assert again == cfg
     assert "target_level: sibling" in cfg.to_yaml()
+
+
+# ----- upstream NeMo-RL keys ----------------------------------------------------
+def test_should_use_nemo_gym_true_is_accepted_and_false_is_refused(tmp_path):
+    assert load_config(None, ["env.should_use_nemo_gym=true"]).env.should_use_nemo_gym is True
+    _write(tmp_path / "up.yaml", "data: {train_data_path: x.jsonl}\nenv: {should_use_nemo_gym: true}\n")
+    assert load_config(tmp_path / "up.yaml").env.should_use_nemo_gym is True
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["env.should_use_nemo_gym=false"])
+    msg = str(exc.value)
+    assert "env.should_use_nemo_gym" in msg and "every rollout in Gym (env.nemo_gym)" in msg
+
+
+def test_keep_top_k_with_null_metric_keeps_the_latest_k():
+    cfg = load_config(None, [])
+    assert cfg.checkpointing.keep_top_k == 3 and cfg.checkpointing.metric_name is None
+    cfg = load_config(None, ["checkpointing.keep_top_k=5", "checkpointing.metric_name=null"])
+    assert cfg.checkpointing.keep_top_k == 5
+    assert load_config(None, ["checkpointing.keep_top_k=null"]).checkpointing.keep_top_k is None  # keep all
+    with pytest.raises(ConfigError, match=r"checkpointing\.keep_top_k"):
+        load_config(None, ["checkpointing.keep_top_k=0"])
+
+
+def test_a_metric_name_is_refused_naming_the_key():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["checkpointing.metric_name=val_reward_mean"])
+    msg = str(exc.value)
+    assert "checkpointing.metric_name" in msg and "only null (keep the latest k) is supported" in msg
+
+
+def test_checkpointing_keep_latest_k_names_its_new_key(tmp_path):
+    renamed = ("checkpointing.keep_latest_k was renamed checkpointing.keep_top_k "
+               "(with metric_name: null it keeps the latest k)")
+    _write(tmp_path / "old.yaml", "data: {train_data_path: x.jsonl}\ncheckpointing: {keep_latest_k: 2}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path / "old.yaml")
+    assert renamed in str(exc.value)
+    for override in ("checkpointing.keep_latest_k=2", "++checkpointing.keep_latest_k=2"):
+        with pytest.raises(ConfigError) as exc:
+            load_config(None, [override])
+        assert renamed in str(exc.value)
+    # The snapshot one keeps its name.
+    assert load_config(None, ["rollout_checkpointing.keep_latest_k=4"]).rollout_checkpointing.keep_latest_k == 4
+
+
+def test_restore_mode_values():
+    assert load_config(None, []).rollout_checkpointing.restore_mode == "latest"
+    cfg = load_config(None, ["rollout_checkpointing.restore_mode=trainer_checkpoint"])
+    assert cfg.rollout_checkpointing.restore_mode == "trainer_checkpoint"
+    with pytest.raises(ConfigError, match=r"rollout_checkpointing\.restore_mode"):
+        load_config(None, ["rollout_checkpointing.restore_mode=newest"])

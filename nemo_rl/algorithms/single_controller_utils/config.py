@@ -30,6 +30,11 @@ from nemo_rl.experience.rollout_recovery import RecoveryTargetLevel
 
 DEFAULT_GYM_SHARD = "nemo_gym"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Keys renamed to upstream NeMo-RL's names: a config (or an override) that still uses one gets this.
+_RENAMED_KEYS = {
+    "checkpointing.keep_latest_k": "checkpointing.keep_latest_k was renamed checkpointing.keep_top_k "
+                                   "(with metric_name: null it keeps the latest k)",
+}
 # Keys an older recovery config used; they name what replaced them.
 _REMOVED_RECOVERY_KEYS = (
     "default_granularity",
@@ -111,19 +116,57 @@ class NemoGymEnvConfig(_Section):
 
 
 class EnvConfig(_Section):
+    # Upstream's switch between Gym and its own environments; here Gym is the only path, so an
+    # upstream YAML that says true loads unchanged and false is refused instead of silently ignored.
+    should_use_nemo_gym: bool = True
     nemo_gym: NemoGymEnvConfig = Field(default_factory=NemoGymEnvConfig)
 
-    @model_validator(mode="before")
+    @field_validator("should_use_nemo_gym")
     @classmethod
-    def _removed_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "should_use_nemo_gym" in data:
-            raise ValueError("env.should_use_nemo_gym was removed: every rollout runs in Gym (env.nemo_gym)")
-        return data
+    def _gym_only(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "env.should_use_nemo_gym=false is not supported: this project runs every rollout in Gym "
+                "(env.nemo_gym); remove the key or set it to true"
+            )
+        return value
+
+
+class TensorBoardLoggerConfig(_Section):
+    # event files, relative to logger.log_dir unless absolute
+    log_dir: str = "tensorboard"
+
+
+class WandbLoggerConfig(_Section):
+    project: str = "nemo-rl"
+    name: str | None = None  # the run's name; None: W&B picks one
+
+
+class MlflowLoggerConfig(_Section):
+    experiment_name: str = "nemo-rl"
+    run_name: str | None = None
+    # None: a SQLite store in logger.log_dir/mlruns (MLflow 3 refuses its plain-file store by default)
+    tracking_uri: str | None = None
+
+
+def _empty_section(value: Any) -> Any:
+    """``tensorboard:`` with nothing after it (YAML null) means the defaults, like ``tensorboard: {}``."""
+    return {} if value is None else value
 
 
 class LoggerConfig(_Section):
     log_dir: str = "logs/grpo"
     metrics_file: str = "metrics.jsonl"  # per-step metrics, relative to log_dir
+    # Views of the same records (metrics.jsonl stays the always-on one), each from its own extra:
+    # pip install '.[tensorboard]' / '.[wandb]' / '.[mlflow]'. Series names: nemo_rl/utils/loggers/names.py.
+    tensorboard_enabled: bool = False
+    wandb_enabled: bool = False  # WANDB_MODE=offline keeps the run under log_dir/wandb
+    mlflow_enabled: bool = False
+    tensorboard: TensorBoardLoggerConfig = Field(default_factory=TensorBoardLoggerConfig)
+    wandb: WandbLoggerConfig = Field(default_factory=WandbLoggerConfig)
+    mlflow: MlflowLoggerConfig = Field(default_factory=MlflowLoggerConfig)
+
+    _sections_may_be_empty = field_validator("tensorboard", "wandb", "mlflow", mode="before")(_empty_section)
 
     @field_validator("metrics_file")
     @classmethod
@@ -140,10 +183,30 @@ class CheckpointingConfig(_Section):
     enabled: bool = True
     checkpoint_dir: str = "results/grpo"
     save_period: int = Field(default=1, ge=1)
-    # Trainer steps kept on disk (each with its rollout snapshots); null keeps every step.
-    keep_latest_k: int | None = Field(default=3, ge=1)
+    # Trainer steps kept on disk (each with its rollout snapshots); null keeps every step. Upstream's
+    # name: with metric_name null it keeps the latest k, the only ranking this controller has.
+    keep_top_k: int | None = Field(default=3, ge=1)
+    metric_name: str | None = None
     # Resume even if checkpoint_dir was written by a run with other data, model, group size or Gym topology.
     allow_different_run: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "keep_latest_k" in data:
+            raise ValueError(_RENAMED_KEYS["checkpointing.keep_latest_k"])
+        return data
+
+    @field_validator("metric_name")
+    @classmethod
+    def _latest_only(cls, value: str | None) -> str | None:
+        # Ranking steps by a metric would need validation scores kept per step; nothing here records them.
+        if value is not None:
+            raise ValueError(
+                f"checkpointing.metric_name={value!r} is not supported: only null (keep the latest k) is "
+                "supported by this controller"
+            )
+        return value
 
 
 class ClusterConfig(_Section):
@@ -232,7 +295,11 @@ class RolloutCheckpointConfig(_Section):
     # (the pause is the capture only); blocking: everything is written before rollouts resume.
     commit_mode: Literal["staged", "blocking"] = "staged"
     max_consecutive_failures: int = Field(default=3, ge=1)
-    keep_latest_k: int = Field(default=2, ge=1)
+    keep_latest_k: int = Field(default=2, ge=1)  # snapshots kept per trainer step (anchor)
+    # latest: the newest trainer step plus its newest valid rollout snapshot. trainer_checkpoint: the
+    # newest trainer step only, every in-flight rollout restarting from its prompt (e.g. after changing
+    # the Gym deployment, whose saved sessions would no longer fit).
+    restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"
 
 
 class NemoGymRolloutFailureConfig(_Section):
@@ -452,6 +519,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for text in overrides:
         mode, key, value = _parse_override(text)
         parts = key.split(".")
+        if key in _RENAMED_KEYS:  # say what it is called now, not that it does not exist
+            raise ConfigError(f"override {text!r}: {_RENAMED_KEYS[key]}")
         exists = _lookup(data, parts)
         if mode == "" and not (exists or _schema_knows(MasterConfig, parts)):
             raise ConfigError(

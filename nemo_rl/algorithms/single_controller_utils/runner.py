@@ -29,6 +29,7 @@ from nemo_rl.algorithms.single_controller_utils.components import (
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
+from nemo_rl.utils.loggers import MetricLoggers, open_loggers
 from nemo_rl.utils.run_identity import check_run_identity
 from nemo_rl.utils.run_lock import hold_run_dirs
 from nemo_rl.utils.snapshot_store import remove_stale_tmp_dirs
@@ -156,7 +157,12 @@ def _run_locked(config: MasterConfig, launched_at: float, skip_restart_only_chec
 
     reaper = _RunReaper.start()
     try:
-        summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, skip_restart_only_check, startup)
+        # Started before Ray: a backend that cannot start (not installed, a bad tracking uri) fails in
+        # seconds naming its key; after the reaper, so a W&B service process is one of the run's own.
+        # Closed on every way out, so the last rows reach the backends when the run fails too.
+        with open_loggers(config.logger, config.to_dict()) as loggers:
+            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, skip_restart_only_check,
+                           startup, loggers)
     finally:
         reaper.stop()
     _report(config, summary)
@@ -165,7 +171,7 @@ def _run_locked(config: MasterConfig, launched_at: float, skip_restart_only_chec
 
 def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
          val_rows: list[dict[str, Any]], scripted: bool, skip_restart_only_check: bool,
-         startup: StartupClock) -> dict[str, Any]:
+         startup: StartupClock, loggers: MetricLoggers) -> dict[str, Any]:
     init_ray(config)
     startup.mark("ray")
     generation = None
@@ -193,7 +199,8 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
             trainer, generation = build_real(config, rows, port)
         startup.mark("model")
         freeze_startup_objects()  # imports, config and the model stay out of every later full collection
-        summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup))
+        summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
+                                              loggers))
     finally:
         if shard_set is not None:
             shard_set.shutdown()
@@ -203,13 +210,14 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     return summary
 
 
-async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup) -> dict[str, Any]:
+async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
+                          loggers) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
     with StepProgress(total=config.grpo.max_num_steps, enabled=config.logger.progress_bar) as progress:
         controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
-                                      on_progress=progress.update, startup=startup)
+                                      on_progress=progress.update, startup=startup, loggers=loggers)
         summary = await controller.run()
     return summary
 

@@ -35,6 +35,7 @@ from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
 from nemo_rl.algorithms.loss_functions import clipped_pg_loss
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.models.policy import HFPolicy
+from nemo_rl.utils.snapshot_store import write_bytes_atomic
 from nemo_rl.utils.write_errors import as_write_error, naming_write, newest_file
 
 CHECKPOINT_FORMAT = "nemo_rl.grpo_trainer.v2"
@@ -75,21 +76,6 @@ class _Seq:
 
     def __init__(self, ids, n_prompt, adv, gen_lp, version):
         self.ids, self.n_prompt, self.adv, self.gen_lp, self.version = ids, n_prompt, adv, gen_lp, version
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write, fsync, rename; a failure names ``path`` (``RunWriteError``) and leaves no ``.tmp`` behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    with naming_write(path):
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 def _weights_files(model: Any) -> list[str]:
@@ -314,15 +300,15 @@ class GRPOTrainer:
         model = self.policy.model
         _hf_save(d, lambda: model.save_pretrained(d, max_shard_size=_MAX_SHARD_SIZE), _weights_files(model))
         _hf_save(d, lambda: self.tokenizer.save_pretrained(d))
-        _atomic_write_bytes(d / "optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
+        write_bytes_atomic(d / "optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
         if self.reference is not None:
-            _atomic_write_bytes(d / "reference.pt", _torch_bytes(self.reference.state_dict_cpu()))
+            write_bytes_atomic(d / "reference.pt", _torch_bytes(self.reference.state_dict_cpu()))
         elif (d / "reference.pt").exists():
             (d / "reference.pt").unlink()
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        _atomic_write_bytes(d / "rng.pt", _torch_bytes(rng))
+        write_bytes_atomic(d / "rng.pt", _torch_bytes(rng))
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
@@ -333,7 +319,7 @@ class GRPOTrainer:
             "loss_cfg": self.loss_cfg.model_dump(mode="json"),
             "grpo_cfg": self.grpo_cfg.model_dump(mode="json"),
         }
-        _atomic_write_bytes(d / "trainer_state.json", json.dumps(state, indent=1).encode())
+        write_bytes_atomic(d / "trainer_state.json", json.dumps(state, indent=1).encode())
         return d
 
     def load(self, directory: str | os.PathLike) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["REPO", "SCRIPT", "RunDirs", "env_for", "processes_with_marker", "run_grpo", "run_until_then_kill",
-           "wait_for_no_processes"]
+__all__ = ["REPO", "SCRIPT", "RunDirs", "env_for", "load_crash_matrix", "processes_with_marker", "run_grpo",
+           "run_until_then_kill", "wait_for_no_processes"]
 
 from nemo_rl.utils.run_harness import (  # noqa: F401 - re-exported for the tests
     REPO,
@@ -36,3 +36,16 @@ def run_until_then_kill(args: list[str], *, env: dict, until: Callable[[], bool]
         raise AssertionError("kill condition never held")
     if outcome.killed_by is None:
         raise AssertionError(f"run exited with {outcome.returncode} before the kill condition held")
+
+
+def load_crash_matrix():
+    """``examples/crash_matrix.py`` (its lineage checks) as a module, loaded once for every test file."""
+    import importlib.util
+    import sys
+
+    if "crash_matrix" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("crash_matrix", REPO / "examples" / "crash_matrix.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["crash_matrix"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["crash_matrix"]

@@ -21,10 +21,8 @@ disk); copies of its checkpoint directory then serve three tests:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,17 +31,9 @@ pytestmark = [pytest.mark.functional, pytest.mark.timeout(150)]
 
 REPO = Path(__file__).resolve().parents[2]
 
+from tests.functional.rl_run import load_crash_matrix  # noqa: E402
 
-def _load_crash_matrix():
-    if "crash_matrix" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("crash_matrix", REPO / "examples" / "crash_matrix.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["crash_matrix"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["crash_matrix"]
-
-
-cm = _load_crash_matrix()
+cm = load_crash_matrix()
 SPEC = dict(steps=2, interval_s=0.25, delay_s=0.4, keep_latest_k=5)
 
 

@@ -16,7 +16,6 @@ Torn and corrupt snapshots are in ``test_crash_matrix.py``, on a crashed run's c
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -50,7 +49,7 @@ from nemo_rl.environments.gym_checkpoint_adapter import (
     GymStatusError,
 )
 from gym_patches.checkpoint.coordination import CoordinationError
-from tests.functional.rl_run import processes_with_marker, wait_for_no_processes
+from tests.functional.rl_run import processes_with_marker, wait_for_no_processes, load_crash_matrix
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(120)]
 
@@ -59,16 +58,7 @@ SCRIPT = REPO / "examples" / "run_grpo.py"
 TOKEN = "faults-tok-5b1e9d2c7f"
 
 
-def _load_crash_matrix():
-    if "crash_matrix" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("crash_matrix", REPO / "examples" / "crash_matrix.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["crash_matrix"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["crash_matrix"]
-
-
-cm = _load_crash_matrix()
+cm = load_crash_matrix()
 
 
 # =============================================================================== 1. lease

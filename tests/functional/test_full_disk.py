@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.util
 import math
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import pytest
 
 from nemo_rl.utils.snapshot_store import verify_directory
 from nemo_rl.utils.write_errors import RunWriteError
-from tests.functional.rl_run import REPO, RunDirs, env_for
+from tests.functional.rl_run import RunDirs, env_for, load_crash_matrix
 from nemo_rl.utils.run_harness import RunOutcome, run_once
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(240)]
@@ -40,17 +38,7 @@ PAGE = 4096
 STEPS = 2
 
 
-def _load_crash_matrix():
-    """examples/crash_matrix.py (its lineage checks), loaded once like tests/functional/test_crash_matrix.py."""
-    if "crash_matrix" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("crash_matrix", REPO / "examples" / "crash_matrix.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["crash_matrix"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["crash_matrix"]
-
-
-cm = _load_crash_matrix()
+cm = load_crash_matrix()
 
 
 def _args(config: str = "grpo_workplace_turn.yaml") -> list[str]:

@@ -35,16 +35,8 @@ from nemo_rl.experience.rollout_recovery import (
     RolloutRecoveryLedger,
 )
 from nemo_rl.experience.sample import RolloutSample
+from tests.unit.test_rollout_recovery import merged_ranges
 
-def _merged(positions: list[int]) -> list[tuple[int, int]]:
-    """Reference merge of sorted positions into [lo, hi) ranges (the plain way, not the ledger's bisect)."""
-    out: list[tuple[int, int]] = []
-    for p in positions:
-        if out and out[-1][1] == p:
-            out[-1] = (out[-1][0], p + 1)
-        else:
-            out.append((p, p + 1))
-    return out
 
 
 # turn twice: turn-level rollouts are the ones a snapshot saves
@@ -246,7 +238,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
             return
         assert len(self.trained) == len(set(self.trained))
         trained_positions = sorted(self.positions[g] for g in self.trained)
-        assert self.ledger.trained_positions == _merged(trained_positions)
+        assert self.ledger.trained_positions == merged_ranges(trained_positions)
         assert self.ledger.trained_count == len(self.trained)
         live = {g for g, rec in self.ledger.groups.items() if rec.status is not PromptGroupStatus.TRAINED}
         assert not live & set(self.trained)  # a group is live or trained, never both

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -33,7 +34,6 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 )
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
-from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import StallWatchdog
 from nemo_rl.algorithms.single_controller_utils.snapshot import (
     CONTROLLER_STATE_FILE,
@@ -54,6 +54,7 @@ from nemo_rl.experience.rollout_recovery import (
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.fault_injection import crash_point
+from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.utils.run_identity import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.write_errors import as_write_error
@@ -220,11 +221,12 @@ class SingleController:
         (it runs between steps, when no group is generating, so no snapshot is taken meanwhile)."""
         t0 = time.monotonic()
         tag = uuid.uuid4().hex[:12]
+        rollout_ids = [f"val_s{self.step}_{i}_{tag}" for i in range(len(self.val_rows))]
 
         async def one(i: int, row: dict[str, Any]) -> float | None:
             instance = self.shard_set.pick_instance((row.get("agent_ref") or {}).get("name") or "")
             try:
-                reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, f"val_s{self.step}_{i}_{tag}")
+                reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, rollout_ids[i])
             except GymRolloutError as exc:
                 if not exc.infra:
                     raise
@@ -236,7 +238,7 @@ class SingleController:
         rewards = [r for r in await asyncio.gather(*runs) if r is not None]
         if self.coordinator is not None:  # Gym keeps per-rollout records until told: drop the validation ones
             try:
-                await self.coordinator.forget([f"val_s{self.step}_{i}_{tag}" for i in range(len(self.val_rows))])
+                await self.coordinator.forget(rollout_ids)
             except GymCheckpointOperationError as exc:
                 if not is_transient_gym_checkpoint_failure(exc):
                     raise
@@ -368,15 +370,16 @@ class SingleController:
 
     async def _gym_activity(self) -> dict[str, dict[str, Any]]:
         """Every replica's agents: what each run in flight is doing (the stall watchdog reads it)."""
-        handles = self.shard_set.checkpoint_handles
-        refs = {iid: h.activity.remote(ACTIVITY_TIMEOUT_S) for iid, h in handles.items()}
-        out: dict[str, dict[str, Any]] = {}
-        for iid, ref in refs.items():
+        async def one(handle: Any) -> dict[str, Any]:
             try:
-                out[iid] = await asyncio.wait_for(ref, ACTIVITY_TIMEOUT_S + 5.0)
+                return await asyncio.wait_for(handle.activity.remote(ACTIVITY_TIMEOUT_S), ACTIVITY_TIMEOUT_S + 5.0)
             except (TimeoutError, ray.exceptions.RayError) as exc:
-                out[iid] = {"<replica actor>": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-        return out
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                return {"<replica actor>": f"{type(exc).__name__}: {first}"}
+
+        handles = self.shard_set.checkpoint_handles
+        answers = await asyncio.gather(*(one(h) for h in handles.values()))  # all at once: one timeout at most
+        return dict(zip(handles, answers))
 
     # ------------------------------------------------------- trainer checkpoints
     async def save_trainer_checkpoint(self) -> None:
@@ -389,7 +392,6 @@ class SingleController:
         }
 
         def write() -> None:
-            import shutil
 
             tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
             try:

@@ -24,6 +24,8 @@ from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from nemo_rl.utils.write_errors import naming_write
+
 LOCK_FILE = ".nemo_rl.lock"
 _HOLDER_WAIT_S = 1.0  # how long a refused launch waits for the holder to write its record
 
@@ -81,11 +83,13 @@ class DirLock:
     def acquire(cls, directory: str | Path, keys: list[str] | None = None) -> "DirLock":
         """Lock ``directory`` (created if missing) or raise ``RunDirLockedError`` at once (never waits)."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        with naming_write(directory):  # an unwritable directory is one error line naming it
+            directory.mkdir(parents=True, exist_ok=True)
         directory = directory.resolve()
         path = directory / LOCK_FILE
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            with naming_write(path):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -219,3 +219,13 @@ def test_nested_directories_are_each_locked(tmp_path):
     with hold_run_dirs(ckpt / "logs", None) as held:  # checkpointing off: the log dir alone
         assert [lock.directory for lock in held] == [(ckpt / "logs").resolve()]
         DirLock.acquire(tmp_path).release()
+
+
+def test_a_directory_that_cannot_be_made_is_one_error_naming_it(tmp_path):
+    from nemo_rl.utils.write_errors import RunWriteError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RunWriteError) as err:
+        DirLock.acquire(blocker / "logs", ["logger.log_dir"])
+    assert str(blocker / "logs") in str(err.value) and str(err.value).startswith("cannot write ")

@@ -6,8 +6,9 @@
     python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
 
 Every snapshot measured as the product's is taken by the controller itself in
-a real ``examples/run_grpo.py`` run (scripted backend, recording trainer),
-started and reaped through ``nemo_rl.utils.run_harness``. ``--variant LABEL
+a real GRPO run (scripted backend, recording trainer), started and reaped
+through the run harness (``testkit/run_harness.py``: ``python -m testkit.run_grpo``,
+the product's main). ``--variant LABEL
 OVERRIDE...`` (repeatable) runs measurements 1, 2 and 5 once per variant with
 those config overrides laid over each run, and prints them side by side.
 

@@ -4,11 +4,13 @@
     python examples/crash_matrix.py --phases commit,train --soak 0
     python examples/crash_matrix.py --soak 20 --seed 7 --phases ""
 
-Each scenario runs ``examples/run_grpo.py`` as a real process (the mixed Gym
-setup in best effort, the scripted test backend, the recording trainer) in its
-own session, crashes it, then runs the same command again without the crash
-until it finishes. Runs are started, killed and reaped through the run harness
-the tests and the benchmarks share (``nemo_rl/utils/run_harness.py``). Then it checks what the final trainer checkpoint trained:
+Each scenario runs GRPO as a real process (``python -m testkit.run_grpo``: the
+product's ``run_grpo`` with the test hooks; the mixed Gym setup in best effort,
+the scripted fake backend, the recording trainer) in its own session, crashes
+it, then runs the same command again without the crash until it finishes. Runs
+are started, killed and reaped through the run harness the tests and the
+benchmarks share (``testkit/run_harness.py``). Then it checks what the final
+trainer checkpoint trained:
 
 - every prompt group exactly once, every expected group present (no prompt lost);
 - every group with one rollout per generation, no rollout id twice (no sample
@@ -20,7 +22,7 @@ the tests and the benchmarks share (``nemo_rl/utils/run_harness.py``). Then it c
 - no process of a killed run is left (they die with it; checked via an
   environment marker), so none holds a port.
 
-Phases (``NEMO_RL_TEST_ONLY_CRASH_AT``, see ``nemo_rl/utils/fault_injection.py``):
+Phases (``NEMO_RL_TEST_ONLY_CRASH_AT``, see ``testkit/crash_points.py``):
 prepare, commit, publish, restore (a crash while restoring the snapshot of an
 earlier crash), train; plus ``between`` (a plain SIGKILL of the process group
 while snapshots are being taken, no hook) and ``driver`` (SIGKILL of the driver
@@ -48,11 +50,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nemo_rl.utils.run_harness import (  # noqa: E402
+from nemo_rl.utils.run_hooks import PHASES  # noqa: E402
+from testkit.run_harness import (  # noqa: E402
     CRASH_ENV,  # noqa: F401 - the hook's variable, for readers of this module
     MARKER_ENV,  # noqa: F401
     REPO,  # noqa: F401
-    RUN_GRPO as SCRIPT,  # noqa: F401
     RunDirs,
     after_committed_in_step,
     after_committed_snapshots,
@@ -60,10 +62,11 @@ from nemo_rl.utils.run_harness import (  # noqa: E402
     processes_with_marker,  # noqa: F401 - re-exported for the tests
     run_env,
     run_once,
+    scripted_overrides,
     wait_for_no_processes,  # noqa: F401 - re-exported for the tests
 )
 
-HOOK_PHASES = ("prepare", "commit", "persist", "publish", "restore", "train")
+HOOK_PHASES = tuple(PHASES)  # prepare, commit, persist, publish, restore, train
 ALL_PHASES = (*HOOK_PHASES, "between", "driver")
 _ROLLOUT_ID = re.compile(r"^(?P<group>.+)_g(?P<g>[0-9]+)_a[0-9a-f]+(?:-a(?P<attempt>[0-9]+))?$")
 
@@ -86,7 +89,7 @@ class RunSpec(RunDirs):
             "--config", "examples/configs/grpo_mixed_turn.yaml",
             "policy.model_name=scripted-test-backend",
             "rollout_recovery.allow_restart_only_gym_servers=true",
-            *self.overrides(), "logger.plot=false",
+            *self.overrides(), "logger.plot=false", *scripted_overrides(self.delay_s),
             f"grpo.max_num_steps={self.steps}",
             f"grpo.num_prompts_per_step={self.prompts}",
             f"grpo.num_generations_per_prompt={self.generations}",
@@ -137,7 +140,7 @@ class Runner:
         self.spec.root.mkdir(parents=True, exist_ok=True)
         before = dirs.restore_mtime_ns()
         outcome = run_once(
-            self.spec.args(), env=run_env(delay_s=self.spec.delay_s, marker=new_marker(), crash=crash),
+            self.spec.args(), env=run_env(marker=new_marker(), crash=crash),
             stdout_path=self.spec.root / f"run-{index}.out", stderr_path=self.spec.root / f"run-{index}.err",
             kill_when=kill_when, kill_driver_only=kill_driver_only, timeout_s=timeout_s,
         )

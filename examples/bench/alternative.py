@@ -51,7 +51,7 @@ from bench.common import (
     shared_gym,
     summary,
 )
-from nemo_rl.algorithms.single_controller_utils.snapshot import GymCheckpointIndex
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import GymCheckpointIndex
 from nemo_rl.utils.snapshot_store import commit_snapshot, prepare_snapshot_paths
 
 NAME = "alternative"

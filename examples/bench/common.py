@@ -3,12 +3,14 @@ measured from outside, and (for the rejected-alternative baseline only) a Gym
 deployment with a closed-loop rollout client.
 
 Every snapshot the benchmark reports as the product's is taken by the
-controller itself: ``controller_run`` starts ``examples/run_grpo.py`` through
-the shared run harness (``nemo_rl.utils.run_harness``) with the scripted test
-backend as policy and the recording trainer, and reads what the run recorded
+controller itself: ``controller_run`` starts a GRPO run (``python -m
+testkit.run_grpo``, the product's ``run_grpo`` main) through the shared run
+harness (``testkit/run_harness.py``) with the scripted fake backend as policy
+(its reply delay is ``policy.scripted_backend.delay_s``) and the recording
+trainer, and reads what the run recorded
 (``snapshots.jsonl``, ``metrics.jsonl``) plus timings that
 ``instrument/sitecustomize.py`` takes around the product's own functions.
-The policy is the scripted backend (``gym_patches.testing.scripted_backend``):
+The policy is the scripted backend (``gym_patches.fakes.scripted_backend``):
 it answers with each row's demonstration after a fixed delay, so a measurement
 isolates the control plane from generation.
 """
@@ -40,8 +42,8 @@ from gym_patches.checkpoint import coordination as co  # noqa: E402
 from gym_patches.checkpoint.identity import EpisodeId  # noqa: E402
 from gym_patches.launch import GymDeployment  # noqa: E402
 from gym_patches.server_utils import ServerClient  # noqa: E402
-from gym_patches.testing.scripted_backend import ScriptedBackend, first_user_text  # noqa: E402
-from nemo_rl.utils.run_harness import RunDirs, RunOutcome, read_jsonl, run_env, run_once  # noqa: E402
+from gym_patches.fakes.scripted_backend import ScriptedBackend, first_user_text  # noqa: E402
+from testkit.run_harness import RunDirs, RunOutcome, read_jsonl, run_env, run_once, scripted_overrides  # noqa: E402
 
 DATA = REPO / "examples" / "data"
 TOKEN = "bench-recovery-control-token"
@@ -439,12 +441,12 @@ def controller_run(root: Path, *, config: str, overrides: list[str], delay_s: fl
     dirs = RunDirs(root)
     ckpt = checkpoint_dir or dirs.ckpt
     args = ["--config", config, SCRIPTED, f"logger.log_dir={dirs.logs}", f"checkpointing.checkpoint_dir={ckpt}",
-            "logger.progress_bar=false", "logger.plot=false", *overrides]
+            "logger.progress_bar=false", "logger.plot=false", *scripted_overrides(delay_s), *overrides]
     timing = root / "snapshot-timing.jsonl"
     tools = root / "tool-calls.jsonl"
     env_extra = {"BENCH_SNAPSHOT_TIMING": str(timing), **({"BENCH_TOOL_LOG": str(tools)} if tool_log else {}),
                  **(extra_env or {})}
-    env = run_env(delay_s=delay_s, pythonpath=[INSTRUMENT], extra=env_extra)
+    env = run_env(pythonpath=[INSTRUMENT], extra=env_extra)
     outcome = run_once(args, env=env, stdout_path=root / "run.out", stderr_path=root / "run.out",
                        kill_when=None if kill_when is None else (lambda elapsed: kill_when(dirs, elapsed)),
                        timeout_s=timeout_s)

@@ -44,7 +44,7 @@ if str(REPO / "examples") not in sys.path:
     sys.path.insert(0, str(REPO / "examples"))
 
 from bench.common import SCRIPTED, Log, fresh_dir, make_log, md_table  # noqa: E402
-from nemo_rl.utils.run_harness import JsonlFollower, RunDirs, run_env, run_once  # noqa: E402
+from testkit.run_harness import JsonlFollower, RunDirs, run_env, run_once, scripted_overrides  # noqa: E402
 
 NAME = "record_sizes"
 TITLE = "Record sizes: controller_state.json and trainer state versus trainer steps"
@@ -61,7 +61,8 @@ def measure(*, workdir: Path, steps: int = 300, prompts: int = 1, generations: i
     args = ["--config", CONFIG, SCRIPTED, f"grpo.max_num_steps={steps}", f"grpo.num_prompts_per_step={prompts}",
             f"grpo.num_generations_per_prompt={generations}", "checkpointing.save_period=1",
             "checkpointing.keep_top_k=null", f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
-            "rollout_checkpointing.max_consecutive_failures=1000", *dirs.overrides(), "logger.plot=false"]
+            "rollout_checkpointing.max_consecutive_failures=1000", *dirs.overrides(), "logger.plot=false",
+            *scripted_overrides(delay_s)]
     metrics = JsonlFollower(dirs.logs / "metrics.jsonl")
     last_log = [time.monotonic()]
 
@@ -75,7 +76,7 @@ def measure(*, workdir: Path, steps: int = 300, prompts: int = 1, generations: i
 
     log(f"{steps} steps of {prompts} prompt(s) x {generations} generations, a snapshot every {interval_s}s")
     started = time.monotonic()
-    outcome = run_once(args, env=run_env(delay_s=delay_s), stdout_path=root / "run.out", stderr_path=root / "run.out",
+    outcome = run_once(args, env=run_env(), stdout_path=root / "run.out", stderr_path=root / "run.out",
                        kill_when=progress, timeout_s=timeout_s, poll_s=0.5)
     wall_s = time.monotonic() - started
     if outcome.returncode != 0:

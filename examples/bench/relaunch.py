@@ -22,7 +22,9 @@ also records when it saw each file appear, counted from its own launch of
 the process, as a cross-check of the run's own clock.
 
 No instrumentation is on these runs' ``PYTHONPATH``: they are the product as
-shipped, with the scripted backend's reply delay.
+shipped (the harness's ``python -m testkit.run_grpo`` with no test variable set,
+so no hook acts), with the scripted backend's reply delay
+(``policy.scripted_backend.delay_s``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import SCRIPTED, Log, fmt, fresh_dir, in_flight, make_log, md_table, summary
-from nemo_rl.utils.run_harness import JsonlFollower, new_marker, run_env, run_once
+from testkit.run_harness import JsonlFollower, new_marker, run_env, run_once, scripted_overrides
 from nemo_rl.utils.startup_clock import PHASES
 
 NAME = "relaunch"
@@ -114,7 +116,7 @@ def _restart_point(snapshot: dict[str, Any]) -> bool:
 
 def run_repeat(run_dir: Path, *, steps: int, prompts: int | None, generations: int | None, delay_s: float,
                interval_s: float, overrides: list[str], timeout_s: float) -> dict[str, Any]:
-    args = _args(run_dir, steps, prompts, generations, interval_s, overrides)
+    args = [*_args(run_dir, steps, prompts, generations, interval_s, overrides), *scripted_overrides(delay_s)]
     logs = run_dir / "logs"
     startup = logs / "startup.json"
     base: dict[str, Any] = {"command": " ".join(["python", "examples/run_grpo.py", *args])}
@@ -128,7 +130,7 @@ def run_repeat(run_dir: Path, *, steps: int, prompts: int | None, generations: i
         return bool(chosen)
 
     first_launched = time.time()
-    first = run_once(args, env=run_env(delay_s=delay_s, marker=new_marker()), stdout_path=run_dir / "first.out",
+    first = run_once(args, env=run_env(marker=new_marker()), stdout_path=run_dir / "first.out",
                      stderr_path=run_dir / "first.out", kill_when=crash_point, timeout_s=timeout_s, poll_s=POLL_S)
     stragglers = list(first.leftover)
     if first.killed_by != "group":
@@ -151,7 +153,7 @@ def run_repeat(run_dir: Path, *, steps: int, prompts: int | None, generations: i
 
     load = os.getloadavg()[0]
     relaunched = time.time()
-    second = run_once(args, env=run_env(delay_s=delay_s, marker=new_marker()), stdout_path=run_dir / "relaunch.out",
+    second = run_once(args, env=run_env(marker=new_marker()), stdout_path=run_dir / "relaunch.out",
                       stderr_path=run_dir / "relaunch.out", kill_when=dispatched, timeout_s=timeout_s, poll_s=POLL_S)
     stragglers += second.leftover
     relaunch_startup = read_startup(startup)

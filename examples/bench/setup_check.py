@@ -2,7 +2,8 @@
 
 Runs ``python examples/run_grpo.py --config examples/configs/grpo_mixed_turn.yaml``
 (turn recovery, ``allow_restart_only_gym_servers`` left at false) as a real
-process. ``bench/instrument/sitecustomize.py`` records when the process
+process, through the harness's test entry (``python -m testkit.run_grpo``: the
+same main, no test variable set, so no hook acts). ``bench/instrument/sitecustomize.py`` records when the process
 started, ``ray.init``, ``_spinup_gym`` (driver) and ``GymDeployment.start``
 (inside the Gym actor), so one run splits into: Python start + imports +
 config, Ray start, Gym actor + server start, participant discovery and the
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, summary
-from nemo_rl.utils.run_harness import run_env, run_once
+from testkit.run_harness import run_env, run_once
 
 NAME = "setup_check"
 TITLE = "6. Setup check: launch to the error, mixed config as shipped"

@@ -65,7 +65,7 @@ from bench.common import (
     summary,
     workplace_tool_delays,
 )
-from nemo_rl.utils.run_harness import read_jsonl
+from testkit.run_harness import read_jsonl
 
 NAME = "snapshot_cost"
 TITLE = "1. Snapshot cost versus rollouts in flight (the controller's snapshots)"

@@ -8,7 +8,8 @@ backend, recording trainer), killed after ``attempts`` snapshot attempts:
 - ``best_effort``: ``rollout_recovery.allow_restart_only_gym_servers=true``.
 - ``block``: the setting left at false, which the setup check refuses since the
   fix; the benchmark sets the test-only ``NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK=1``
-  to get past it, i.e. the controller as it behaved before the fix.
+  to get past it (the test entry's hooks, ``testkit/run_grpo.py``, log the refused
+  setup and go on), i.e. the controller as it behaved before the fix.
 
 ``rollout_recovery.gym_prepare_timeout_s`` is ``deadline_s`` and
 ``max_consecutive_failures`` is raised so the block run keeps trying. Per
@@ -31,6 +32,7 @@ from bench.common import (
     md_table,
     summary,
 )
+from testkit.run_grpo import SKIP_RESTART_ONLY_ENV
 
 NAME = "stall"
 TITLE = "2. The stall: snapshot attempts with restart-only servers, block versus best effort"
@@ -55,7 +57,7 @@ def measure(*, attempts: int, deadline_s: float, workdir: Path, delay_s: float =
                 f"rollout_recovery.allow_restart_only_gym_servers={'true' if policy == 'best_effort' else 'false'}",
                 *extra,
             ]
-            env = {"NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK": "1"} if policy == "block" else {}
+            env = {SKIP_RESTART_ONLY_ENV: "1"} if policy == "block" else {}
             log(f"{label}/{policy}: run until {attempts} snapshot attempts")
             run = controller_run(Path(workdir) / f"stall-{label}-{policy}", config=CONFIG, overrides=overrides,
                                  delay_s=delay_s, timeout_s=timeout_s, extra_env=env,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, summary
-from nemo_rl.utils.run_harness import JsonlFollower, new_marker, run_env, run_once
+from testkit.run_harness import JsonlFollower, new_marker, run_env, run_once, scripted_overrides
 
 NAME = "work_lost"
 TITLE = "3. Work lost per crash"
@@ -70,8 +70,8 @@ def measure(*, experiments: list[tuple[str, str]], seeds: list[int], workdir: Pa
 
 
 # -- one experiment ------------------------------------------------------------------------------
-def _args(setup: str, level: str, run_dir: Path, interval_s: float, steps: int) -> list[str]:
-    args = ["--config", SETUPS[setup], "policy.model_name=scripted-test-backend",
+def _args(setup: str, level: str, run_dir: Path, interval_s: float, steps: int, delay_s: float) -> list[str]:
+    args = ["--config", SETUPS[setup], "policy.model_name=scripted-test-backend", *scripted_overrides(delay_s),
             f"grpo.max_num_steps={steps}", f"rollout_recovery.target_level={level}",
             f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
             f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}",
@@ -81,13 +81,13 @@ def _args(setup: str, level: str, run_dir: Path, interval_s: float, steps: int) 
     return args
 
 
-def _env(delay_s: float, audit_dir: Path, marker: str) -> dict[str, str]:
-    return run_env(delay_s=delay_s, marker=marker, pythonpath=[INSTRUMENT], extra={"BENCH_AUDIT_DIR": str(audit_dir)})
+def _env(audit_dir: Path, marker: str) -> dict[str, str]:
+    return run_env(marker=marker, pythonpath=[INSTRUMENT], extra={"BENCH_AUDIT_DIR": str(audit_dir)})
 
 
 def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Path, *, delay_s: float,
                    interval_s: float, steps: int, log: Log, timeout_s: float = 240) -> dict[str, Any]:
-    args = _args(setup, level, run_dir, interval_s, steps)
+    args = _args(setup, level, run_dir, interval_s, steps, delay_s)
     marker = new_marker()
     base = {"setup": setup, "level": level, "seed": seed, "planned_delay_s": delay,
             "command": " ".join(["python", "examples/run_grpo.py", *args])}
@@ -109,7 +109,7 @@ def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Pat
             return False  # turn recovery needs a committed snapshot of step 2's rollouts
         return True
 
-    crashed = run_once(args, env=_env(delay_s, run_dir / "audit-crash", marker),
+    crashed = run_once(args, env=_env(run_dir / "audit-crash", marker),
                        stdout_path=run_dir / "crash-run.out", stderr_path=run_dir / "crash-run.out",
                        kill_when=crash_point, timeout_s=timeout_s, poll_s=POLL_S)
     left = list(crashed.leftover)
@@ -121,7 +121,7 @@ def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Pat
     crashed_at, step1_at = crashed.killed_at, seen["step1"]
     crash_copy = run_dir / "ckpt-at-crash"
     shutil.copytree(run_dir / "ckpt", crash_copy)
-    rerun = run_once(args, env=_env(delay_s, run_dir / "audit-rerun", marker),
+    rerun = run_once(args, env=_env(run_dir / "audit-rerun", marker),
                      stdout_path=run_dir / "rerun.out", stderr_path=run_dir / "rerun.out", timeout_s=timeout_s)
     left += rerun.leftover
     rc = rerun.returncode if rerun.killed_by is None else None

@@ -1,9 +1,11 @@
-"""Client side of the checkpoint protocol: one Gym deployment, many participants (DESIGN §3.5).
+"""Client side of the checkpoint protocol: one Gym deployment, many participants (DESIGN §4.6).
 
-``prepare`` walks ``PREPARE_ORDER`` so callees close before their callers park,
-and stops at the first stage that is not ready (its blockers are the answer).
-``commit``/``persist``/``restore`` fan out at once; ``resume`` reopens callers last-first and
-keeps going past failures, so one dead server cannot leave the others closed.
+``call(participants, request)`` runs one typed request (``gym_patches.checkpoint.calls``) over
+every participant; each request says which body each server gets. ``PrepareCall`` walks
+``PREPARE_ORDER`` so callees close before their callers park, and stops at the first stage
+that is not ready (its blockers are the answer). Commit, persist and restore fan out at once;
+``ResumeCall`` reopens callers last-first and keeps going past failures, so one dead server
+cannot leave the others closed.
 """
 
 from __future__ import annotations
@@ -17,31 +19,36 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import aiohttp
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from gym_patches.checkpoint.calls import (
+    CommitCall,
+    ForgetCall,
+    GymCall,
+    PersistCall,
+    PrepareCall,
+    ProbeCall,
+    RenewCall,
+    RestoreCall,
+    ResumeCall,
+    RetireCall,
+    Scope,
+)
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ROUTE_PREFIX,
     PREPARE_ORDER,
     CheckpointRequest,
     CommitReply,
-    CommitRequest,
     ForgetReply,
-    ForgetRequest,
     ParticipantKind,
     PersistReply,
-    PersistRequest,
     PrepareReply,
-    PrepareRequest,
     RenewReply,
-    RenewRequest,
     RestartOnlyPolicy,
     RestoreReply,
-    RestoreRequest,
     ResumeReply,
-    ResumeRequest,
     RetireReply,
-    RetireRequest,
     StatusReply,
     dump,
 )
@@ -60,7 +67,6 @@ CALL_TIMEOUT_SLACK_S = 5.0
 UNDO_DEADLINE_S = 30.0
 
 _T = TypeVar("_T")
-_R = TypeVar("_R", bound=BaseModel)
 
 
 class CoordinationError(RuntimeError):
@@ -250,45 +256,35 @@ class PrepareResult:
         return [e for e in episode_ids if e.capture_key not in unsaved]
 
 
-async def prepare(
-    participants: Participants,
-    checkpoint_id: str,
-    deadline_ts: float,
-    restart_only_policy: RestartOnlyPolicy = "block",
-    *,
-    policy_overrides: Mapping[str, RestartOnlyPolicy] | None = None,
-    capture: bool = False,
-) -> PrepareResult:
-    """Prepare stage by stage; stop at the first stage with an unprepared reply.
+async def call(participants: Participants, request: GymCall) -> Any:
+    """Run one checkpoint verb over the participants: the one entry, whatever the verb.
 
-    ``capture``: each server serialises its sessions in memory as it becomes prepared (a staged
-    snapshot: no ``commit``; ``persist`` writes each server's scope after ``resume``).
-
-    ``policy_overrides`` gives some servers their own policy (e.g. ``best_effort``
-    for a restart-only server whose rollouts the caller will not keep at turn
-    level anyway); every other server gets ``restart_only_policy``.
-    A server error raises (``CoordinationError``); either way the caller must
-    ``resume`` this id, since the stages already asked stay closed until then.
+    Prepare returns a ``PrepareResult``, probe server -> ``StatusReply`` or the error, every other
+    verb server -> its reply. A server error raises (``CoordinationError``, several together as
+    ``CoordinationFailures``); after any prepare, also a failed one, the caller must resume this id.
     """
-    overrides = dict(policy_overrides or {})
-    unknown = sorted(set(overrides) - set(participants.names))
+    runner = _RUNNERS.get(type(request))
+    if runner is None:
+        raise TypeError(f"not a checkpoint call: {type(request).__name__} (expected one of "
+                        f"{sorted(c.__name__ for c in _RUNNERS)})")
+    unknown = sorted(request.servers_named() - set(participants.names))
     if unknown:
-        raise ValueError(f"policy_overrides names servers that are not participants: {unknown}")
-    requests = {
-        p.name: PrepareRequest(
-            checkpoint_id=checkpoint_id,
-            deadline_ts=deadline_ts,
-            restart_only_policy=overrides.get(p.name, restart_only_policy),
-            capture=capture,
-        )
-        for p in participants
-    }
+        raise ValueError(f"{request.route} {request.per_server_field} names servers that are not participants: "
+                         f"{unknown}")
+    return await runner(participants, request)
+
+
+async def _prepare(participants: Participants, request: PrepareCall) -> PrepareResult:
+    """Stage by stage in ``PREPARE_ORDER``; stop at the first stage with an unprepared reply.
+
+    With ``capture`` each server serialises its sessions in memory as it becomes prepared (a
+    staged snapshot: no commit; persist writes each server's scope after resume)."""
     result = PrepareResult(prepared=True)
     for kind in PREPARE_ORDER:
         stage = participants.by_kind(kind)
         if not stage:
             continue
-        replies = await _fan_out(participants, stage, "prepare", requests, PrepareReply)
+        replies = await _fan_out(participants, stage, request)
         for name, reply in replies.items():
             result.replies[name] = reply
             result.kinds[name] = kind
@@ -302,119 +298,39 @@ async def prepare(
     return result
 
 
-def _per_server(participants: Participants, op: str, episode_ids: Any) -> dict[str, list[EpisodeId] | None]:
-    """One list for every server, a mapping server -> list (servers left out get none), or None."""
-    if isinstance(episode_ids, Mapping):
-        unknown = sorted(set(episode_ids) - set(participants.names))
-        if unknown:
-            raise ValueError(f"{op} scope names servers that are not participants: {unknown}")
-        return {p.name: list(episode_ids.get(p.name, [])) for p in participants}
-    return {p.name: (None if episode_ids is None else list(episode_ids)) for p in participants}
+async def _at_once(participants: Participants, request: GymCall) -> dict[str, Any]:
+    """Renew, forget, commit, persist: every server at once."""
+    return await _fan_out(participants, participants.members, request)
 
 
-async def commit(
-    participants: Participants,
-    checkpoint_id: str,
-    deadline_ts: float,
-    checkpoint_dir: str,
-    episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]] | None,
-) -> dict[str, CommitReply]:
-    """Every participant writes its records for its episodes (inside the pause).
-
-    ``episode_ids``: one list for every server, a mapping server -> list (each
-    server gets only its own episodes; servers left out get none), or None
-    (all each can export).
-    """
-    requests = {
-        name: CommitRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
-                            episode_ids=scope)
-        for name, scope in _per_server(participants, "commit", episode_ids).items()
-    }
-    return await _fan_out(participants, participants.members, "commit", requests, CommitReply)
-
-
-async def forget(
-    participants: Participants, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]
-) -> dict[str, ForgetReply]:
-    """Every participant drops what it keeps about these finished rollouts (while idle)."""
-    req = ForgetRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, rollout_ids=rollout_ids)
-    return await _fan_out(participants, participants.members, "forget", req, ForgetReply)
-
-
-async def persist(
-    participants: Participants,
-    checkpoint_id: str,
-    deadline_ts: float,
-    checkpoint_dir: str,
-    episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]],
-) -> dict[str, PersistReply]:
-    """Every participant writes its episodes' records from what its ``capture`` prepare of
-    ``checkpoint_id`` serialised (after resume is fine); scopes as for ``commit``."""
-    requests = {
-        name: PersistRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
-                             episode_ids=scope or [])
-        for name, scope in _per_server(participants, "persist", episode_ids).items()
-    }
-    return await _fan_out(participants, participants.members, "persist", requests, PersistReply)
-
-
-async def restore(
-    participants: Participants,
-    checkpoint_id: str,
-    deadline_ts: float,
-    checkpoint_dir: str,
-    episode_ids: list[EpisodeId] | Mapping[str, list[EpisodeId]],
-    source_checkpoint_id: str,
-) -> dict[str, RestoreReply]:
-    """Install saved episodes everywhere at once; on failure undo and re-raise.
-
-    ``episode_ids`` is one list for every server, or a mapping server -> list
-    (servers left out restore nothing) for deployments where each episode lives
-    on some servers only. Undo = retire the next attempt of every episode on
-    every server (best effort), then resume all.
-    """
-    scopes = {name: scope or [] for name, scope in _per_server(participants, "restore", episode_ids).items()}
-    requests = {
-        name: RestoreRequest(
-            checkpoint_id=checkpoint_id,
-            deadline_ts=deadline_ts,
-            checkpoint_dir=checkpoint_dir,
-            episode_ids=scope,
-            source_checkpoint_id=source_checkpoint_id,
-        )
-        for name, scope in scopes.items()
-    }
-    control = participants.control
+async def _restore(participants: Participants, request: RestoreCall) -> dict[str, RestoreReply]:
+    """Install everywhere at once; on failure retire the next attempts it may have installed on
+    every server (best effort), resume all with a fresh deadline, and re-raise."""
     try:
-        return await _fan_out(participants, participants.members, "restore", requests, RestoreReply)
+        return await _fan_out(participants, participants.members, request)
     except Exception as exc:
-        logger.warning("restore of %s failed (%s); retiring its next attempts and resuming", checkpoint_id, exc)
-        everything = {e.capture_key: e for scope in scopes.values() for e in scope}
-        undo_deadline = max(deadline_ts, control.now() + UNDO_DEADLINE_S)
+        logger.warning("restore of %s failed (%s); retiring its next attempts and resuming",
+                       request.checkpoint_id, exc)
+        everything = {e.capture_key: e for name in participants.names for e in request.scope_for(name) or []}
+        undo_deadline = max(request.deadline_ts, participants.control.now() + UNDO_DEADLINE_S)
         if everything:
             with _suppress_logged("retire after failed restore"):
-                await retire(participants, checkpoint_id, undo_deadline,
-                             [next_attempt(e) for e in everything.values()], best_effort=True)
+                await _retire(participants, RetireCall(
+                    checkpoint_id=request.checkpoint_id, deadline_ts=undo_deadline,
+                    episode_ids=[next_attempt(e) for e in everything.values()], best_effort=True))
         with _suppress_logged("resume after failed restore"):
-            await resume(participants, checkpoint_id, undo_deadline)
+            await _resume(participants, ResumeCall(checkpoint_id=request.checkpoint_id, deadline_ts=undo_deadline))
         raise
 
 
-async def resume(
-    participants: Participants, checkpoint_id: str, deadline_ts: float, *, call_timeout_s: float | None = None
-) -> dict[str, ResumeReply]:
-    """Reopen every server, callers last; every server is tried, failures raised together.
-
-    ``call_timeout_s`` bounds each call: a server that hangs (stopped, deadlocked) fails its own
-    resume quickly instead of keeping the later stages closed until the deadline."""
-    req = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+async def _resume(participants: Participants, request: ResumeCall) -> dict[str, ResumeReply]:
+    """Callers last; every server is tried (each within ``call_timeout_s``), failures raised together."""
     replies: dict[str, ResumeReply] = {}
     failures: dict[str, BaseException] = {}
     for kind in reversed(PREPARE_ORDER):
         stage = participants.by_kind(kind)
         outcomes = await asyncio.gather(
-            *(_typed(participants.control.post(p.name, p.url, "resume", req, timeout_s=call_timeout_s), p.name,
-                     ResumeReply) for p in stage),
+            *(_post(participants, p, request, timeout_s=request.call_timeout_s) for p in stage),
             return_exceptions=True,
         )
         for p, outcome in zip(stage, outcomes):
@@ -429,15 +345,13 @@ async def resume(
     return replies
 
 
-async def probe(participants: Participants, timeout_s: float) -> dict[str, StatusReply | CoordinationError]:
-    """Every participant's status, or why it did not give one within ``timeout_s``.
-
-    Tells a server that is slow to become ready (it answers, with blockers) from one that does not
-    answer at all (stopped, deadlocked): only the second is to blame for a stalled prepare."""
+async def _probe(participants: Participants, request: ProbeCall) -> dict[str, StatusReply | CoordinationError]:
+    """Every server's status, or why it gave none within ``timeout_s``: only a server that does not
+    answer at all (stopped, deadlocked) is to blame for a stalled prepare, not a slow one."""
 
     async def one(p: Participant) -> StatusReply | CoordinationError:
         try:
-            body = await participants.control.get(p.name, p.url, "status", timeout_s=timeout_s)
+            body = await participants.control.get(p.name, p.url, request.route, timeout_s=request.timeout_s)
             return StatusReply.model_validate(body)
         except CoordinationError as exc:
             return exc
@@ -448,20 +362,8 @@ async def probe(participants: Participants, timeout_s: float) -> dict[str, Statu
     return {p.name: outcome for p, outcome in zip(participants, outcomes)}
 
 
-async def retire(
-    participants: Participants,
-    checkpoint_id: str,
-    deadline_ts: float,
-    episode_ids: list[EpisodeId],
-    *,
-    best_effort: bool = False,
-) -> dict[str, RetireReply]:
-    """Retire attempts on agents first, then models and resources.
-
-    ``best_effort`` tries every stage and raises all failures at the end;
-    otherwise the first failing stage raises and later stages are not called.
-    """
-    req = RetireRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, episode_ids=episode_ids)
+async def _retire(participants: Participants, request: RetireCall) -> dict[str, RetireReply]:
+    """Agents first, then models and resources (``RETIRE_ORDER``)."""
     replies: dict[str, RetireReply] = {}
     failures: dict[str, BaseException] = {}
     for kinds in RETIRE_ORDER:
@@ -469,13 +371,13 @@ async def retire(
         if not stage:
             continue
         try:
-            replies.update(await _fan_out(participants, stage, "retire", req, RetireReply))
+            replies.update(await _fan_out(participants, stage, request))
         except CoordinationFailures as exc:
-            if not best_effort:
+            if not request.best_effort:
                 raise
             failures.update(exc.failures)
         except CoordinationError as exc:
-            if not best_effort:
+            if not request.best_effort:
                 raise
             failures[exc.server] = exc
     if failures:
@@ -483,34 +385,86 @@ async def retire(
     return replies
 
 
+_RUNNERS: dict[type, Callable[[Participants, Any], Awaitable[Any]]] = {
+    PrepareCall: _prepare,
+    RenewCall: _at_once,
+    ForgetCall: _at_once,
+    CommitCall: _at_once,
+    PersistCall: _at_once,
+    RestoreCall: _restore,
+    ResumeCall: _resume,
+    ProbeCall: _probe,
+    RetireCall: _retire,
+}
+
+
+# -- one line per verb, for scripts and tests: the keywords are the call's fields -----------
+async def prepare(participants: Participants, checkpoint_id: str, deadline_ts: float,
+                  restart_only_policy: RestartOnlyPolicy = "block", **fields: Any) -> PrepareResult:
+    return await call(participants, PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
+                                                restart_only_policy=restart_only_policy, **fields))
+
+
 async def renew(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, RenewReply]:
-    """Push every server's lease past the new deadline."""
-    req = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-    return await _fan_out(participants, participants.members, "renew", req, RenewReply)
+    return await call(participants, RenewCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts))
+
+
+async def retire(participants: Participants, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId],
+                 **fields: Any) -> dict[str, RetireReply]:
+    return await call(participants, RetireCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
+                                               episode_ids=episode_ids, **fields))
+
+
+async def forget(participants: Participants, checkpoint_id: str, deadline_ts: float,
+                 rollout_ids: list[str]) -> dict[str, ForgetReply]:
+    return await call(participants, ForgetCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
+                                               rollout_ids=rollout_ids))
+
+
+async def commit(participants: Participants, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+                 episode_ids: Scope | None, **fields: Any) -> dict[str, CommitReply]:
+    return await call(participants, CommitCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
+                                               checkpoint_dir=checkpoint_dir, episode_ids=episode_ids, **fields))
+
+
+async def persist(participants: Participants, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+                  episode_ids: Scope, **fields: Any) -> dict[str, PersistReply]:
+    return await call(participants, PersistCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
+                                                checkpoint_dir=checkpoint_dir, episode_ids=episode_ids, **fields))
+
+
+async def restore(participants: Participants, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+                  episode_ids: Scope, source_checkpoint_id: str, **fields: Any) -> dict[str, RestoreReply]:
+    return await call(participants, RestoreCall(
+        checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
+        episode_ids=episode_ids, source_checkpoint_id=source_checkpoint_id, **fields))
+
+
+async def resume(participants: Participants, checkpoint_id: str, deadline_ts: float,
+                 **fields: Any) -> dict[str, ResumeReply]:
+    return await call(participants, ResumeCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, **fields))
+
+
+async def probe(participants: Participants, timeout_s: float) -> dict[str, StatusReply | CoordinationError]:
+    return await call(participants, ProbeCall(timeout_s=timeout_s))
 
 
 # -- helpers -----------------------------------------------------------------
-async def _fan_out(
-    participants: Participants,
-    stage: Sequence[Participant],
-    route: str,
-    req: CheckpointRequest | Mapping[str, CheckpointRequest],
-    reply_model: type[_R],
-) -> dict[str, _R]:
-    """Post ``req`` (one for all, or server -> its own) to every server of ``stage`` at once."""
-    control = participants.control
-    requests = req if isinstance(req, Mapping) else {p.name: req for p in stage}
-    return await _gather_all(route, {
-        p.name: _typed(control.post(p.name, p.url, route, requests[p.name]), p.name, reply_model) for p in stage
-    })
+async def _fan_out(participants: Participants, stage: Sequence[Participant], request: GymCall) -> dict[str, Any]:
+    """Post each server of ``stage`` its body of ``request``, all at once."""
+    return await _gather_all(request.route, {p.name: _post(participants, p, request) for p in stage})
 
 
-async def _typed(call: Awaitable[dict[str, Any]], server: str, model: type[_R]) -> _R:
-    body = await call
+async def _post(participants: Participants, p: Participant, request: GymCall, *,
+                timeout_s: float | None = None) -> Any:
+    """``p``'s body of ``request``, posted; the reply checked against the call's reply model."""
+    body = await participants.control.post(p.name, p.url, request.route, request.body_for(p.name),
+                                           timeout_s=timeout_s)
     try:
-        return model.model_validate(body)
+        return request.reply.model_validate(body)
     except ValidationError as exc:
-        raise CoordinationError(server, 200, "bad_reply", f"malformed {model.__name__}: {_fields(exc)}") from None
+        raise CoordinationError(p.name, 200, "bad_reply",
+                                f"malformed {request.reply.__name__}: {_fields(exc)}") from None
 
 
 async def _gather_all(op: str, calls: Mapping[str, Awaitable[_T]]) -> dict[str, _T]:

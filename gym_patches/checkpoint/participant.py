@@ -1,6 +1,6 @@
 """The participant interface every checkpointing Gym server implements.
 
-The control plane (``control.py``) owns phases, the lease, auth and storage;
+The control plane (the ``control`` package) owns phases, the lease, auth and storage;
 a participant only knows how to close, report readiness, export and install.
 """
 

@@ -5,6 +5,9 @@ write-once ``manifest.json``. The records file is named by its digest, so a
 torn write can never pass for a finished one; the manifest is published with
 ``os.link`` so it is created exactly once and never replaced. Reading checks
 every manifest field and the digest, and every error names the file.
+
+Every file's bytes go through the installed ``StorageWriter`` (``use_storage_writer``): the
+default writes plain files; a test installs one that fails like a full disk.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
 from gym_patches.checkpoint.records import RecordEncodeError, decode_record, encode_record
-from gym_patches.testing.write_faults import check_write
 from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
 
 SCHEMA_VERSION = 1
@@ -34,6 +36,30 @@ _SEGMENT = re.compile(r"^[A-Za-z0-9_.@+=:-]{1,200}$")
 
 class WriteStopped(CheckpointStoreError):
     """The caller asked the write to stop before it was published."""
+
+
+class StorageWriter:
+    """Writes one file's bytes (create/truncate, write, fsync). The default writes plain files;
+    tests install one that fails like a full disk."""
+
+    def write(self, path: Path, data: bytes) -> None:
+        with open(path, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+_writer = StorageWriter()
+
+
+def use_storage_writer(writer: StorageWriter) -> StorageWriter:
+    """Install ``writer`` for every file the store writes from now on; returns the previous one
+    (install it again to undo)."""
+    global _writer
+    if not isinstance(writer, StorageWriter):
+        raise TypeError(f"writer must be a StorageWriter, got {type(writer).__name__}")
+    previous, _writer = _writer, writer
+    return previous
 
 
 def participant_dir(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) -> Path:
@@ -142,15 +168,11 @@ def write_participant_state(
     encoded = records if isinstance(records, EncodedRecords) else encode_records(
         records, should_stop=should_stop, where=directory)
     manifest_path = directory / MANIFEST_NAME
-    tmp = directory / f".records-{uuid.uuid4().hex}.tmp"
+    tmp = directory / f".records.jsonl-{uuid.uuid4().hex}.tmp"
     target = directory / f"records-{encoded.sha256}.jsonl"  # the file a failed write names
     try:
         _stop_if(should_stop, directory)
-        check_write(directory / "records.jsonl")  # test-only fault injection; inert unless asked for
-        with open(tmp, "xb") as out:
-            out.writelines(encoded.lines)
-            out.flush()
-            os.fsync(out.fileno())
+        _writer.write(tmp, b"".join(encoded.lines))
         manifest = ParticipantManifest(
             kind=kind,  # type: ignore[arg-type]
             instance=instance,
@@ -179,12 +201,9 @@ def write_participant_state(
 
 
 def _publish_manifest(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:
-    tmp = path.parent / f".manifest-{uuid.uuid4().hex}.tmp"
+    tmp = path.parent / f".manifest.json-{uuid.uuid4().hex}.tmp"
     try:
-        with open(tmp, "xb") as out:
-            out.write(json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode() + b"\n")
-            out.flush()
-            os.fsync(out.fileno())
+        _writer.write(tmp, json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode() + b"\n")
         try:
             os.link(tmp, path)  # fails if a manifest exists: never replaced
         except FileExistsError:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
 import time
@@ -24,7 +23,6 @@ from typing import Any, Callable
 
 import ray
 
-from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
@@ -35,13 +33,10 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import StallWatchdog
-from nemo_rl.algorithms.single_controller_utils.snapshot import (
-    CONTROLLER_STATE_FILE,
-    GymCheckpointIndex,
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
     RolloutSnapshotter,
+    RunRestorer,
     SnapshotInputs,
-    required_snapshot_files,
-    resolve_restorable_snapshot,
 )
 from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymReplicaLost, GymRolloutError, NemoGymShardSet
@@ -53,19 +48,18 @@ from nemo_rl.experience.rollout_recovery import (
     RolloutRetriesExhausted,
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
-from nemo_rl.utils.fault_injection import crash_point
 from nemo_rl.utils.loggers import MetricLoggers
+from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.write_errors import as_write_error
 from nemo_rl.utils.snapshot_store import (
-    SnapshotSelection,
     anchor_dir,
     ensure_bootstrap_anchor,
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    resolve_restore_point,
+    recording_digests,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,8 +93,10 @@ class SingleController:
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         startup: StartupClock | None = None,
         loggers: MetricLoggers | None = None,  # the metric backends (opened and closed by the runner)
+        hooks: RunHooks | None = None,  # where tests act (crash points); none: the product's no-op
     ):
         self.config = config
+        self.hooks = hooks or RunHooks()
         self.startup = startup or StartupClock(None)
         self.val_rows = list(val_rows or [])
         self.shard_set = shard_set
@@ -151,7 +147,7 @@ class SingleController:
                     agent_servers={iid: self.shard_set.agent_servers.get(inst.shard_name, {})
                                    for iid, inst in self.shard_set.instances.items()},
                 ),
-                self.coordinator, self.records, self.config.rollout_checkpointing, self.changes,
+                self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
             )
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -185,7 +181,7 @@ class SingleController:
             samples = [s for g in groups for s in self.data_plane.group_samples(g)]
             t1 = time.monotonic()
             metrics = await asyncio.to_thread(self.trainer.train_step, samples)
-            crash_point("train")  # test-only: batch consumed, step not checkpointed
+            self.hooks.reached("train")  # batch consumed, step not checkpointed
             train_s = time.monotonic() - t1
             for g in groups:
                 self.ledger.mark_group_trained(g)
@@ -206,13 +202,20 @@ class SingleController:
             }
             if grpo.val_period and self.step % grpo.val_period == 0 and self.val_rows:
                 record.update(await self._validate(tasks))
-            self.records.metrics(record)
             last = self.step == self.config.grpo.max_num_steps
             if self.config.checkpointing.enabled and (self.step % self.config.checkpointing.save_period == 0 or last):
-                await self.save_trainer_checkpoint()
+                try:
+                    record["checkpoint_s"] = round(await self.save_trainer_checkpoint(dict(record)), 3)
+                except Exception:
+                    with contextlib.suppress(Exception):  # the step trained: its row stays, the checkpoint error is raised
+                        self.records.metrics(record)
+                    raise
+                self.records.metrics(record)  # after the checkpoint, so the row carries checkpoint_s
                 await self._forget_trained()
-            elif not self.config.checkpointing.enabled:
-                self.anchor_step = self.step
+            else:
+                if not self.config.checkpointing.enabled:
+                    self.anchor_step = self.step
+                self.records.metrics(record)
             self.on_progress(record)
 
     # ------------------------------------------------------------ validation
@@ -382,25 +385,33 @@ class SingleController:
         return dict(zip(handles, answers))
 
     # ------------------------------------------------------- trainer checkpoints
-    async def save_trainer_checkpoint(self) -> None:
-        """Capture the step's bookkeeping here, write the trainer state and publish off the event loop."""
+    async def save_trainer_checkpoint(self, metrics_row: dict[str, Any] | None = None) -> float:
+        """Capture the step's bookkeeping here, write the trainer state and publish off the event loop.
+
+        Returns ``checkpoint_s``: seconds of save + publish + prune (not the wait for a snapshot
+        still persisting under an old anchor). The seal takes the digests of the files the trainer
+        wrote through ``write_bytes_atomic`` as they were written, and pruning only stats: no
+        checkpoint is read back.
+        """
         step = self.step
         extra = {
             "step": step,
             "dataloader": self.dataloader.state_dict(),
             "ledger": self.ledger.state_dict(),  # trained groups as position ranges: no growing list
+            "metrics_row": metrics_row,  # written to metrics.jsonl after the save; restore rewrites it if lost
         }
 
         def write() -> None:
-
             tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
             try:
-                self.trainer.save(tmp, extra)
-                publish_trainer_step(tmp, final, metadata={"step": step})
+                with recording_digests(tmp) as digests:
+                    self.trainer.save(tmp, extra)
+                publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (startup would remove it too)
                 raise
 
+        t0 = time.monotonic()
         try:
             await asyncio.to_thread(write)
         except OSError as exc:  # not named by the trainer (mkdir, rename): the file the OS names, else the step
@@ -408,14 +419,17 @@ class SingleController:
             if named is exc:
                 raise
             raise named from exc
+        checkpoint_s = time.monotonic() - t0
         self.anchor_step = step
         # Older anchors go, but not under a snapshot that is still being persisted.
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
+            t1 = time.monotonic()
             try:
                 await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,
-                                        self.config.checkpointing.keep_top_k)
+                                        self.config.checkpointing.keep_top_k, step)
             except OSError as exc:  # a read-only or failing disk: name what could not be removed
                 raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
+            return checkpoint_s + (time.monotonic() - t1)
 
     async def _forget_trained(self) -> None:
         """Trained groups whose step is durable leave the ledger, and Gym forgets their rollouts:
@@ -434,93 +448,38 @@ class SingleController:
                                len(rollout_ids), exc)
 
     # ---------------------------------------------------------------- restore
-    def _load_ledger(self, state: dict[str, Any]) -> None:
-        """A saved ledger, under this run's retry budget (the config may have changed since)."""
-        self.ledger.load_state_dict(state)
-        self.ledger.max_attempts_per_sibling = self.config.async_rl.rollout_failure.max_infra_attempts_per_prompt
-
     async def restore_if_any(self) -> None:
+        """Continue from the newest checkpoint, if any (``rollout_snapshot/restore.py`` does the work)."""
         if not self.config.checkpointing.enabled:
             return  # checkpointing.enabled=false: every start is a new run
-        point = resolve_restore_point(self.checkpoint_dir)
-        self.startup.resumed = point is not None and point.step > 0
-        if point is None:
+
+        async def load_trainer(anchor: Path) -> dict[str, Any]:
+            extra = await asyncio.to_thread(self.trainer.load, anchor)
+            self.startup.mark("trainer_load")
+            if self.generation is not None:
+                await asyncio.to_thread(self.generation.refit, self.trainer)
+            return extra
+
+        restorer = RunRestorer(
+            self.checkpoint_dir,
+            read_snapshots=self.config.rollout_checkpointing.restore_mode != "trainer_checkpoint",
+            coordinator=self.coordinator,
+            max_attempts_per_sibling=self.config.async_rl.rollout_failure.max_infra_attempts_per_prompt,
+            load_trainer=load_trainer, hooks=self.hooks,
+        )
+        restored = await restorer.restore()
+        self.startup.resumed = restored is not None and restored.step > 0
+        if restored is None:
             ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
             record_run_identity(self.config)  # the directory now belongs to this run
             return
-        from_trainer_only = self.config.rollout_checkpointing.restore_mode == "trainer_checkpoint"
-        if from_trainer_only:  # the snapshots stay on disk, unread
-            point = point._replace(snapshot=SnapshotSelection(None, []))
-        else:
-            # A turn-level run needs gym_checkpoint.json in the snapshot; one without it is skipped, not half-used.
-            point = point._replace(snapshot=resolve_restorable_snapshot(
-                point.anchor, required_snapshot_files(self.coordinator is not None)))
-        if point.step > 0:
-            extra = await asyncio.to_thread(self.trainer.load, point.anchor)
-            self.startup.mark("trainer_load")
-            self.step = self.anchor_step = int(extra["step"])
-            self.dataloader.load_state_dict(extra["dataloader"])
-            self._load_ledger(extra["ledger"])
-            if self.generation is not None:
-                await asyncio.to_thread(self.generation.refit, self.trainer)
-        for path, why in point.snapshot.skipped:
-            logger.warning("skipping rollout snapshot %s: %s", path, why)
-        record: dict[str, Any] = {
-            "trainer_step": point.step,
-            "snapshot": None,
-            "skipped_snapshots": [{"path": str(p), "reason": r} for p, r in point.snapshot.skipped],
-            "restored_turn": 0,
-            "restarted_from_prompt": 0,
-            "kept_siblings": 0,
-        }
-        if point.snapshot.path is None:
-            # Anything the trainer state still counts as in flight restarts from its prompt.
-            summary = self.ledger.prepare_for_restart(set())
-            why = ("rollout_checkpointing.restore_mode=trainer_checkpoint: rollout snapshots are not read"
-                   if from_trainer_only else "no valid rollout snapshot")
-            record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
-                          kept_siblings=len(summary.kept_siblings), snapshot_reason=why)
-            print(f"Resuming from trainer checkpoint step {point.step} ({why}).", flush=True)
-            self.records.restore(record)
-            return
-        snap = point.snapshot.path
-        state = json.loads((snap / CONTROLLER_STATE_FILE).read_text())
-        if int(state["step"]) != self.step:
-            raise RuntimeError(f"{snap / CONTROLLER_STATE_FILE}: snapshot is for step {state['step']}, anchor is step {self.step}")
-        self._load_ledger(state["ledger"])
-        self.dataloader.load_state_dict(state["dataloader"])
-        self.data_plane = DataPlaneStore.load(snap, state["data_plane"]["sha256"], state["data_plane"]["count"])
-        restored: set[tuple[str, str, int]] = set()  # (instance, rollout id, the attempt Gym restored it as)
-        restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
-        if self.coordinator is not None:
-            index = GymCheckpointIndex.read(snap)
-            exported = index.exported()
-            if exported:
-                new_keys = await self.coordinator.restore(
-                    f"restore-{uuid.uuid4().hex[:12]}", str(snap), exported, index.checkpoint_id
-                )
-                for iid, keys in new_keys.items():
-                    for key in keys:
-                        e = EpisodeId.from_capture_key(key)
-                        restored.add((iid, e.rollout_id, e.attempt))
-                        restored_on[key] = iid
-        crash_point("restore")  # test-only: Gym restored, ledger not applied
-        summary = self.ledger.prepare_for_restart(restored)
-        self.data_plane.discard(summary.discarded_rollout_ids)
-        record.update(
-            snapshot=str(snap),
-            restored_turn=len(summary.restored_turn),
-            restarted_from_prompt=len(summary.restarted_from_prompt),
-            kept_siblings=len(summary.kept_siblings),
-            redone_groups=len(summary.redone_groups),
-            restored_rollout_ids=summary.restored_turn,
-            restored_instances={key: restored_on[key] for key in summary.restored_turn},
-            restarted_rollout_ids=summary.restarted_from_prompt,
-            kept_rollout_ids=summary.kept_siblings,
-        )
-        self.records.restore(record)
-        print(
-            f"Restored rollout snapshot {snap.name} at step {self.step}: {record['restored_turn']} continue at turn "
-            f"level, {record['restarted_from_prompt']} restart from the prompt, {record['kept_siblings']} sealed kept.",
-            flush=True,
-        )
+        self.step = self.anchor_step = restored.step
+        self.ledger, self.data_plane = restored.ledger, restored.data_plane
+        if restored.dataloader is not None:
+            self.dataloader.load_state_dict(restored.dataloader)
+        self.records.restore(restored.record)
+        if restored.metrics_row is not None and not any(
+                row.get("step") == restored.step for row in self.records.read(self.config.logger.metrics_file)):
+            # the step is durable but its row was not (the append failed after the checkpoint): write it now
+            self.records.metrics({**restored.metrics_row, "row_restored": True})
+        print(restored.message, flush=True)

@@ -1,10 +1,14 @@
 """RL's view of one Gym deployment's checkpoint participants.
 
-``GymCheckpointAdapter`` runs ``gym_patches.checkpoint.coordination`` for one
-replica; it is what the ``NemoGym`` actor calls. Results and errors are
-coordination's own (``PrepareResult``, ``CoordinationError``, both picklable),
-passed through unchanged: the only wrap is the controller's, which names the
-replica.
+``GymCheckpointAdapter`` finds the participants of one replica and runs each
+typed checkpoint request (``gym_patches.checkpoint.calls``) over them with
+``coordination.call``; the ``NemoGym`` actor's one ``checkpoint`` entry calls
+it. It adds only what is RL's: the replica's checkpoint directory exists before
+a write, a write stays inside the scope it was given, and replies become what
+the snapshot keeps (``GymCheckpointCommitSummary``, restored agent keys,
+``GymServerProbe``). Errors are coordination's own (``CoordinationError``,
+picklable), passed through unchanged: the only wrap is the controller's, which
+names the replica.
 """
 
 from __future__ import annotations
@@ -15,9 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from gym_patches.checkpoint import coordination
+from gym_patches.checkpoint.calls import (
+    CommitCall,
+    ForgetCall,
+    GymCall,
+    PersistCall,
+    PrepareCall,
+    ProbeCall,
+    RestoreCall,
+)
 from gym_patches.checkpoint.coordination import Participants, PrepareResult
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.wire import RestartOnlyPolicy, StatusReply
+from gym_patches.checkpoint.wire import StatusReply
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RESOURCES_MODES = ("stateless", "exported", "restart_only")
@@ -91,6 +104,12 @@ def _is_restart_only(name: str, status: StatusReply) -> bool:
     return False
 
 
+# What the actor's ``checkpoint`` entry answers, per request: a ``PrepareResult`` (prepare), a
+# ``GymCheckpointCommitSummary`` (commit, persist), the agents' new capture keys (restore), the entries
+# dropped (forget), server -> ``GymServerProbe`` (probe), None (renew, retire, resume).
+GymCheckpointReply = PrepareResult | GymCheckpointCommitSummary | list[str] | int | dict[str, GymServerProbe] | None
+
+
 class GymCheckpointAdapter:
     """Checkpoint calls for one Gym deployment (one replica of one shard)."""
 
@@ -111,108 +130,46 @@ class GymCheckpointAdapter:
         self._participants = await coordination.discover(self._client, self._auth_token, timeout_s=timeout_s)
         return sorted(p.name for p in self._participants if _is_restart_only(p.name, p.status))
 
-    async def prepare(
-        self,
-        checkpoint_id: str,
-        deadline_ts: float,
-        restart_only_policy: RestartOnlyPolicy = "block",
-        policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
-        capture: bool = False,
-    ) -> PrepareResult:
-        """``policy_overrides``: per-server policies (restart-only servers no turn-level rollout uses).
-        ``capture``: a staged snapshot's prepare (each server serialises its sessions; ``persist`` writes)."""
-        return await coordination.prepare(
-            self.participants, checkpoint_id, deadline_ts, restart_only_policy, policy_overrides=policy_overrides,
-            capture=capture,
-        )
+    async def checkpoint(self, request: GymCall) -> GymCheckpointReply:
+        """Run ``request`` over this replica's servers and answer in RL's terms (``GymCheckpointReply``)."""
+        unknown = sorted(request.servers_named() - set(self.participants.names))
+        if unknown:
+            raise RuntimeError(f"{self.instance.instance_id}: {request.route} names Gym servers this deployment "
+                               f"does not have: {unknown}")
+        if isinstance(request, (CommitCall, PersistCall)):
+            Path(request.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        replies = await coordination.call(self.participants, request)
+        match request:
+            case CommitCall() | PersistCall():
+                return self._summary(request, {name: r.episode_ids for name, r in replies.items()})
+            case RestoreCall():
+                agents = {p.name for p in self.participants.by_kind("agent")}
+                return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
+            case ForgetCall():
+                return sum(reply.forgotten for reply in replies.values())
+            case ProbeCall():
+                return {name: _probe(status) for name, status in replies.items()}
+            case PrepareCall():
+                return replies
+            case _:  # renew, retire, resume: nothing to keep
+                return None
 
-    async def renew(self, checkpoint_id: str, deadline_ts: float) -> None:
-        await coordination.renew(self.participants, checkpoint_id, deadline_ts)
-
-    async def retire(self, checkpoint_id: str, deadline_ts: float, episodes: list[EpisodeId]) -> None:
-        if episodes:
-            await coordination.retire(self.participants, checkpoint_id, deadline_ts, episodes)
-
-    async def commit(
-        self,
-        checkpoint_id: str,
-        deadline_ts: float,
-        root: str | Path,
-        episodes: list[EpisodeId] | dict[str, list[EpisodeId]],
-    ) -> GymCheckpointCommitSummary:
-        """Commit ``episodes`` (one list for all servers, or per server): written inside the pause."""
-        target = self.instance.checkpoint_dir(root)
-        target.mkdir(parents=True, exist_ok=True)
-        replies = await coordination.commit(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
-        return self._summary(target, {name: r.episode_ids for name, r in replies.items()}, episodes)
-
-    async def persist(
-        self,
-        checkpoint_id: str,
-        deadline_ts: float,
-        root: str | Path,
-        episodes: dict[str, list[EpisodeId]],
-    ) -> GymCheckpointCommitSummary:
-        """Write each server's ``episodes`` from what its capture prepare serialised (after resume)."""
-        target = self.instance.checkpoint_dir(root)
-        target.mkdir(parents=True, exist_ok=True)
-        replies = await coordination.persist(self.participants, checkpoint_id, deadline_ts, str(target), episodes)
-        return self._summary(target, {name: r.episode_ids for name, r in replies.items()}, episodes)
-
-    def _summary(
-        self, target: Path, written: dict[str, list[str]], episodes: list[EpisodeId] | dict[str, list[EpisodeId]]
-    ) -> GymCheckpointCommitSummary:
+    def _summary(self, request: CommitCall | PersistCall, written: dict[str, list[str]]) -> GymCheckpointCommitSummary:
+        """What each server wrote, refusing a write outside the scope it was given."""
         exported: dict[str, list[str]] = {}
         for name, keys in written.items():
-            scope = episodes.get(name, []) if isinstance(episodes, dict) else episodes
-            outside = sorted(set(keys) - {e.capture_key for e in scope})
+            scope = request.scope_for(name)
+            outside = [] if scope is None else sorted(set(keys) - {e.capture_key for e in scope})
             if outside:
                 raise RuntimeError(f"Gym server {name!r} exported episodes outside the commit scope: {outside[:5]}")
             exported[name] = sorted(keys)
         agents = {p.name for p in self.participants.by_kind("agent")}
         agent_exported = sorted({k for name in agents for k in exported.get(name, [])})
-        return GymCheckpointCommitSummary(str(target), exported, agent_exported)
+        return GymCheckpointCommitSummary(request.checkpoint_dir, exported, agent_exported)
 
-    async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
-        """Every server drops what it keeps about these finished rollouts; returns the entries dropped."""
-        if not rollout_ids:
-            return 0
-        replies = await coordination.forget(self.participants, checkpoint_id, deadline_ts, rollout_ids)
-        return sum(reply.forgotten for reply in replies.values())
 
-    async def restore(
-        self,
-        restore_id: str,
-        deadline_ts: float,
-        root: str | Path,
-        exported_by_server: dict[str, list[str]],
-        source_checkpoint_id: str,
-    ) -> list[str]:
-        """Install what each server exported; return the agents' new capture keys."""
-        scopes = {name: [EpisodeId.from_capture_key(k) for k in keys] for name, keys in exported_by_server.items()}
-        unknown = sorted(set(scopes) - set(self.participants.names))
-        if unknown:
-            raise RuntimeError(
-                f"{self.instance.instance_id}: checkpoint names Gym servers this deployment does not have: {unknown}"
-            )
-        replies = await coordination.restore(
-            self.participants, restore_id, deadline_ts, str(self.instance.checkpoint_dir(root)), scopes,
-            source_checkpoint_id,
-        )
-        agents = {p.name for p in self.participants.by_kind("agent")}
-        return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
-
-    async def resume(self, checkpoint_id: str, deadline_ts: float, call_timeout_s: float | None = None) -> None:
-        await coordination.resume(self.participants, checkpoint_id, deadline_ts, call_timeout_s=call_timeout_s)
-
-    async def probe(self, timeout_s: float) -> dict[str, "GymServerProbe"]:
-        """Each participant's answer to a status call within ``timeout_s`` (see ``coordination.probe``)."""
-        out: dict[str, GymServerProbe] = {}
-        for name, status in (await coordination.probe(self.participants, timeout_s)).items():
-            if isinstance(status, BaseException):
-                out[name] = GymServerProbe(False, str(status))
-            else:
-                count = status.report.blocker_count
-                out[name] = GymServerProbe(True, f"phase {status.phase}, {count} blocking", count,
-                                           list(status.report.blockers[:5]))
-        return out
+def _probe(status: StatusReply | BaseException) -> GymServerProbe:
+    if isinstance(status, BaseException):
+        return GymServerProbe(False, str(status))
+    count = status.report.blocker_count
+    return GymServerProbe(True, f"phase {status.phase}, {count} blocking", count, list(status.report.blockers[:5]))

@@ -2,8 +2,9 @@
 
 Each actor starts its own Gym deployment (a head server plus one process per
 server, on loopback), runs rollouts over HTTP and owns that deployment's
-``GymCheckpointAdapter``. ``NemoGymShardSet`` is the controller's handle on
-all of them.
+``GymCheckpointAdapter``: every checkpoint request (``gym_patches.checkpoint.calls``)
+reaches it through one Ray method, ``checkpoint``. ``NemoGymShardSet`` is the
+controller's handle on all of them.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ from pydantic import ValidationError
 
 import ray
 
-from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.calls import GymCall, ProbeCall
 from gym_patches.checkpoint.wire import RestartOnlyPolicy
 from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
-from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
+from gym_patches.checkpoint.coordination import CoordinationError
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointAdapter,
-    GymCheckpointCommitSummary,
     GymCheckpointInstance,
+    GymCheckpointReply,
     GymServerProbe,
 )
 
@@ -259,68 +260,23 @@ class NemoGym:
                 out.append(name)
         return sorted(out)
 
-    # -- checkpoint calls (thin: the adapter does the work) -----------------------
+    # -- checkpoint calls ----------------------------------------------------------
     @ray.method(concurrency_group="control")
-    async def checkpoint_prepare(
-        self,
-        checkpoint_id: str,
-        deadline_ts: float,
-        restart_only_policy: RestartOnlyPolicy,
-        policy_overrides: dict[str, RestartOnlyPolicy] | None = None,
-        capture: bool = False,
-    ) -> PrepareResult:
-        return await self._named(
-            self._adapter().prepare(checkpoint_id, deadline_ts, restart_only_policy, policy_overrides, capture)
-        )
+    async def checkpoint(self, request: GymCall) -> GymCheckpointReply:
+        """The one checkpoint entry: run ``request`` over this replica's servers (the adapter says
+        what each request answers). A failure caused by a server process that is gone names it; a
+        probe also says which servers are dead or stopped, which only this actor can see."""
+        reply = await self._named(self._adapter().checkpoint(request))
+        if isinstance(request, ProbeCall):
+            reply = self._with_process_state(reply)
+        return reply
 
-    @ray.method(concurrency_group="control")
-    async def checkpoint_renew(self, checkpoint_id: str, deadline_ts: float) -> None:
-        await self._named(self._adapter().renew(checkpoint_id, deadline_ts))
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_retire(self, checkpoint_id: str, deadline_ts: float, episodes: list[EpisodeId]) -> None:
-        await self._named(self._adapter().retire(checkpoint_id, deadline_ts, episodes))
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_commit(
-        self, checkpoint_id: str, deadline_ts: float, root: str,
-        episodes: list[EpisodeId] | dict[str, list[EpisodeId]],
-    ) -> GymCheckpointCommitSummary:
-        return await self._named(self._adapter().commit(checkpoint_id, deadline_ts, root, episodes))
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> int:
-        return await self._named(self._adapter().forget(checkpoint_id, deadline_ts, rollout_ids))
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_persist(
-        self, checkpoint_id: str, deadline_ts: float, root: str, episodes: dict[str, list[EpisodeId]],
-    ) -> GymCheckpointCommitSummary:
-        return await self._named(self._adapter().persist(checkpoint_id, deadline_ts, root, episodes))
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_restore(
-        self, restore_id: str, deadline_ts: float, root: str, exported_by_server: dict[str, list[str]],
-        source_checkpoint_id: str,
-    ) -> list[str]:
-        return await self._named(
-            self._adapter().restore(restore_id, deadline_ts, root, exported_by_server, source_checkpoint_id)
-        )
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_resume(self, checkpoint_id: str, deadline_ts: float,
-                                call_timeout_s: float | None = None) -> None:
-        await self._named(self._adapter().resume(checkpoint_id, deadline_ts, call_timeout_s))
-
-    @ray.method(concurrency_group="control")
-    async def checkpoint_probe(self, timeout_s: float) -> dict[str, GymServerProbe]:
-        """Which servers answer a status call within ``timeout_s`` (a stalled prepare names the one that does not)."""
-        probes = await self._adapter().probe(timeout_s)
-        stopped = self.stopped_servers()
+    def _with_process_state(self, probes: dict[str, GymServerProbe]) -> dict[str, GymServerProbe]:
+        """A dead server's probe says it is dead; a silent one's says when its process is stopped."""
         for name in self.dead_servers():
             if name in probes:
                 probes[name] = GymServerProbe(False, f"Gym server {name!r} is dead (its process exited)")
-        for name in stopped:
+        for name in self.stopped_servers():
             if name in probes and not probes[name].answered:
                 probes[name] = GymServerProbe(False, f"{probes[name].detail} (its process is stopped)")
         return probes
@@ -410,6 +366,17 @@ class NemoGymShardSet:
             return self.checkpoint_handles[instance_id]
         except KeyError:
             raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.checkpoint_handles)}") from None
+
+    def send_checkpoint(self, instance_id: str, request: GymCall) -> Any:
+        """Start ``request`` on one replica's one checkpoint entry; returns the Ray object ref."""
+        return self.handle_for(instance_id).checkpoint.remote(request)
+
+    def checkpoint_dir(self, instance_id: str, root: str | Path) -> str:
+        """Where the servers of ``instance_id`` write a checkpoint rooted at ``root``."""
+        try:
+            return str(self.instances[instance_id].checkpoint_dir(root))
+        except KeyError:
+            raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.instances)}") from None
 
     def pick_instance(self, agent_name: str) -> str:
         """Round-robin over the replicas of the shard serving ``agent_name``, skipping replicas that

@@ -23,14 +23,38 @@ class DataPlaneError(ValueError):
     """A store operation or file that does not fit (names the rollout id or file)."""
 
 
+class DataPlaneCapture:
+    """The store's lines at one moment (a snapshot's cut): taken in O(samples) without encoding or
+    hashing; ``encode`` builds the file and its digest later, off the pause."""
+
+    def __init__(self, lines: dict[str, bytes]):
+        self._lines = lines
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self._lines.values()))
+
+    def encode(self) -> tuple[bytes, dict]:
+        """The JSONL bytes (sorted by id) and ``{file, sha256, count}``."""
+        data = b"".join(self._lines[k] for k in sorted(self._lines))
+        return data, {"file": DATA_PLANE_FILE, "sha256": hashlib.sha256(data).hexdigest(), "count": len(self._lines)}
+
+
 class DataPlaneStore:
     def __init__(self) -> None:
         self._samples: dict[str, RolloutSample] = {}
+        # each sample's line, encoded once when it is sealed (samples never change afterwards), so a
+        # snapshot's cut copies references instead of serialising every sample while rollouts wait
+        self._lines: dict[str, bytes] = {}
 
     def put(self, sample: RolloutSample) -> None:
         if sample.rollout_id in self._samples:
             raise DataPlaneError(f"rollout {sample.rollout_id} is already in the data plane")
         self._samples[sample.rollout_id] = sample
+        self._lines[sample.rollout_id] = sample.__pydantic_serializer__.to_json(sample) + b"\n"
 
     def get(self, rollout_id: str) -> RolloutSample:
         try:
@@ -69,6 +93,7 @@ class DataPlaneStore:
         samples = self.group_samples(group_id)
         for sample in samples:
             del self._samples[sample.rollout_id]
+            del self._lines[sample.rollout_id]
         return samples
 
     def discard(self, rollout_ids: Iterable[str]) -> int:
@@ -76,15 +101,18 @@ class DataPlaneStore:
         removed = 0
         for rollout_id in rollout_ids:
             if self._samples.pop(rollout_id, None) is not None:
+                del self._lines[rollout_id]
                 removed += 1
         return removed
 
     # ----- persistence -----------------------------------------------------
+    def capture(self) -> DataPlaneCapture:
+        """A copy of the store's lines that nothing later changes (cheap: the lines are shared)."""
+        return DataPlaneCapture(dict(self._lines))
+
     def dump(self) -> tuple[bytes, dict]:
-        """The store as JSONL bytes (sorted by id) and ``{file, sha256, count}``: a copy nothing later changes."""
-        lines = [self._samples[k].model_dump_json() + "\n" for k in sorted(self._samples)]
-        data = "".join(lines).encode()
-        return data, {"file": DATA_PLANE_FILE, "sha256": hashlib.sha256(data).hexdigest(), "count": len(lines)}
+        """The store as JSONL bytes (sorted by id) and ``{file, sha256, count}``."""
+        return self.capture().encode()
 
     @staticmethod
     def write_dump(directory: str | Path, data: bytes) -> None:

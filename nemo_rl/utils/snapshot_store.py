@@ -3,9 +3,20 @@
 A crash can happen at any byte, so nothing is ever edited in place: a
 snapshot or trainer step is written into a ``.tmp-*`` sibling, sealed with a
 ``manifest.json`` that lists every file with its sha256 and size (written
-last), and renamed into place. Readers trust a directory only if its manifest
-parses and every listed file matches; anything else is skipped and reported
-with the bad file named (DESIGN §4.4 step 7, §4.5).
+last, fsynced: the commit marker), and renamed into place.
+
+Reading costs what it must and no more (a trainer step can be gigabytes):
+
+- listing and pruning *trust* the commit marker: the manifest parses and every
+  listed file exists with its listed size (stat only, no file is read);
+- a restore *verifies* only the directory it restores (every sha256), and
+  skips a corrupt one, naming the bad file, for the next older one;
+- sealing reads nothing back that ``write_bytes_atomic`` wrote inside
+  ``recording_digests``: the digest is taken from the bytes as they are
+  written. Other files (a library's ``save_pretrained``) are hashed once.
+
+Every file written here goes through the installed ``StorageWriter``, so tests
+can make a write fail like a full disk without this module knowing about it.
 
 Layout::
 
@@ -17,6 +28,8 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -24,12 +37,12 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gym_patches.testing.write_faults import check_write
 from nemo_rl.utils.write_errors import naming_write
 
 MANIFEST_NAME = "manifest.json"
@@ -48,6 +61,84 @@ class SnapshotStoreError(ValueError):
     """A snapshot or trainer directory that cannot be used (names the path)."""
 
 
+# ----- storage writer --------------------------------------------------------
+class StorageWriter:
+    """Writes one file's bytes (create/truncate, write, fsync). The default writes plain files;
+    tests install a writer that fails like a full disk."""
+
+    def write(self, path: Path, data: bytes) -> None:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+_writer: StorageWriter = StorageWriter()
+
+
+def use_storage_writer(writer: StorageWriter) -> StorageWriter:
+    """Install ``writer`` for every file this module writes; returns the previous one (to put back)."""
+    global _writer
+    if not isinstance(writer, StorageWriter):
+        raise TypeError(f"writer must be a StorageWriter, got {type(writer).__name__}")
+    previous, _writer = _writer, writer
+    return previous
+
+
+# ----- digests taken while writing ---------------------------------------------
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    """What changes when a file is rewritten: a recorded digest is only trusted while it is unchanged."""
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+class WrittenDigests:
+    """sha256 and size of the files ``write_bytes_atomic`` wrote under ``root`` while recording.
+
+    The seal takes these instead of reading the files back; a file changed since (another size,
+    mtime or inode) or written some other way is hashed at seal time as before.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(os.path.abspath(root))
+        self._files: dict[str, tuple[FileEntry, tuple[int, int, int]]] = {}
+
+    def note(self, path: Path, sha256: str) -> bool:
+        """Record ``path`` (just written, with digest ``sha256``) if it lies under ``root``."""
+        try:
+            rel = Path(os.path.abspath(path)).relative_to(self.root).as_posix()
+        except ValueError:
+            return False
+        st = os.stat(path)
+        self._files[rel] = (FileEntry(sha256=sha256, size=st.st_size), _stat_key(st))
+        return True
+
+    def entry(self, rel: str, path: Path) -> FileEntry | None:
+        """The recorded entry for ``rel`` if the file on disk is still the one written, else None."""
+        recorded = self._files.get(rel)
+        if recorded is None or _stat_key(os.stat(path)) != recorded[1]:
+            return None
+        return recorded[0]
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+_recording: contextvars.ContextVar[tuple[WrittenDigests, ...]] = contextvars.ContextVar(
+    "snapshot_store_recording", default=())
+
+
+@contextlib.contextmanager
+def recording_digests(root: str | Path) -> Iterator[WrittenDigests]:
+    """While open (in this thread / task), ``write_bytes_atomic`` under ``root`` keeps each file's
+    digest; hand the result to ``publish_trainer_step`` / ``commit_snapshot`` so sealing reads nothing back."""
+    digests = WrittenDigests(root)
+    token = _recording.set(_recording.get() + (digests,))
+    try:
+        yield digests
+    finally:
+        _recording.reset(token)
+
+
 # ----- primitives ----------------------------------------------------------
 def fsync_dir(path: str | Path) -> None:
     """Make a rename or create inside ``path`` durable."""
@@ -59,25 +150,28 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, fsync, then rename over ``path``.
+    """Write via a temp file in the same directory (through the installed ``StorageWriter``), then
+    rename over ``path``. Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
 
-    Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error.
+    Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error; the
+    temp file is removed, so no torn file is left.
     """
     path = Path(path)
     with naming_write(path):
-        check_write(path)  # test-only fault injection; inert unless asked for
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            _writer.write(tmp, data)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(path.parent)
+        recorders = _recording.get()
+        if recorders:
+            sha256 = hashlib.sha256(data).hexdigest()
+            for digests in recorders:
+                digests.note(path, sha256)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
@@ -137,13 +231,22 @@ def _seal(
     sequence: int,
     metadata: dict[str, Any] | None,
     skip_subdirs: tuple[str, ...] = (),
+    digests: WrittenDigests | None = None,
 ) -> DirectoryManifest:
-    """fsync every file, then write the manifest last."""
+    """fsync every file, then write the manifest last.
+
+    A file in ``digests`` (written by ``write_bytes_atomic``, already fsynced) is not read again;
+    any other file is fsynced and hashed here, once.
+    """
     files = {}
     for rel in _listed_files(root, skip_subdirs):
         path = root / rel
         if path.is_symlink() or not path.is_file():
             raise SnapshotStoreError(f"{path}: only regular files may be published")
+        written = digests.entry(rel, path) if digests is not None else None
+        if written is not None:
+            files[rel] = written
+            continue
         with naming_write(path):  # an fsync that fails (EIO) names the file it could not make durable
             _fsync_file(path)
             files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
@@ -157,8 +260,9 @@ def _seal(
     return manifest
 
 
-def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
-    """Return the manifest if ``root`` is intact, else raise naming the bad file."""
+def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
+    """The manifest if ``root``'s commit marker holds: it parses (of ``kind``) and every listed file
+    exists with its listed size. Stat only, nothing is read but the manifest; else raise naming the file."""
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:
@@ -182,8 +286,17 @@ def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryMani
         size = path.stat().st_size
         if size != entry.size:
             raise SnapshotStoreError(f"{path}: size {size}, manifest says {entry.size}")
-        if sha256_file(path) != entry.sha256:
-            raise SnapshotStoreError(f"{path}: sha256 does not match the manifest")
+    return manifest
+
+
+def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
+    """The manifest if ``root`` is intact: trusted (``trust_directory``) and every file's sha256
+    matches. Reads every byte: only for a directory about to be restored. Else raise naming the file."""
+    root = Path(root)
+    manifest = trust_directory(root, kind)
+    for rel, entry in manifest.files.items():
+        if sha256_file(root / rel) != entry.sha256:
+            raise SnapshotStoreError(f"{root / rel}: sha256 does not match the manifest")
     return manifest
 
 
@@ -237,8 +350,12 @@ def commit_snapshot(
     final_dir: str | Path,
     keep_latest_k: int,
     metadata: dict[str, Any] | None = None,
+    digests: WrittenDigests | None = None,
 ) -> DirectoryManifest:
-    """Seal ``tmp_dir`` with a manifest, rename it to ``final_dir``, prune old ones."""
+    """Seal ``tmp_dir`` with a manifest, rename it to ``final_dir``, prune old ones.
+
+    ``digests`` (from ``recording_digests(tmp_dir)``) spares the seal reading those files back.
+    """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     if keep_latest_k < 1:
         raise SnapshotStoreError("keep_latest_k must be >= 1")
@@ -247,7 +364,7 @@ def commit_snapshot(
         raise SnapshotStoreError(f"{final_dir}: not a snapshot_<sequence> directory name")
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
-    manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata)
+    manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests)
     os.rename(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
     _prune_snapshots(final_dir.parent, final_dir, keep_latest_k)
@@ -273,16 +390,16 @@ def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
     for seq, path in older:
         if seq > newest_seq:
             continue  # never touch a snapshot newer than the one just written
-        if kept < keep_latest_k and _is_valid(path):
+        if kept < keep_latest_k and _is_trusted(path, "rollout_snapshot"):
             kept += 1
             continue
         shutil.rmtree(path, ignore_errors=True)
     fsync_dir(root)
 
 
-def _is_valid(path: Path) -> bool:
+def _is_trusted(path: Path, kind: str) -> bool:
     try:
-        verify_directory(path, "rollout_snapshot")
+        trust_directory(path, kind)
     except SnapshotStoreError:
         return False
     return True
@@ -296,8 +413,10 @@ class SnapshotSelection(NamedTuple):
     manifest: DirectoryManifest | None = None
 
 
-def resolve_latest_snapshot(anchor_dir: str | Path) -> SnapshotSelection:
-    """Pick the newest valid snapshot by sequence number (never by mtime)."""
+def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = ()) -> SnapshotSelection:
+    """Pick the newest valid snapshot by sequence number (never by mtime) that lists every ``required``
+    file; newer ones are skipped with the reason, in one scan. Only the chosen one (and the corrupt
+    ones tried before it) is hashed: a snapshot is only resolved to be restored."""
     root = snapshots_root(anchor_dir)
     skipped: list[tuple[Path, str]] = []
     if not root.is_dir():
@@ -320,6 +439,12 @@ def resolve_latest_snapshot(anchor_dir: str | Path) -> SnapshotSelection:
         if manifest.sequence != seq:
             skipped.append(
                 (path, f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name")
+            )
+            continue
+        missing = [name for name in required if name not in manifest.files]
+        if missing:
+            skipped.append(
+                (path, f"{path / missing[0]}: missing (not listed in {path / MANIFEST_NAME}; the restore needs it)")
             )
             continue
         return SnapshotSelection(path, skipped, manifest)
@@ -363,36 +488,46 @@ def prepare_trainer_step(checkpoint_dir: str | Path, step: int) -> tuple[Path, P
 
 
 def publish_trainer_step(
-    tmp_dir: str | Path, final_dir: str | Path, metadata: dict[str, Any] | None = None
+    tmp_dir: str | Path,
+    final_dir: str | Path,
+    metadata: dict[str, Any] | None = None,
+    digests: WrittenDigests | None = None,
 ) -> DirectoryManifest:
-    """Seal and rename a trainer step; a torn ``step_N`` left by a crash is replaced."""
+    """Seal and rename a trainer step; a torn or corrupt ``step_N`` (one a restore skipped) is replaced.
+
+    ``digests`` (from ``recording_digests(tmp_dir)`` around the trainer's save) spares the seal
+    reading those files back; the rest are hashed once.
+    """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     match = _STEP_DIR.match(final_dir.name)
     if not match:
         raise SnapshotStoreError(f"{final_dir}: not a step_<N> directory name")
-    if final_dir.exists():
+    if final_dir.exists():  # rare (a restore went past it), so it is worth every byte to tell torn from valid
         try:
             verify_directory(final_dir, "trainer_step")
         except SnapshotStoreError:
             shutil.rmtree(final_dir)
         else:
             raise SnapshotStoreError(f"{final_dir}: a valid trainer step already exists")
-    manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,))
+    manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,), digests)
     os.rename(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
     return manifest
 
 
-def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None) -> list[Path]:
-    """Delete all but the newest ``keep_top_k`` valid trainer steps (``checkpointing.keep_top_k`` with no
-    metric: the latest k), and ``bootstrap/`` once a step exists, each with its rollout snapshots. A
-    directory is first renamed to a ``.tmp-`` name, so a crash mid-delete leaves nothing that looks
-    valid (startup removes the rest)."""
+def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_top_k`` trusted trainer steps (``checkpointing.keep_top_k`` with
+    no metric: the latest k), and ``bootstrap/`` once a step exists, each with its rollout snapshots.
+
+    Trust is the commit marker (``list_trainer_steps``): no checkpoint is read. ``newest`` is the step
+    just saved: steps above it (ones a restore skipped as corrupt) neither count nor go. A directory
+    is first renamed to a ``.tmp-`` name, so a crash mid-delete leaves nothing that looks valid
+    (startup removes the rest)."""
     if keep_top_k is None:
         return []
     if keep_top_k < 1:
         raise SnapshotStoreError(f"keep_top_k must be >= 1, got {keep_top_k}")
-    steps = [s for s in list_trainer_steps(checkpoint_dir) if s > 0]
+    steps = [s for s in list_trainer_steps(checkpoint_dir) if s > 0 and (newest is None or s <= newest)]
     if not steps:
         return []
     doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k]]
@@ -411,42 +546,67 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None) -> l
     return removed
 
 
-def list_trainer_steps(checkpoint_dir: str | Path) -> list[int]:
-    """Steps with a valid anchor, ascending; 0 stands for a valid ``bootstrap/``."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
+def _anchor_dirs(checkpoint_dir: Path) -> list[tuple[int, str, Path]]:
+    """``(step, kind, path)`` of every directory named like an anchor, newest first."""
+    if not checkpoint_dir.is_dir():
         return []
-    steps = []
-    for path in root.iterdir():
+    found = []
+    for path in checkpoint_dir.iterdir():
         if path.name == BOOTSTRAP_DIRNAME:
-            kind, step = "bootstrap", 0
+            found.append((0, "bootstrap", path))
         elif match := _STEP_DIR.match(path.name):
-            kind, step = "trainer_step", int(match["step"])
-        else:
-            continue
-        try:
-            manifest = verify_directory(path, kind)
-        except SnapshotStoreError:
-            continue
-        if manifest.sequence == step:
+            found.append((int(match["step"]), "trainer_step", path))
+    return sorted(found, reverse=True)
+
+
+def _trusted_anchor(step: int, kind: str, path: Path) -> DirectoryManifest:
+    manifest = trust_directory(path, kind)
+    if manifest.sequence != step:
+        raise SnapshotStoreError(f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name")
+    return manifest
+
+
+def list_trainer_steps(checkpoint_dir: str | Path) -> list[int]:
+    """Steps whose commit marker holds (``trust_directory``: stat only), ascending; 0 stands for
+    ``bootstrap/``. A torn step (no manifest, a file missing or of another size) is not listed."""
+    steps = []
+    for step, kind, path in _anchor_dirs(Path(checkpoint_dir)):
+        with contextlib.suppress(SnapshotStoreError):
+            _trusted_anchor(step, kind, path)
             steps.append(step)
     return sorted(steps)
 
 
 class RestorePoint(NamedTuple):
+    """The anchor to restore, its snapshot, and every newer anchor skipped with why."""
+
     step: int
     anchor: Path
     snapshot: SnapshotSelection
+    skipped: tuple[tuple[Path, str], ...] = ()
 
 
-def resolve_restore_point(checkpoint_dir: str | Path) -> RestorePoint | None:
-    """The newest valid trainer anchor and its newest valid snapshot (may be none)."""
-    steps = list_trainer_steps(checkpoint_dir)
-    if not steps:
-        return None
-    step = steps[-1]
-    anchor = anchor_dir(checkpoint_dir, step)
-    return RestorePoint(step, anchor, resolve_latest_snapshot(anchor))
+def resolve_restore_point(
+    checkpoint_dir: str | Path, required: tuple[str, ...] = (), *, read_snapshots: bool = True
+) -> RestorePoint | None:
+    """The newest intact trainer anchor and its newest valid snapshot listing ``required`` (may be none;
+    none either with ``read_snapshots=False``: the snapshots then stay unread).
+
+    Anchors are tried newest first; only the one chosen is hashed (``verify_directory``), plus any
+    newer one whose digests then fail: that one is in ``skipped`` with the bad file named, and the
+    next older is tried. None when no anchor is intact.
+    """
+    skipped: list[tuple[Path, str]] = []
+    for step, kind, path in _anchor_dirs(Path(checkpoint_dir)):
+        try:
+            _trusted_anchor(step, kind, path)  # stat first: a torn step costs no read
+            verify_directory(path, kind)
+        except SnapshotStoreError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        snapshot = resolve_latest_snapshot(path, required) if read_snapshots else SnapshotSelection(None, [])
+        return RestorePoint(step, path, snapshot, tuple(skipped))
+    return None
 
 
 def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:

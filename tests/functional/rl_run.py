@@ -1,27 +1,28 @@
-"""The RL tests' names for the shared run harness (``nemo_rl.utils.run_harness``)."""
+"""The RL tests' names for the shared run harness (``testkit/run_harness.py``)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["REPO", "SCRIPT", "RunDirs", "env_for", "load_crash_matrix", "processes_with_marker", "run_grpo",
+__all__ = ["REPO", "RunDirs", "env_for", "load_crash_matrix", "processes_with_marker", "replies", "run_grpo",
            "run_until_then_kill", "wait_for_no_processes"]
 
-from nemo_rl.utils.run_harness import (  # noqa: F401 - re-exported for the tests
+from testkit.run_harness import (  # noqa: F401 - re-exported for the tests
     REPO,
-    RUN_GRPO as SCRIPT,
     RunDirs,
     processes_with_marker,
     run_env,
     run_grpo,
     run_once,
+    scripted_overrides as replies,
     wait_for_no_processes,
 )
 
 
-def env_for(delay_s: float = 0.0, extra: dict | None = None) -> dict:
-    """This process's environment with the scripted backend's reply delay (and ``extra``)."""
-    return run_env(delay_s=delay_s, extra=extra)
+def env_for(extra: dict | None = None, *, write_fault: str | None = None) -> dict:
+    """This process's environment for a run (plus ``extra``; ``write_fault``: the test-only write fault).
+    The scripted backend's reply delay is a config override: ``replies(delay_s)``."""
+    return run_env(extra=extra, write_fault=write_fault)
 
 
 def run_until_then_kill(args: list[str], *, env: dict, until: Callable[[], bool], timeout_s: float = 180) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from gym_patches.checkpoint.store import read_participant_state
 from gym_patches.launch import GymDeployment
-from gym_patches.testing.scripted_backend import ScriptedBackend, first_user_text
+from gym_patches.fakes.scripted_backend import ScriptedBackend, first_user_text
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(60)]
 

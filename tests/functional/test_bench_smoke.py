@@ -2,9 +2,9 @@
 measurement, in-process, against real runs; checks each result's structure and the
 invariants the numbers must satisfy (not the numbers themselves).
 
-Every measurement but the rejected-alternative baseline runs ``examples/run_grpo.py``
-through the shared run harness and reads the controller's own snapshot records, so
-this is a chain of short real GRPO runs, one at a time.
+Every measurement but the rejected-alternative baseline runs GRPO (``python -m
+testkit.run_grpo``) through the shared run harness and reads the controller's own
+snapshot records, so this is a chain of short real GRPO runs, one at a time.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.utils.run_harness import kill_group, new_marker, reap, start_run
 from nemo_rl.utils.run_lock import LOCK_FILE, DirLock
 from nemo_rl.utils.snapshot_store import list_trainer_steps
-from tests.functional.rl_run import RunDirs, env_for, processes_with_marker, run_grpo
+from testkit.run_harness import kill_group, new_marker, reap, start_run
+from tests.functional.rl_run import RunDirs, env_for, processes_with_marker, replies, run_grpo
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(150)]
 
@@ -29,7 +29,7 @@ STEPS = 2
 
 
 def _args(config: str, dirs: RunDirs) -> list[str]:
-    return ["--config", f"examples/configs/{config}", "policy.model_name=scripted-test-backend",
+    return ["--config", f"examples/configs/{config}", "policy.model_name=scripted-test-backend", *replies(0.2),
             f"grpo.max_num_steps={STEPS}", "rollout_checkpointing.snapshot_attempt_interval_s=0.3", *dirs.overrides()]
 
 
@@ -47,7 +47,7 @@ def test_two_launches_at_once_one_trains_the_other_is_refused_before_ray(tmp_pat
     outs = [tmp_path / f"launch-{i}" for i in range(2)]
     files = contextlib.ExitStack()
     started = time.monotonic()
-    procs = [start_run(args, env=env_for(delay_s=0.2, extra={"NEMO_RL_TEST_RUN_ID": m}),
+    procs = [start_run(args, env=env_for(extra={"NEMO_RL_TEST_RUN_ID": m}),
                        stdout=files.enter_context(open(f"{o}.out", "wb")),
                        stderr=files.enter_context(open(f"{o}.err", "wb"))) for m, o in zip(markers, outs)]
     ended: dict[int, float] = {}
@@ -87,7 +87,7 @@ def test_two_launches_at_once_one_trains_the_other_is_refused_before_ray(tmp_pat
 def test_a_finished_run_removes_leftover_tmp_dirs_when_run_again_but_only_under_the_lock(tmp_path):
     dirs = RunDirs(tmp_path)
     args = _args("grpo_workplace_turn.yaml", dirs)
-    first = run_grpo(args, env=env_for(delay_s=0.2))
+    first = run_grpo(args, env=env_for())
     assert first.returncode == 0, first.stderr[-3000:]
     metrics = (dirs.logs / "metrics.jsonl").read_text()
     anchor = dirs.ckpt / f"step_{STEPS}"

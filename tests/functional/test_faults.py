@@ -41,7 +41,7 @@ from gym_patches.checkpoint.wire import CHECKPOINT_ROUTE_PREFIX, MAX_EPISODES_PE
 from gym_patches.config import parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerClient
-from gym_patches.testing.scripted_backend import ScriptedBackend, first_user_text
+from gym_patches.fakes.scripted_backend import ScriptedBackend, first_user_text
 from gym_patches.utils.processes import free_port
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointAdapter,
@@ -189,9 +189,8 @@ def _server_pid(marker: str, name: str) -> int | None:
 def test_a_dead_gym_server_stops_the_run_naming_it(tmp_path):
     spec = cm.RunSpec(tmp_path, steps=3)
     marker = uuid.uuid4().hex
-    env = dict(os.environ, NEMO_RL_SCRIPTED_DELAY_S="0.3", NEMO_RL_TEST_RUN_ID=marker)
+    env = dict(os.environ, NEMO_RL_TEST_RUN_ID=marker)  # the product's command; the backend's delay is in args
     env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.pop("NEMO_RL_TEST_ONLY_CRASH_AT", None)
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *spec.args()], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -501,13 +500,14 @@ def test_bad_config_exits_2_naming_the_key_before_anything_starts(tmp_path, yaml
 # =============================================================================== 5. the crash hook
 HOOKED = textwrap.dedent("""
     import subprocess, sys, time
-    from nemo_rl.utils.fault_injection import crash_point
+    from testkit.crash_points import CrashAt
+    hooks = CrashAt.from_env()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(child.pid, flush=True)
     for step in range(3):
-        crash_point("commit", step)  # counted per step: fires nowhere for commit:2
-    crash_point("train")
-    crash_point("train")  # train:2 fires here
+        hooks.reached("commit", step)  # another phase: no effect
+    hooks.reached("train")
+    hooks.reached("train")  # train:2 fires here
     print("NOT KILLED", flush=True)
     child.kill()
 """)

@@ -29,8 +29,8 @@ import pytest
 
 from nemo_rl.utils.snapshot_store import verify_directory
 from nemo_rl.utils.write_errors import RunWriteError
-from tests.functional.rl_run import RunDirs, env_for, load_crash_matrix
-from nemo_rl.utils.run_harness import RunOutcome, run_once
+from testkit.run_harness import RunOutcome, run_once
+from tests.functional.rl_run import RunDirs, env_for, load_crash_matrix, replies
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(240)]
 
@@ -42,7 +42,8 @@ cm = load_crash_matrix()
 
 
 def _args(config: str = "grpo_workplace_turn.yaml") -> list[str]:
-    return ["--config", f"examples/configs/{config}", "policy.model_name=scripted-test-backend", "logger.plot=false",
+    return ["--config", f"examples/configs/{config}", "policy.model_name=scripted-test-backend", *replies(0.2),
+            "logger.plot=false",
             f"grpo.max_num_steps={STEPS}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
             # Snapshots on the full disk fail as io_error and the run goes on until the trainer checkpoint.
@@ -99,7 +100,7 @@ def _assert_one_clean_error(outcome: RunOutcome, file: Path, why: str = "[Errno 
 
 
 def _run(dirs: RunDirs, args: list[str], name: str, **kw) -> RunOutcome:
-    return run_once(args, env=env_for(delay_s=0.2), stdout_path=dirs.root / f"{name}.out",
+    return run_once(args, env=env_for(), stdout_path=dirs.root / f"{name}.out",
                     stderr_path=dirs.root / f"{name}.err", timeout_s=180, **kw)
 
 
@@ -154,7 +155,7 @@ def test_an_io_error_at_a_trainer_checkpoint_ends_the_run_the_same_way(tmp_path)
     """EIO cannot be had from a tmpfs: the test-only hook makes step 2's lineage write fail with it."""
     dirs = RunDirs(tmp_path)
     outcome = run_once(_args() + dirs.overrides(), timeout_s=180, stderr_path=tmp_path / "run.err",
-                       env=env_for(delay_s=0.2, extra={"NEMO_TEST_ONLY_WRITE_FAULT": "EIO:recording_trainer.json:2"}))
+                       env=env_for(write_fault="EIO:recording_trainer.json:2"))
     _assert_one_clean_error(outcome, dirs.ckpt / ".tmp-step_2" / "recording_trainer.json",
                             "[Errno 5] Input/output error (test-only fault injected by NEMO_TEST_ONLY_WRITE_FAULT)")
     assert not (dirs.ckpt / "step_2").exists() and not (dirs.ckpt / ".tmp-step_2").exists()
@@ -177,10 +178,14 @@ def test_a_full_disk_under_metrics_jsonl_ends_the_run_naming_it_and_leaves_no_to
     outcome = _run(dirs, args, "full")
     _assert_one_clean_error(outcome, dirs.logs / "metrics.jsonl")
     assert (disk / "metrics.jsonl").stat().st_size == 0  # nothing half-written for the next append to glue onto
-    assert not any(p.name.startswith("step_") for p in dirs.ckpt.iterdir())  # step 1 was never checkpointed
+    # The row is written after the step's checkpoint (it carries checkpoint_s): step 1 is durable, its row is not.
+    assert [p.name for p in dirs.ckpt.iterdir() if p.name.startswith("step_")] == ["step_1"]
     filler.unlink()
     _finish_and_check_lineage(dirs, args)
-    assert [m["step"] for m in dirs.records("metrics.jsonl")] == [1, 2]
+    rows = dirs.records("metrics.jsonl")
+    assert [m["step"] for m in rows] == [1, 2]  # the restore wrote step 1's row from the checkpoint
+    assert rows[0].get("row_restored") is True and "row_restored" not in rows[1]
+    assert all(m["checkpoint_s"] > 0 for m in rows[1:])
 
 
 def test_a_full_disk_under_snapshots_jsonl_ends_the_run_naming_it(tmp_path, mount_tmpfs):

@@ -32,7 +32,7 @@ from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.store import read_participant_state
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerClient
-from gym_patches.testing.scripted_backend import ScriptedBackend, first_user_text
+from gym_patches.fakes.scripted_backend import ScriptedBackend, first_user_text
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(60)]
 

@@ -27,7 +27,7 @@ from gym_patches.activity import fetch_activity, summary_lines
 from gym_patches.config import parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerClient
-from gym_patches.testing.scripted_backend import ScriptedBackend, first_user_text
+from gym_patches.fakes.scripted_backend import ScriptedBackend, first_user_text
 from gym_patches.utils.processes import free_port
 from gym_patches.wire_models import ACTIVITY_ROUTE, AgentActivity, RunActivity, RunErrorBody
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.rl_run import RunDirs, env_for, run_grpo
+from tests.functional.rl_run import RunDirs, env_for, replies, run_grpo
 
 pytestmark = pytest.mark.functional
 
@@ -49,9 +49,10 @@ def run(tmp_path_factory):
         pytest.skip("none of tensorboard, wandb, mlflow is installed (pip install '.[tensorboard,wandb,mlflow]')")
     dirs = RunDirs(tmp_path_factory.mktemp("loggers"))
     flags = [f"logger.{name}_enabled=true" for name in enabled]
-    env = env_for(delay_s=0.3, extra={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    env = env_for(extra={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     for steps in (1, 2):
-        proc = run_grpo([*ARGS, *dirs.overrides(), *flags, f"grpo.max_num_steps={steps}"], env=env, timeout_s=240)
+        proc = run_grpo([*ARGS, *replies(0.3), *dirs.overrides(), *flags, f"grpo.max_num_steps={steps}"], env=env,
+                        timeout_s=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "nemo_rl.utils.loggers" not in proc.stderr, proc.stderr[-3000:]  # no backend warned
     return dirs

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from gym_patches.launch import GymDeployment
-from gym_patches.testing.scripted_backend import ScriptedBackend, fake_logprob
+from gym_patches.fakes.scripted_backend import ScriptedBackend, fake_logprob
 from gym_patches.utils.processes import free_port
 
 pytestmark = pytest.mark.functional

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from gym_patches.launch import GymDeployment
-from gym_patches.testing.scripted_backend import ScriptedBackend
+from gym_patches.fakes.scripted_backend import ScriptedBackend
 from gym_patches.utils.processes import free_port
 
 openai = pytest.importorskip("openai")

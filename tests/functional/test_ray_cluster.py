@@ -40,6 +40,7 @@ from gym_patches.utils.processes import free_port, processes_with_env
 from tests.functional.rl_run import (
     RunDirs,
     env_for,
+    replies,
     wait_for_no_processes,
 )
 
@@ -344,8 +345,9 @@ def cluster(tmp_path):
 def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_stops_then_resumes(tmp_path, cluster):
     dirs = RunDirs(tmp_path / "run")
     marker = uuid.uuid4().hex
-    env = env_for(delay_s=REPLY_DELAY_S, extra={"NEMO_RL_TEST_RUN_ID": marker, **LOOPBACK_ENV})
-    args = ARGS_BASE + [f"cluster.ray_address={cluster.address}", f"grpo.max_num_steps={STEPS}"] + dirs.overrides()
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker, **LOOPBACK_ENV})
+    args = (ARGS_BASE + replies(REPLY_DELAY_S) + [f"cluster.ray_address={cluster.address}", f"grpo.max_num_steps={STEPS}"]
+            + dirs.overrides())
     seen: dict = {}
     out1 = tmp_path / "run1.txt"
 

@@ -16,10 +16,12 @@ from tests.functional.rl_run import (
     RunDirs,
     env_for,
     processes_with_marker,
+    replies,
     run_grpo,
     run_until_then_kill,
     wait_for_no_processes,
 )
+from testkit.run_grpo import SKIP_RESTART_ONLY_ENV
 
 pytestmark = pytest.mark.functional
 
@@ -76,10 +78,10 @@ def test_workplace_with_setting_true_warns_it_should_be_false(dirs):
 
 def test_best_effort_trains_and_commits_snapshots_with_unsaved_rollouts(dirs):
     proc = run_grpo(
-        MIXED + SCRIPTED + dirs.overrides()
+        MIXED + SCRIPTED + replies(0.25) + dirs.overrides()
         + ["rollout_recovery.allow_restart_only_gym_servers=true", "grpo.max_num_steps=2",
            "rollout_checkpointing.snapshot_attempt_interval_s=0.4"],
-        env=env_for(delay_s=0.25),
+        env=env_for(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = [line for line in proc.stderr.splitlines() if line.startswith("UserWarning")]
@@ -98,8 +100,8 @@ def test_best_effort_trains_and_commits_snapshots_with_unsaved_rollouts(dirs):
 
 def test_sigkill_after_snapshot_then_rerun_restores(dirs):
     marker = uuid.uuid4().hex
-    env = env_for(delay_s=0.3, extra={"NEMO_RL_TEST_RUN_ID": marker})
-    args = MIXED + SCRIPTED + dirs.overrides() + [
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = MIXED + SCRIPTED + replies(0.3) + dirs.overrides() + [
         "rollout_recovery.allow_restart_only_gym_servers=true",
         "grpo.max_num_steps=3",
         "rollout_checkpointing.snapshot_attempt_interval_s=0.4",
@@ -148,8 +150,8 @@ def test_restore_mode_trainer_checkpoint_resumes_from_the_trainer_step_only(dirs
     """rollout_checkpointing.restore_mode=trainer_checkpoint: a committed snapshot with turn-level
     rollouts is left unread; the run resumes from the trainer step and every rollout starts anew."""
     marker = uuid.uuid4().hex
-    env = env_for(delay_s=0.3, extra={"NEMO_RL_TEST_RUN_ID": marker})
-    args = WORKPLACE + SCRIPTED + dirs.overrides() + [
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = WORKPLACE + SCRIPTED + replies(0.3) + dirs.overrides() + [
         "grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "rollout_checkpointing.snapshot_attempt_interval_s=0.4",
     ]
 
@@ -184,15 +186,16 @@ def test_restore_mode_trainer_checkpoint_resumes_from_the_trainer_step_only(dirs
 
 def test_stall_under_block_fails_after_max_consecutive_failures(dirs):
     proc = run_grpo(
-        MIXED + SCRIPTED + dirs.overrides() + [
+        MIXED + SCRIPTED + replies(0.6) + dirs.overrides() + [
             "grpo.max_num_steps=2",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
             "rollout_checkpointing.max_consecutive_failures=3",
             "rollout_recovery.gym_prepare_timeout_s=0.5",
         ],
-        env=env_for(delay_s=0.6, extra={"NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK": "1"}),
+        env=env_for(extra={SKIP_RESTART_ONLY_ENV: "1"}),  # the test entry's hooks: log the refusal, go on
     )
     assert proc.returncode != 0
+    assert f"TEST-ONLY: {SKIP_RESTART_ONLY_ENV}=1, running a setup the restart-only check refuses" in proc.stderr
     assert "3 consecutive rollout snapshots failed" in proc.stderr
     assert "workplace_restart_only_agent" in proc.stderr or "python_sandbox" in proc.stderr
     snaps = dirs.records("snapshots.jsonl")
@@ -268,8 +271,8 @@ def _sealed_siblings_in_flight(snapshot_path: str) -> int:
 def test_sibling_level_snapshots_keep_sealed_siblings_after_a_kill(dirs):
     marker = uuid.uuid4().hex
     # replies wait 0.2-1.0 s, so siblings of one group finish at different times
-    env = env_for(delay_s=0.2, extra={"NEMO_RL_TEST_RUN_ID": marker, "NEMO_RL_SCRIPTED_JITTER_S": "0.8"})
-    args = MIXED + SCRIPTED + dirs.overrides() + [
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = MIXED + SCRIPTED + replies(0.2, jitter_s=0.8) + dirs.overrides() + [
         "rollout_recovery.target_level=sibling", "grpo.max_num_steps=6",
         "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
     ]

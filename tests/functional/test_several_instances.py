@@ -20,6 +20,7 @@ from tests.functional.rl_run import (
     RunDirs,
     env_for,
     processes_with_marker,
+    replies,
     run_grpo,
     run_until_then_kill,
     wait_for_no_processes,
@@ -98,8 +99,8 @@ def _check_restored_where_saved(dirs: RunDirs, batches: list[dict], trained: set
 
 def test_two_replicas_snapshot_spans_both_and_restores_each_rollout_on_its_replica(dirs):
     marker = uuid.uuid4().hex
-    env = env_for(delay_s=0.3, extra={"NEMO_RL_TEST_RUN_ID": marker})
-    args = TWO_REPLICAS + SCRIPTED + dirs.overrides() + [
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = TWO_REPLICAS + SCRIPTED + replies(0.3) + dirs.overrides() + [
         "grpo.max_num_steps=3", "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
     ]
     newest = _kill_after_a_snapshot_saved_on(dirs, args, env, instances=2)
@@ -126,8 +127,8 @@ def test_two_replicas_snapshot_spans_both_and_restores_each_rollout_on_its_repli
 
 def test_two_shards_two_replicas_best_effort_kill_and_restore(dirs):
     marker = uuid.uuid4().hex
-    env = env_for(delay_s=0.3, extra={"NEMO_RL_TEST_RUN_ID": marker})
-    args = TWO_SHARDS + SCRIPTED + BEST_EFFORT + dirs.overrides() + [
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = TWO_SHARDS + SCRIPTED + replies(0.3) + BEST_EFFORT + dirs.overrides() + [
         "grpo.max_num_steps=3", "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
     ]
     newest = _kill_after_a_snapshot_saved_on(dirs, args, env, instances=2, need_unsaved=True)
@@ -173,11 +174,11 @@ def test_coarser_levels_for_the_restart_only_shard_pass_setup_with_the_setting_f
     override = ("rollout_recovery.agent_target_level_overrides="
                 "{sandbox_simple_agent: sibling, workplace_restart_only_agent: sibling}")
     proc = run_grpo(
-        TWO_SHARDS + SCRIPTED + dirs.overrides() + [
+        TWO_SHARDS + SCRIPTED + replies(0.25) + dirs.overrides() + [
             override, "grpo.max_num_steps=2", "rollout_checkpointing.snapshot_attempt_interval_s=0.4",
             "rollout_recovery.gym_prepare_timeout_s=5",
         ],
-        env=env_for(delay_s=0.25),
+        env=env_for(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "UserWarning" not in proc.stderr

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from gym_patches.config import CONFIG_PATH_ENV
-from nemo_rl.utils.run_harness import read_jsonl, run_once
-from tests.functional.rl_run import RunDirs, env_for, processes_with_marker
+from testkit.run_harness import read_jsonl, run_once
+from tests.functional.rl_run import RunDirs, env_for, processes_with_marker, replies
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(300)]
 
@@ -81,12 +81,12 @@ class Stopper:
 def run_with_stop(tmp_path: Path, args: list[str], stopper_args: dict, timeout_s: float = 200):
     dirs = RunDirs(tmp_path)
     stopper = Stopper(dirs, **stopper_args)
-    env = env_for(delay_s=0.2)
+    env = env_for()
     import uuid
 
     stopper.marker = env["NEMO_RL_TEST_RUN_ID"] = uuid.uuid4().hex
     try:
-        outcome = run_once(args + dirs.overrides(), env=env, kill_when=stopper.tick, timeout_s=timeout_s,
+        outcome = run_once(args + replies(0.2) + dirs.overrides(), env=env, kill_when=stopper.tick, timeout_s=timeout_s,
                            stdout_path=tmp_path / "stdout.txt", stderr_path=tmp_path / "stderr.txt")
     finally:
         stopper.release()  # a stopped process would outlive every reaper

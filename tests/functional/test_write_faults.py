@@ -1,8 +1,10 @@
 """A snapshot whose files cannot be written (injected ENOSPC / EIO) fails alone.
 
-Real run_grpo processes; the test-only hook ``NEMO_TEST_ONLY_WRITE_FAULT``
-makes one write fail the way a full or broken disk does: in the controller's
-own files, or in a Gym server's records (staged persist, after resume). The
+Real run_grpo processes; the test-only ``NEMO_TEST_ONLY_WRITE_FAULT`` installs
+a storage writer (``testkit/write_faults.py``) that makes one write fail the
+way a full or broken disk does: in the controller's own files (installed in the
+driver by ``testkit/run_grpo.py``), or in a Gym server's records (staged
+persist, after resume; installed in the Gym servers by ``testkit/inject``). The
 attempt is recorded as ``io_error`` with the file named, rollouts resume, the
 run finishes, and the snapshots committed before it stay valid and restorable.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_rl.utils.snapshot_store import verify_directory
-from tests.functional.rl_run import RunDirs, env_for, run_grpo
+from tests.functional.rl_run import RunDirs, env_for, replies, run_grpo
 
 pytestmark = pytest.mark.functional
 
@@ -27,7 +29,7 @@ ARGS = ["--config", "examples/configs/grpo_workplace_turn.yaml", "policy.model_n
 ])
 def test_a_failed_write_fails_that_snapshot_only_naming_the_file(tmp_path, spec, where, errno_text):
     dirs = RunDirs(tmp_path)
-    proc = run_grpo(ARGS + dirs.overrides(), env=env_for(delay_s=0.3, extra={"NEMO_TEST_ONLY_WRITE_FAULT": spec}))
+    proc = run_grpo(ARGS + replies(0.3) + dirs.overrides(), env=env_for(write_fault=spec))
     assert proc.returncode == 0, proc.stderr[-3000:]
     snaps = dirs.records("snapshots.jsonl")
     failed = [s for s in snaps if not s["committed"] and s["reason"] != "superseded"]  # superseded: not a failure
@@ -47,5 +49,5 @@ def test_a_failed_write_fails_that_snapshot_only_naming_the_file(tmp_path, spec,
 
 def test_a_malformed_fault_spec_is_refused_at_start(tmp_path):
     dirs = RunDirs(tmp_path)
-    proc = run_grpo(ARGS + dirs.overrides(), env=env_for(extra={"NEMO_TEST_ONLY_WRITE_FAULT": "ENOSPACE:x"}))
+    proc = run_grpo(ARGS + dirs.overrides(), env=env_for(write_fault="ENOSPACE:x"))
     assert proc.returncode == 2 and "NEMO_TEST_ONLY_WRITE_FAULT" in proc.stderr

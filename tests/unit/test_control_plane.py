@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import math
 import re
 import threading
@@ -18,10 +20,12 @@ from hypothesis import strategies as st
 
 from gym_patches.checkpoint import control as control_module
 from gym_patches.checkpoint.control import ParticipantControlPlane
+from gym_patches.checkpoint.control import scope as scope_module
+from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, JobFailed, TaskScope
 from gym_patches.checkpoint.errors import ERROR_STATUS, CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.store import MANIFEST_NAME
+from gym_patches.checkpoint.store import MANIFEST_NAME, StorageWriter, use_storage_writer
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ID_PATTERN,
     CHECKPOINT_ROUTE_PREFIX,
@@ -154,6 +158,11 @@ async def h():
 
 def ep(key: str) -> dict:
     return EpisodeId.from_capture_key(key).model_dump()
+
+
+def own_tasks() -> list[asyncio.Task]:
+    """The control plane's tasks still running (each one is named ``TASK_NAME_PREFIX...``)."""
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith(TASK_NAME_PREFIX) and not t.done()]
 
 
 # -- auth -----------------------------------------------------------------------
@@ -359,7 +368,7 @@ async def test_lease_expiry_reopens_and_fences():
         assert (await h.ok("prepare", checkpoint_id="c2", deadline_ts=time.time() + 5))["phase"] == "prepared"
     finally:
         await h.client.close()
-    assert h.plane._watcher is None  # stopped with the app
+    assert own_tasks() == []  # the watcher stopped with the app
 
 
 # -- commit under concurrency ---------------------------------------------------
@@ -422,6 +431,167 @@ async def test_resume_mid_write_stops_before_publish(h, tmp_path):
     status, reply = await asyncio.wait_for(pending, 2)
     assert status == 409 and reply["error"]["code"] == "stale_checkpoint"
     assert list((tmp_path / "gym" / "agent" / "agent_a").iterdir()) == []  # nothing published, no temp file
+
+
+# -- every job owned: dropped connections, errors kept, nothing left running -------------------
+async def _drop(call: asyncio.Task) -> None:
+    """Let the request reach the server, then drop its connection (the client goes away)."""
+    await asyncio.sleep(0.1)
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+
+
+async def test_a_commit_survives_a_dropped_connection_and_a_retry_gets_its_reply(h, tmp_path):
+    h.participant.save("r1")
+    h.participant.export_gate = asyncio.Event()
+    await h.ok("prepare", checkpoint_id="c1")
+    body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 10, "checkpoint_dir": str(tmp_path)}
+    await _drop(asyncio.create_task(h.call("commit", body)))
+    assert not h.participant.export_cancelled and len(own_tasks()) == 2  # the lease watcher and the commit
+    h.participant.export_gate.set()
+    status, reply = await h.call("commit", body)
+    assert status == 200 and reply["phase"] == "committed" and reply["episode_ids"] == ["r1"]
+    assert h.participant.exports == 1 and h.plane.phase == "committed"
+
+
+class FailingExport(FakeParticipant):
+    """Test-only: the export waits for ``export_gate`` and then raises ``failure``."""
+
+    def __init__(self, failure: Exception):
+        super().__init__()
+        self.failure = failure
+        self.export_gate = asyncio.Event()
+
+    async def export(self, episodes):
+        self.exports += 1
+        await self.export_gate.wait()
+        raise self.failure
+
+
+@pytest.mark.parametrize("failure, status, code", [
+    (RuntimeError("fake export failure"), 500, "internal_error"),
+    (CheckpointError("fake export refused"), 422, "invalid_checkpoint_state"),
+])
+async def test_an_export_that_fails_after_the_connection_dropped_answers_every_retry_and_is_logged_once(
+        tmp_path, caplog, failure, status, code):
+    h = await start(FailingExport(failure))
+    try:
+        await h.ok("prepare", checkpoint_id="c1")
+        body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 10, "checkpoint_dir": str(tmp_path)}
+        with caplog.at_level(logging.WARNING):
+            await _drop(asyncio.create_task(h.call("commit", body)))
+            h.participant.export_gate.set()
+            for _ in range(100):
+                if not h.plane._scope.get("commit").running:
+                    break
+                await asyncio.sleep(0.01)
+            for _ in range(2):  # the retry of the dropped call, and one more
+                got, reply = await h.call("commit", body)
+                assert got == status and reply["error"]["code"] == code, reply
+                assert str(failure) in reply["error"]["detail"]
+        assert h.participant.exports == 1, "a retry gets the failed job's error; it does not export again"
+        logged = [r for r in caplog.records if str(failure) in r.getMessage() or str(failure) in (r.exc_text or "")]
+        assert len(logged) == 1 and logged[0].name == scope_module.__name__, [r.getMessage() for r in logged]
+        other = {**body, "checkpoint_dir": str(tmp_path / "other")}
+        detail = await h.err("commit", "checkpoint_conflict", **other)
+        assert "already ran with other arguments" in detail
+        assert h.plane.phase == "prepared"
+        await h.ok("resume", checkpoint_id="c1")
+        assert own_tasks() != [] and len(own_tasks()) == 1  # only the lease watcher
+    finally:
+        await h.client.close()
+    assert own_tasks() == []
+
+
+async def test_stop_cancels_and_awaits_a_running_commit_and_leaves_nothing_running(tmp_path):
+    h = await start(FakeParticipant())
+    h.participant.save("r1")
+    h.participant.export_gate = asyncio.Event()  # never set: the commit is still exporting at stop
+    await h.ok("prepare", checkpoint_id="c1")
+    pending = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
+                                                    "checkpoint_dir": str(tmp_path)}))
+    await _drop(pending)
+    assert len(own_tasks()) == 2
+    await h.client.close()
+    assert own_tasks() == [] and h.participant.export_cancelled
+    assert not (tmp_path / "gym" / "agent" / "agent_a" / MANIFEST_NAME).exists()
+
+
+async def test_a_lease_expiry_mid_commit_aborts_it_and_names_why(tmp_path):
+    h = await start(FakeParticipant(), lease_grace_seconds=0.2)
+    try:
+        h.participant.save("r1")
+        h.participant.export_gate = asyncio.Event()
+        await h.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.3)
+        status, reply = await asyncio.wait_for(
+            h.call("commit", {"checkpoint_id": "c1", "deadline_ts": time.time() + 0.3,
+                              "checkpoint_dir": str(tmp_path)}), 5)
+        assert status == 409 and reply["error"]["code"] == "stale_checkpoint"
+        assert reply["error"]["detail"] == "commit for 'c1' was aborted by lease expiry"
+        assert h.participant.export_cancelled and h.participant.accepting and len(own_tasks()) == 1
+    finally:
+        await h.client.close()
+
+
+async def test_renew_and_status_answer_while_a_commit_writes(h, tmp_path):
+    """The lock is not held across the write: a renew and a status answer while it is blocked."""
+    gate = threading.Event()
+
+    class BlockedWriter(StorageWriter):
+        def write(self, path, data):
+            gate.wait(10)
+            super().write(path, data)
+
+    h.participant.save("r1")
+    deadline = time.time() + 10
+    await h.ok("prepare", checkpoint_id="c1", deadline_ts=deadline)
+    previous = use_storage_writer(BlockedWriter())
+    try:
+        commit = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": deadline,
+                                                       "checkpoint_dir": str(tmp_path)}))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        reply = await asyncio.wait_for(h.ok("renew", checkpoint_id="c1", deadline_ts=deadline + 50), 2)
+        assert reply["lease_expires_at"] == pytest.approx(deadline + 650)
+        status, body = await asyncio.wait_for(h.call("status"), 2)
+        assert status == 200 and body["phase"] == "prepared" and time.monotonic() - t0 < 1
+        gate.set()
+        status, reply = await asyncio.wait_for(commit, 5)
+        assert status == 200 and reply["phase"] == "committed"
+    finally:
+        gate.set()
+        use_storage_writer(previous)
+
+
+async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothing(h, tmp_path):
+    """Closing the scope stops the write before its rename and ends only once the thread has."""
+    entered, gate = threading.Event(), threading.Event()
+
+    class BlockedWriter(StorageWriter):
+        def write(self, path, data):
+            entered.set()
+            gate.wait(10)
+            super().write(path, data)
+
+    h.participant.save("r1")
+    await h.ok("prepare", checkpoint_id="c1")
+    previous = use_storage_writer(BlockedWriter())
+    try:
+        commit = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
+                                                       "checkpoint_dir": str(tmp_path)}))
+        assert await asyncio.to_thread(entered.wait, 5)
+        threading.Timer(0.3, gate.set).start()
+        t0 = time.monotonic()
+        assert (await h.ok("resume", checkpoint_id="c1"))["idempotent"] is False
+        assert time.monotonic() - t0 >= 0.25, "the resume waited for the write thread"
+        status, reply = await asyncio.wait_for(commit, 5)
+        assert status == 409 and reply["error"]["detail"] == "commit for 'c1' was aborted by a resume"
+        assert list((tmp_path / "gym" / "agent" / "agent_a").iterdir()) == []  # nothing published, no temp file
+        assert len(own_tasks()) == 1
+    finally:
+        gate.set()
+        use_storage_writer(previous)
 
 
 # -- restore --------------------------------------------------------------------
@@ -817,3 +987,55 @@ async def test_the_collector_is_held_only_while_prepared(tmp_path):
     finally:
         await h.client.close()
         assert gc.isenabled()
+
+
+# -- the task scope on its own ------------------------------------------------------------
+async def test_a_scope_keeps_each_outcome_and_refuses_new_work_once_closed(caplog):
+    scope = TaskScope("checkpoint 'c1'", "agent_a")
+
+    async def fails(job):
+        raise RuntimeError("boom")
+
+    async def answers(job):
+        return {"ok": 1}
+
+    with caplog.at_level(logging.WARNING):
+        failed = scope.spawn("a", "a for 'c1'", None, fails)
+        done = scope.spawn("b", "b for 'c1'", None, answers)
+        for _ in range(3):
+            with pytest.raises(JobFailed, match="a for 'c1' failed: RuntimeError: boom"):
+                await failed.result()
+        assert await done.result() == {"ok": 1} and scope.get("b") is done
+    assert len([r for r in caplog.records if "a for 'c1' failed" in r.getMessage()]) == 1
+    await scope.close("a resume")
+    with pytest.raises(CheckpointError, match="closed by a resume") as refused:
+        scope.spawn("c", "c for 'c1'", None, answers)
+    assert refused.value.code == "stale_checkpoint"
+    assert await done.result() == {"ok": 1}, "outcomes stay readable after close"
+
+
+async def test_closing_a_scope_outlasts_its_own_cancellation_until_the_thread_has_ended():
+    scope = TaskScope("capture 'c1'", "agent_a")
+    release, ended = threading.Event(), threading.Event()
+
+    def blocking(stop):
+        release.wait(5)
+        ended.set()
+        return stop.is_set()
+
+    async def work(job):
+        return await job.in_thread(blocking, job.stop)
+
+    job = scope.spawn("w", "w for 'c1'", None, work)
+    await asyncio.sleep(0.05)
+    closing = asyncio.create_task(scope.close("the server stopping"))
+    await asyncio.sleep(0.05)
+    closing.cancel()  # the closer itself is cancelled: it still waits for the thread
+    await asyncio.sleep(0.05)
+    assert not closing.done() and job.stop.is_set()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert ended.is_set() and job.task.cancelled() and scope.pending() == []
+    with pytest.raises(CheckpointError, match="w for 'c1' was aborted by the server stopping"):
+        await job.result()

@@ -12,12 +12,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gym_patches.checkpoint import calls
 from gym_patches.checkpoint import coordination as co
 from gym_patches.checkpoint.control import ParticipantControlPlane
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant
-from gym_patches.checkpoint.wire import PrepareReport
+from gym_patches.checkpoint.wire import PrepareReport, RenewRequest
+from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointAdapter, GymCheckpointInstance
 
 TOKEN = "coord-token-81b2"
 
@@ -66,7 +68,9 @@ class FakeParticipant(CheckpointParticipant):
         self.log.append(f"retire:{self.name}")
         return await super().retire(episodes)
 
-    def status_extra(self):
+    def status_extra(self):  # what agents and resources servers report (RL classifies restart-only ones by it)
+        if self.kind == "resources":
+            return {"mode": "restart_only" if self.restart_only else "exported"}
         return {"restart_only": self.restart_only}
 
 
@@ -326,3 +330,106 @@ async def test_retire_stops_at_failing_stage(dep):
         await co.retire(parts, "c2", deadline(), [ep("r2")], best_effort=True)
     assert list(info.value.failures) == ["b_agent"]
     assert dep.fakes["tools"].retired == {"r2": 0} and dep.fakes["policy"].retired == {"r2": 0}
+
+
+# -- typed calls: one request per verb, one body per server ----------------------
+def _sample_calls() -> list[Any]:
+    """One call of each verb with every field set away from its default."""
+    scope = {"a_agent": [ep("r1")], "tools": [ep("r2-a1")]}
+    base = {"checkpoint_id": "c9", "deadline_ts": deadline()}
+    return [
+        calls.PrepareCall(**base, restart_only_policy="best_effort", capture=True,
+                          policy_overrides={"tools": "block"}),
+        calls.RenewCall(**base),
+        calls.RetireCall(**base, episode_ids=[ep("r4-a2")], best_effort=True),
+        calls.ForgetCall(**base, rollout_ids=["r5"]),
+        calls.CommitCall(**base, checkpoint_dir="/ckpt", episode_ids=scope),
+        calls.PersistCall(**base, checkpoint_dir="/ckpt", episode_ids=[ep("r3")]),
+        calls.RestoreCall(**base, checkpoint_dir="/ckpt", episode_ids=scope, source_checkpoint_id="c8"),
+        calls.ResumeCall(**base, call_timeout_s=2.0),
+    ]
+
+
+@pytest.mark.parametrize("call", _sample_calls(), ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("server", ["a_agent", "tools", "policy"])
+def test_every_wire_field_of_a_call_reaches_each_servers_body(call, server):
+    body = call.body_for(server)
+    assert type(body) is call.wire  # the server's own request model: no client-only field on the wire
+    if isinstance(call, calls.PrepareCall):
+        per_server = {"restart_only_policy": (call.policy_overrides or {}).get(server, call.restart_only_policy)}
+    elif isinstance(call, (calls.CommitCall, calls.PersistCall, calls.RestoreCall)):
+        per_server = {"episode_ids": call.scope_for(server)}
+    else:
+        per_server = {}
+    assert body == call.wire(**({name: getattr(call, name) for name in call.wire.model_fields} | per_server))
+    assert set(call.wire.model_fields) <= set(type(call).model_fields)  # a wire field is a call field for free
+
+
+def test_per_server_fields_pick_each_servers_part():
+    prepare, _, _, _, commit, persist, restore, _ = _sample_calls()
+    assert prepare.body_for("tools").restart_only_policy == "block"
+    assert prepare.body_for("a_agent").restart_only_policy == "best_effort"
+    assert commit.body_for("tools").episode_ids == [ep("r2-a1")]
+    assert commit.body_for("policy").episode_ids == []  # a server the mapping leaves out gets nothing
+    assert calls.CommitCall(checkpoint_id="c", deadline_ts=deadline(), checkpoint_dir="/d").body_for("x") \
+        .episode_ids is None  # None: everything the server can export
+    assert persist.body_for("policy").episode_ids == [ep("r3")]  # one list: every server
+    assert restore.servers_named() == {"a_agent", "tools"} and prepare.servers_named() == {"tools"}
+    assert prepare.replace(capture=False).capture is False and prepare.capture is True
+    with pytest.raises(ValueError, match="policy_overrides"):
+        prepare.replace(policy_overrides={"tools": "sometimes"})
+    with pytest.raises(ValueError, match="Extra inputs"):
+        calls.RenewCall(checkpoint_id="c", deadline_ts=deadline(), capture=True)
+
+
+async def test_call_runs_a_typed_request_and_checks_the_servers_it_names(dep, tmp_path):
+    parts = await co.discover(dep.client(), TOKEN)
+    dep.fakes["a_agent"].live = {"r1"}
+    prepared = await co.call(parts, calls.PrepareCall(
+        checkpoint_id="c1", deadline_ts=deadline(), policy_overrides={"a_agent": "best_effort"}))
+    assert prepared.prepared and prepared.unsaved == {"a_agent": ["r1"]}
+    dep.fakes["b_agent"].saved["r2"] = {"episode_id": ep("r2").model_dump()}
+    replies = await co.call(parts, calls.CommitCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                                    checkpoint_dir=str(tmp_path), episode_ids={"b_agent": [ep("r2")]}))
+    assert replies["b_agent"].episode_ids == ["r2"] and replies["policy"].episode_ids == []
+    with pytest.raises(ValueError, match=r"commit episode_ids names servers that are not participants: \['nobody'\]"):
+        await co.call(parts, calls.CommitCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                              checkpoint_dir=str(tmp_path), episode_ids={"nobody": []}))
+    with pytest.raises(TypeError, match="not a checkpoint call: RenewRequest"):
+        await co.call(parts, RenewRequest(checkpoint_id="c1", deadline_ts=deadline()))
+    await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline(), call_timeout_s=2.0))
+    assert all(p.phase == "idle" for p in dep.planes.values())
+
+
+# -- RL's adapter: the actor's one checkpoint entry, without Ray --------------------
+async def test_the_adapter_answers_each_call_in_rl_terms(dep, tmp_path):
+    adapter = GymCheckpointAdapter(GymCheckpointInstance("shard", 1), dep.client(), TOKEN)
+    assert await adapter.discover(timeout_s=5) == ["a_agent", "tools"]
+    for name in ("policy", "b_agent", "tools"):
+        dep.fakes[name].saved["r1"] = {"episode_id": ep("r1").model_dump()}
+    target = adapter.instance.checkpoint_dir(tmp_path)
+    base = {"checkpoint_id": "c1", "deadline_ts": deadline()}
+    assert isinstance(await adapter.checkpoint(calls.PrepareCall(**base)), co.PrepareResult)
+    probes = await adapter.checkpoint(calls.ProbeCall(timeout_s=2.0))
+    assert set(probes) == set(adapter.participants.names) and all(p.answered for p in probes.values())
+    assert probes["policy"].detail == "phase prepared, 0 blocking"
+    summary = await adapter.checkpoint(calls.CommitCall(
+        **base, checkpoint_dir=str(target), episode_ids={"policy": [ep("r1")], "b_agent": [ep("r1")]}))
+    assert target.is_dir() and summary.checkpoint_dir == str(target)  # the directory is made before the write
+    assert summary.exported_by_server == {"policy": ["r1"], "a_agent": [], "b_agent": ["r1"], "tools": []}
+    assert summary.agent_exported == ["r1"] and summary.episodes_for("b_agent") == [ep("r1")]
+    assert await adapter.checkpoint(calls.ResumeCall(**base)) is None
+    restored = await adapter.checkpoint(calls.RestoreCall(
+        checkpoint_id="r-1", deadline_ts=deadline(), checkpoint_dir=str(target), source_checkpoint_id="c1",
+        episode_ids={name: summary.episodes_for(name) for name in ("policy", "b_agent")}))
+    assert restored == ["r1-a1"]  # the agents' new keys
+    await adapter.checkpoint(calls.ResumeCall(checkpoint_id="r-1", deadline_ts=deadline()))
+    assert await adapter.checkpoint(calls.RetireCall(checkpoint_id="t-1", deadline_ts=deadline(),
+                                                     episode_ids=[ep("r7")])) is None
+    assert await adapter.checkpoint(calls.ForgetCall(checkpoint_id="f-1", deadline_ts=deadline(),
+                                                     rollout_ids=["r7"])) == 4  # its retired mark, on each server
+    with pytest.raises(RuntimeError, match=r"shard/replica-1: restore names Gym servers this deployment does not "
+                                           r"have: \['gone'\]"):
+        await adapter.checkpoint(calls.RestoreCall(
+            checkpoint_id="r-2", deadline_ts=deadline(), checkpoint_dir=str(target), source_checkpoint_id="c1",
+            episode_ids={"gone": [ep("r1")]}))

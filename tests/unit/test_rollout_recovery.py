@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.identity import EpisodeId
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import gym_checkpoint_inventory, gym_checkpoint_keys
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import (
     LedgerError,
@@ -174,12 +175,12 @@ def test_inventory_covers_only_turn_level_live_attempts():
     ledger.mark_dispatched(p0, INST)
     ledger.mark_dispatched(s0, INST)
     ledger.mark_sealed(t1, 1.0)
-    inv = ledger.gym_checkpoint_inventory([INST, "nemo_gym/replica-1"])
+    inv = gym_checkpoint_inventory(ledger, [INST, "nemo_gym/replica-1"])
     assert {e.capture_key for e in inv[INST]} == {t0, p0}
     assert inv["nemo_gym/replica-1"] == []
-    assert ledger.gym_checkpoint_keys([INST, "nemo_gym/replica-1"])[INST] == {e.capture_key for e in inv[INST]}
+    assert gym_checkpoint_keys(ledger, [INST, "nemo_gym/replica-1"])[INST] == {e.capture_key for e in inv[INST]}
     with pytest.raises(LedgerError, match=f"{t0}.*{INST}.*not in the live topology"):
-        ledger.gym_checkpoint_inventory(["other/replica-0"])
+        gym_checkpoint_inventory(ledger, ["other/replica-0"])
 
 
 def test_restart_turn_restored_goes_back_to_its_replica():
@@ -196,7 +197,7 @@ def test_restart_turn_restored_goes_back_to_its_replica():
     assert attempt.attempt_uuid == uuid_before
     assert (attempt.status, attempt.gym_attempt, attempt.gym_instance_id) == (S.RESERVED, 1, INST)
     # Still in the inventory: a snapshot taken before redispatch must save it again.
-    assert [e.capture_key for e in ledger.gym_checkpoint_inventory([INST])[INST]] == [f"{r0}-a1"]
+    assert [e.capture_key for e in gym_checkpoint_inventory(ledger, [INST])[INST]] == [f"{r0}-a1"]
     (req,) = ledger.reserved_attempts()
     assert req == ("grp0", 0, f"{r0}-a1", INST)
     with pytest.raises(LedgerError, match="must return to it"):
@@ -435,7 +436,7 @@ class _Run:
         state, sha, self.n_groups = self.snap
         self.ledger = RolloutRecoveryLedger.from_state_dict(json.loads(state))
         self.store = DataPlaneStore.load(self.tmpdir, sha)
-        inventory = self.ledger.gym_checkpoint_inventory(INSTANCES)
+        inventory = gym_checkpoint_inventory(self.ledger, INSTANCES)
         # Gym restores some saved episodes (the rest were unsaved / restart-only).
         restored = {
             (iid, ep.rollout_id, ep.attempt + 1)
@@ -498,7 +499,7 @@ def test_refused_attempt_is_reserved_again_with_a_bound():
     attempt = ledger.groups["grp0"].siblings[0].current_attempt
     assert (attempt.status, attempt.gym_instance_id, attempt.refusals) == (S.RESERVED, None, 1)
     assert ledger.refused_waiting() == [r0]
-    assert ledger.gym_checkpoint_inventory([INST]) == {INST: []}  # Gym never had it
+    assert gym_checkpoint_inventory(ledger, [INST]) == {INST: []}  # Gym never had it
     (req,) = ledger.reserved_attempts()
     assert req == ("grp0", 0, r0, None)
     ledger.mark_dispatched(r0, "nemo_gym/replica-1")
@@ -523,7 +524,7 @@ def test_a_refused_restored_attempt_keeps_its_replica_and_stays_in_the_inventory
     ledger.mark_refused(req.rollout_id, max_refusals=3)
     attempt = ledger.groups["grp0"].siblings[0].current_attempt
     assert (attempt.status, attempt.gym_instance_id, attempt.gym_attempt) == (S.RESERVED, INST, 1)
-    assert [e.capture_key for e in ledger.gym_checkpoint_inventory([INST])[INST]] == [f"{r0}-a1"]
+    assert [e.capture_key for e in gym_checkpoint_inventory(ledger, [INST])[INST]] == [f"{r0}-a1"]
 
 
 def test_state_json_is_the_state_dict_as_json():

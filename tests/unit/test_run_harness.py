@@ -1,4 +1,4 @@
-"""The run harness's record readers and environment, and the Gym client's connection pool.
+"""The run harness's record readers, environment and command, and the Gym client's connection pool.
 
 The pool test is the regression test for a deadlock the benchmark found when it
 started measuring through the controller: with more than 100 rollouts parked on
@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 
 from aiohttp import web
 
 from gym_patches.server_utils import ServerClient
-from nemo_rl.utils.run_harness import (
+from nemo_rl.algorithms.single_controller_utils.config import load_config
+from testkit.run_harness import (
     CRASH_ENV,
+    INJECT_DIR,
     MARKER_ENV,
     REPO,
-    SCRIPTED_DELAY_ENV,
+    WRITE_FAULT_ENV,
     JsonlFollower,
     RunDirs,
     after_committed_in_step,
     after_committed_snapshots,
+    grpo_command,
     read_jsonl,
     run_env,
+    scripted_overrides,
 )
 
 
@@ -56,13 +62,38 @@ def test_run_dirs_read_records_and_restore(tmp_path):
     assert f"logger.log_dir={dirs.logs}" in dirs.overrides()
 
 
-def test_run_env_marker_delay_crash_hook_and_pythonpath(tmp_path):
-    base = {"PATH": "/bin", CRASH_ENV: "commit:2", "PYTHONPATH": "/elsewhere"}
-    env = run_env(delay_s=0.3, marker="m1", pythonpath=[tmp_path], base=base)
-    assert env[MARKER_ENV] == "m1" and env[SCRIPTED_DELAY_ENV] == "0.3"
-    assert CRASH_ENV not in env  # a crash hook from the caller's environment never leaks into a run
+def test_run_env_marker_crash_hook_write_fault_and_pythonpath(tmp_path):
+    base = {"PATH": "/bin", CRASH_ENV: "commit:2", WRITE_FAULT_ENV: "EIO:x", "PYTHONPATH": "/elsewhere"}
+    env = run_env(marker="m1", pythonpath=[tmp_path], base=base)
+    assert env[MARKER_ENV] == "m1"
+    # a crash point or write fault from the caller's environment never leaks into a run
+    assert CRASH_ENV not in env and WRITE_FAULT_ENV not in env
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), str(REPO), "/elsewhere"]
     assert run_env(crash="publish:3", base=base)[CRASH_ENV] == "publish:3"
+    # a write fault puts the injecting sitecustomize (and the repo it imports from) first
+    faulty = run_env(write_fault="ENOSPC:records.jsonl:2", base=base)
+    assert faulty[WRITE_FAULT_ENV] == "ENOSPC:records.jsonl:2"
+    assert faulty["PYTHONPATH"].split(os.pathsep) == [str(INJECT_DIR), str(REPO), "/elsewhere"]
+    assert (INJECT_DIR / "sitecustomize.py").is_file()
+
+
+def test_scripted_overrides_are_config_keys_of_the_fake():
+    assert scripted_overrides() == []
+    overrides = scripted_overrides(0.3, jitter_s=0.8)
+    assert overrides == ["policy.scripted_backend.delay_s=0.3", "policy.scripted_backend.jitter_s=0.8"]
+    config = load_config(None, ["policy.model_name=scripted-test-backend", *overrides])
+    assert (config.policy.scripted_backend.delay_s, config.policy.scripted_backend.jitter_s) == (0.3, 0.8)
+
+
+def test_the_run_is_the_test_entry_module_not_a_file_under_examples(tmp_path):
+    command = grpo_command(["--help"])
+    assert command[1:3] == ["-m", "testkit.run_grpo"] and "examples" not in " ".join(command)
+    # it starts from the repository root alone (no examples/ on the path), as the harness runs it
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--config" in proc.stdout
+    assert sys.executable == command[0]
 
 
 def test_kill_conditions_count_committed_snapshots(tmp_path):

@@ -2,7 +2,8 @@
 
 Pure logic (no sockets): status classification (``_is_restart_only``), every
 config field given a value of the wrong type or a key that does not exist, the
-Gym config RL passes to each replica, and the test-only crash hook's spec.
+Gym config RL passes to each replica, and the test hooks (crash points, write
+faults, the restart-only switch) with their test-only variables.
 The same inputs against real servers and ``run_grpo`` are in
 ``tests/functional/test_faults.py``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import errno
 import re
 import typing
 from typing import Any
@@ -32,7 +34,9 @@ from nemo_rl.algorithms.single_controller_utils.config import (
 from nemo_rl.algorithms.single_controller_utils.setup import check_gym_configs
 from nemo_rl.environments.gym_checkpoint_adapter import GymStatusError, _is_restart_only
 from nemo_rl.environments.nemo_gym import build_gym_actor_config
-from nemo_rl.utils import fault_injection as fi
+from nemo_rl.utils.run_hooks import PHASES, RunHooks
+from testkit import crash_points, write_faults
+from testkit import run_grpo as testkit_run_grpo
 
 REPORT = {"ready": True, "blockers": [], "blocker_count": 0, "unsaved": [], "counts": {}}
 
@@ -228,26 +232,91 @@ def test_check_gym_configs_runs_before_anything_starts():
     check_gym_configs(build_config(embedded_default_config()))  # the default is fine
 
 
-# -- the test-only crash hook ----------------------------------------------------------------
+# -- the test hooks: crash points, write faults, the restart-only switch --------------------------
 @pytest.mark.parametrize("spec, expected", [(None, None), ("", None), ("  ", None), ("commit", ("commit", 1)),
                                             ("train:3", ("train", 3)), ("restore:1", ("restore", 1))])
 def test_crash_spec_parses(spec, expected):
-    assert fi.parse_crash_spec(spec) == expected
+    assert crash_points.parse_crash_spec(spec) == expected
 
 
 @pytest.mark.parametrize("spec, expected", [("comit", "unknown phase 'comit'"), ("commit:x", "'x' is not an integer"),
                                             ("commit:0", "count must be >= 1"), ("train:-2", "count must be >= 1")])
 def test_bad_crash_spec_names_the_variable(spec, expected):
     with pytest.raises(ValueError, match=re.escape(expected)) as info:
-        fi.parse_crash_spec(spec)
-    assert fi.CRASH_ENV in str(info.value)
+        crash_points.parse_crash_spec(spec)
+    assert crash_points.CRASH_ENV in str(info.value)
 
 
-def test_crash_point_is_inert_unless_asked(monkeypatch):
-    monkeypatch.delenv(fi.CRASH_ENV, raising=False)
-    fi.crash_point("commit")
-    monkeypatch.setenv(fi.CRASH_ENV, "train:2")
-    fi.crash_point("commit")  # another phase: no effect, no count
-    assert ("commit", None) not in fi._reached
+def test_crash_point_counts_its_phase_per_scope_and_nothing_else(monkeypatch):
+    assert crash_points.CrashAt.from_env({}) is None
+    crash = crash_points.CrashAt.from_env({crash_points.CRASH_ENV: " commit:2 "})
+    assert (crash.phase, crash.nth, crash.spec) == ("commit", 2, "commit:2")
+    fired: list[dict] = []
+    monkeypatch.setattr(crash, "kill_run", lambda: fired.append(dict(crash.reaches)))
+    crash.reached("train")  # another phase: no effect, no count
+    for step in (1, 2):
+        crash.reached("commit", step)  # the first reach of each step
+    assert fired == [] and "train" not in crash.reaches
+    crash.reached("commit", 2)  # the second reach of step 2
+    assert fired == [{1: 1, 2: 2}]
     with pytest.raises(ValueError, match="not one of"):
-        fi.crash_point("comit")
+        crash.reached("comit")
+    with pytest.raises(ValueError, match="not one of"):
+        crash_points.CrashAt("comit")
+
+
+def test_the_product_hooks_do_nothing_and_fail_a_refused_setup():
+    hooks = RunHooks()
+    for phase in PHASES:
+        hooks.reached(phase, 1)
+    refused = ValueError("restart-only: 'python_sandbox'")
+    with pytest.raises(ValueError) as info:
+        hooks.on_restart_only_servers(refused)
+    assert info.value is refused
+
+
+def test_test_entry_hooks_from_the_environment(capsys):
+    refused = ValueError("restart-only: 'python_sandbox'")
+    plain = testkit_run_grpo.hooks_from_env({})
+    assert plain.crash is None
+    with pytest.raises(ValueError):
+        plain.on_restart_only_servers(refused)
+    accepting = testkit_run_grpo.hooks_from_env({testkit_run_grpo.SKIP_RESTART_ONLY_ENV: "1",
+                                                 crash_points.CRASH_ENV: "train:2"})
+    assert accepting.crash.phase == "train"
+    accepting.on_restart_only_servers(refused)  # logged, the run goes on
+    assert "restart-only: 'python_sandbox'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=testkit_run_grpo.SKIP_RESTART_ONLY_ENV):
+        testkit_run_grpo.hooks_from_env({testkit_run_grpo.SKIP_RESTART_ONLY_ENV: "yes"})
+
+
+def test_write_fault_spec_parses():
+    assert write_faults.parse_write_fault(None) is None and write_faults.parse_write_fault("") is None
+    fault = write_faults.parse_write_fault("ENOSPC:controller_state.json:3")
+    assert (fault.code, fault.fragment, fault.nth) == (errno.ENOSPC, "controller_state.json", 3)
+    assert write_faults.parse_write_fault("EIO:x").nth == 1
+
+
+@pytest.mark.parametrize("spec, expected", [("EIO:", "must look like"), ("ENOSPACE:x", "must look like"),
+                                            ("EIO:x:0", "positive integer"), ("EIO:x:y", "positive integer"),
+                                            ("EIO:x:1:2", "must look like")])
+def test_bad_write_fault_names_the_variable(spec, expected):
+    with pytest.raises(ValueError, match=expected) as info:
+        write_faults.parse_write_fault(spec)
+    assert write_faults.WRITE_FAULT_ENV in str(info.value)
+
+
+@pytest.mark.parametrize("side", ["rl", "gym"])
+def test_a_failing_writer_fails_the_nth_matching_write_before_writing(tmp_path, side):
+    fault = write_faults.parse_write_fault("EIO:records.jsonl:2")
+    writer = write_faults.failing_writer(side, fault)
+    other, first, second = (tmp_path / n for n in ("manifest.json", "a.records.jsonl.tmp", "b.records.jsonl.tmp"))
+    writer.write(other, b"m")  # no match: written, not counted
+    writer.write(first, b"1")  # the first match: written
+    with pytest.raises(OSError) as info:
+        writer.write(second, b"2")
+    assert info.value.errno == errno.EIO and info.value.filename == str(second)
+    assert "test-only fault injected by NEMO_TEST_ONLY_WRITE_FAULT" in str(info.value)
+    assert not second.exists() and first.read_bytes() == b"1" and other.read_bytes() == b"m"
+    writer.write(second, b"2")  # only the nth fails
+    assert second.read_bytes() == b"2"

@@ -26,7 +26,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gym_patches.checkpoint.identity import EpisodeId
-from nemo_rl.algorithms.single_controller_utils.snapshot_cut import check_cut, cut_counts, plan_cut
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
+    check_cut,
+    cut_counts,
+    gym_checkpoint_inventory,
+    gym_checkpoint_keys,
+    plan_cut,
+)
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import (
     PromptGroupStatus,
@@ -182,7 +188,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
         }
         check_cut(self.ledger, plan, exported)
         counts = cut_counts(self.ledger, plan, exported)
-        inventory = self.ledger.gym_checkpoint_inventory(self.iids)
+        inventory = gym_checkpoint_inventory(self.ledger, self.iids)
         assert counts.saved + counts.unsaved == sum(len(v) for v in inventory.values())
         assert counts.not_admitted == len(self.ledger.refused_waiting())
         assert counts.saved == sum(len(v) for v in exported.values())
@@ -270,8 +276,8 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
     def inventories_consistent(self) -> None:
         if not hasattr(self, "ledger"):
             return
-        inventory = self.ledger.gym_checkpoint_inventory(self.iids)
-        owned = self.ledger.gym_checkpoint_keys(self.iids)
+        inventory = gym_checkpoint_inventory(self.ledger, self.iids)
+        owned = gym_checkpoint_keys(self.ledger, self.iids)
         seen: set[str] = set()
         for iid, episodes in inventory.items():
             keys = {e.capture_key for e in episodes}

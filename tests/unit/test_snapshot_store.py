@@ -207,7 +207,7 @@ def test_trainer_steps_listed_only_when_valid(tmp_path):
     s2 = _trainer_step(tmp_path, 2)
     _trainer_step(tmp_path, 10)
     assert list_trainer_steps(tmp_path) == [0, 1, 2, 10]
-    (s2 / "weights.pt").write_bytes(b"x")  # torn after publish
+    (s2 / "weights.pt").write_bytes(b"xx")  # torn after publish: another size than the manifest says
     (tmp_path / "step_11").mkdir()  # no manifest
     tmp, _ = prepare_trainer_step(tmp_path, 12)  # never published
     (tmp / "weights.pt").write_bytes(b"half")

@@ -7,13 +7,19 @@ real server).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import threading
 import time
 
 import pytest
 
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.store import read_participant_state
-from tests.unit.test_control_plane import FakeParticipant, ep, start
+from gym_patches.checkpoint.store import StorageWriter, read_participant_state, use_storage_writer
+from tests.unit.test_control_plane import FakeParticipant, ep, own_tasks, start
 
 
 @pytest.fixture
@@ -159,6 +165,7 @@ def test_the_model_participant_forgets_delivery_counts():
 
 
 def test_the_ledger_compacts_trained_groups_and_names_their_rollouts():
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import gym_checkpoint_inventory
     from nemo_rl.experience.rollout_recovery import LedgerError, RolloutRecoveryLedger
 
     ledger = RolloutRecoveryLedger()
@@ -166,7 +173,7 @@ def test_the_ledger_compacts_trained_groups_and_names_their_rollouts():
     ledger.reserve_group("g2", "p", 1, None, None, "turn", 1, 1, position=1)
     for req in ledger.reserved_attempts():
         ledger.mark_dispatched(req.rollout_id, "a/replica-0")
-    keys = sorted(e.capture_key for e in ledger.gym_checkpoint_inventory(["a/replica-0"])["a/replica-0"])
+    keys = sorted(e.capture_key for e in gym_checkpoint_inventory(ledger, ["a/replica-0"])["a/replica-0"])
     failed = [k for k in keys if k.startswith("g1_g0")][0]
     retry = ledger.mark_failed(failed)
     ledger.mark_dispatched(retry, "a/replica-0")
@@ -229,19 +236,136 @@ class FakePersistCoordinator:
 
 
 async def test_a_staged_snapshot_indexes_what_gym_wrote_and_refuses_a_lost_capture(tmp_path):
-    from nemo_rl.algorithms.single_controller_utils.snapshot import (
-        GymOwnershipError, RolloutSnapshotter, _PendingPersist)
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import GymOwnershipError
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import PendingPersist, StagedStager
 
     iid = "nemo_gym/replica-0"
-    pending = _PendingPersist(scopes={iid: {"agent": ["r1", "r2"], "model": ["r1", "r2"]}},
-                              exported={iid: {"r1", "r2"}}, unsaved={iid: ["r3"]})
-    snapshotter = RolloutSnapshotter.__new__(RolloutSnapshotter)  # only the persist step is exercised
-    snapshotter.coordinator = FakePersistCoordinator({iid: {"agent": ["r1", "r2"], "model": ["r1", "r2", "r9"]}},
-                                                     {iid: ["r1", "r2"]})
-    index = await snapshotter._persist_gym("c1", tmp_path, pending)
-    assert snapshotter.coordinator.calls == [("c1", str(tmp_path), pending.scopes)]
+    pending = PendingPersist(scopes={iid: {"agent": ["r1", "r2"], "model": ["r1", "r2"]}},
+                             exported={iid: {"r1", "r2"}}, unsaved={iid: ["r3"]})
+    stager = StagedStager.__new__(StagedStager)  # only the persist step is exercised
+    stager.coordinator = FakePersistCoordinator({iid: {"agent": ["r1", "r2"], "model": ["r1", "r2", "r9"]}},
+                                                {iid: ["r1", "r2"]})
+    index = await stager.persist("c1", tmp_path, pending)
+    assert stager.coordinator.calls == [("c1", str(tmp_path), pending.scopes)]
     assert index.instances == {iid: {"agent": ["r1", "r2"], "model": ["r1", "r2"]}}  # kept to the turn-level saves
     assert index.turn_level == {iid: ["r1", "r2"]} and index.unsaved == {iid: ["r3"]}
-    snapshotter.coordinator = FakePersistCoordinator({iid: {"agent": ["r1"], "model": ["r1", "r2"]}}, {iid: ["r1"]})
+    stager.coordinator = FakePersistCoordinator({iid: {"agent": ["r1"], "model": ["r1", "r2"]}}, {iid: ["r1"]})
     with pytest.raises(GymOwnershipError, match=r"captured \['r2'\] at prepare but did not write them"):
-        await snapshotter._persist_gym("c1", tmp_path, pending)
+        await stager.persist("c1", tmp_path, pending)
+
+
+# -- the persist write is a job of its capture ------------------------------------------------
+class FullDisk(StorageWriter):
+    """Test-only writer: every records file fails like a full disk (the manifest is never reached)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, path, data):
+        self.calls += 1
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+class BlockedWriter(StorageWriter):
+    """Test-only writer that waits for ``gate`` (set from another thread) before writing."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def write(self, path, data):
+        self.entered.set()
+        self.gate.wait(10)
+        super().write(path, data)
+
+
+@pytest.fixture
+def writer():
+    installed: list[StorageWriter] = []
+
+    def install(w: StorageWriter) -> StorageWriter:
+        installed.append(use_storage_writer(w))
+        return w
+
+    yield install
+    if installed:
+        use_storage_writer(installed[0])
+
+
+async def test_a_failed_persist_answers_its_error_to_every_retry_names_the_file_and_is_logged_once(
+        h, tmp_path, writer, caplog):
+    h.participant.save("r1", turn=1)
+    await h.ok("prepare", checkpoint_id="c1", capture=True)
+    await h.ok("resume", checkpoint_id="c1")
+    disk = writer(FullDisk())
+    body = {"checkpoint_id": "c1", "checkpoint_dir": str(tmp_path), "episode_ids": [ep("r1")]}
+    with caplog.at_level(logging.WARNING):
+        details = [await h.err("persist", "invalid_checkpoint_state", **body) for _ in range(2)]
+    assert details[0] == details[1] and "No space left on device" in details[0]
+    assert str(tmp_path / "gym" / "agent" / "agent_a" / "records-") in details[0]
+    assert disk.calls == 1, "a retry gets the failed write's error; it does not write again"
+    assert len([r for r in caplog.records if "No space left on device" in r.getMessage()]) == 1
+    assert [p.name for p in (tmp_path / "gym" / "agent" / "agent_a").iterdir()] == []  # no temp file left
+    assert own_tasks() != [] and len(own_tasks()) == 1  # only the lease watcher
+
+
+async def test_a_persist_survives_a_dropped_connection_and_does_not_hold_the_lock(h, tmp_path, writer):
+    h.participant.save("r1", turn=1)
+    deadline = time.time() + 10
+    await h.ok("prepare", checkpoint_id="c1", capture=True, deadline_ts=deadline)
+    slow = writer(BlockedWriter())
+    body = {"checkpoint_id": "c1", "deadline_ts": deadline, "checkpoint_dir": str(tmp_path),
+            "episode_ids": [ep("r1")]}
+    call = asyncio.create_task(h.call("persist", body))  # before resume: the pause's copy is written
+    assert await asyncio.to_thread(slow.entered.wait, 5)
+    call.cancel()  # the connection drops while the write is blocked
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    reply = await asyncio.wait_for(h.ok("renew", checkpoint_id="c1", deadline_ts=deadline + 5), 2)
+    assert reply["lease_expires_at"] > deadline
+    await asyncio.wait_for(h.ok("resume", checkpoint_id="c1"), 2)  # the capture's job is not the checkpoint's
+    slow.gate.set()
+    persisted = await asyncio.wait_for(h.ok("persist", **body), 5)
+    assert persisted["episode_ids"] == ["r1"] and persisted["manifest"]["record_count"] == 1
+    _, records = read_participant_state(tmp_path, "agent", "agent_a", "c1")
+    assert records[0]["state"] == {"turn": 1}
+
+
+async def test_a_newer_capture_stops_an_older_persist_before_it_publishes(h, tmp_path, writer):
+    h.participant.save("r1", turn=1)
+    await h.ok("prepare", checkpoint_id="c1", capture=True)
+    await h.ok("resume", checkpoint_id="c1")
+    slow = writer(BlockedWriter())
+    old = asyncio.create_task(h.call("persist", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
+                                                 "checkpoint_dir": str(tmp_path / "c1"),
+                                                 "episode_ids": [ep("r1")]}))
+    assert await asyncio.to_thread(slow.entered.wait, 5)
+    threading.Timer(0.2, slow.gate.set).start()
+    reply = await h.ok("prepare", checkpoint_id="c2", capture=True)  # waits for the old write's thread
+    assert reply["captured"] == ["r1"]
+    status, body = await asyncio.wait_for(old, 5)
+    assert status == 409 and body["error"]["detail"] == "persist for 'c1' was aborted by a newer capture"
+    assert list((tmp_path / "c1" / "gym" / "agent" / "agent_a").iterdir()) == []  # nothing published
+    await h.err("persist", "stale_checkpoint", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "c1"),
+                episode_ids=[ep("r1")])
+    await h.ok("resume", checkpoint_id="c2")
+    assert (await h.ok("persist", checkpoint_id="c2", checkpoint_dir=str(tmp_path / "c2"),
+                       episode_ids=[ep("r1")]))["episode_ids"] == ["r1"]
+
+
+async def test_stop_waits_for_a_persist_still_writing_and_leaves_nothing_running(tmp_path, writer):
+    harness = await start(FakeParticipant())
+    harness.participant.save("r1", turn=1)
+    await harness.ok("prepare", checkpoint_id="c1", capture=True)
+    await harness.ok("resume", checkpoint_id="c1")
+    slow = writer(BlockedWriter())
+    call = asyncio.create_task(harness.call("persist", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
+                                                        "checkpoint_dir": str(tmp_path),
+                                                        "episode_ids": [ep("r1")]}))
+    assert await asyncio.to_thread(slow.entered.wait, 5)
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    threading.Timer(0.2, slow.gate.set).start()
+    await harness.client.close()
+    assert own_tasks() == []
+    assert list((tmp_path / "gym" / "agent" / "agent_a").iterdir()) == []  # stopped before publishing

@@ -12,10 +12,11 @@ import pytest
 from aiohttp import web
 
 from gym_patches.checkpoint import coordination as co
+from gym_patches.checkpoint.calls import ProbeCall, ResumeCall
 from gym_patches.checkpoint.wire import StatusReply
 from gym_patches.wire_models import AgentActivity, RunActivity
 from nemo_rl.algorithms.single_controller_utils.config import ConfigError, StallWatchdogConfig, load_config
-from nemo_rl.algorithms.single_controller_utils.snapshot_cut import check_cut, cut_counts, plan_cut
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import check_cut, cut_counts, plan_cut
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import (
     RolloutStallError,
     StallWatchdog,
@@ -252,7 +253,7 @@ async def hung_and_healthy():
 async def test_probe_tells_a_silent_server_from_a_slow_one(hung_and_healthy):
     parts, _ = hung_and_healthy
     t0 = time.monotonic()
-    probes = await co.probe(parts, timeout_s=0.5)
+    probes = await co.call(parts, ProbeCall(timeout_s=0.5))
     assert time.monotonic() - t0 < 2.0
     assert isinstance(probes["hung"], co.CoordinationError) and probes["hung"].code == "timeout"
     assert "'hung'" in str(probes["hung"])
@@ -263,7 +264,7 @@ async def test_resume_with_a_call_timeout_reopens_the_others_past_a_hung_server(
     parts, seen = hung_and_healthy
     t0 = time.monotonic()
     with pytest.raises(co.CoordinationError) as err:
-        await co.resume(parts, "c1", time.time() + 300, call_timeout_s=0.5)
+        await co.call(parts, ResumeCall(checkpoint_id="c1", deadline_ts=time.time() + 300, call_timeout_s=0.5))
     assert time.monotonic() - t0 < 3.0  # not the 300 s deadline
     assert "'hung'" in str(err.value) and "resume took over 0.5s" in str(err.value)
     assert seen == ["hung resume", "ok resume"]  # resources first, then the agent: it still reopened

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import inspect
 import json
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,9 +15,11 @@ from hypothesis import strategies as st
 from gym_patches.checkpoint.errors import CheckpointStoreError
 from gym_patches.checkpoint.store import (
     MANIFEST_NAME,
+    StorageWriter,
     WriteStopped,
     participant_dir,
     read_participant_state,
+    use_storage_writer,
     write_participant_state,
 )
 
@@ -217,3 +222,71 @@ def test_fragments_are_spliced_and_non_finite_floats_become_null(tmp_path):
     write_participant_state(tmp_path, "resources", "w", "c1", [record, {"episode_id": {}, "x": float("inf")}])
     _, back = read_participant_state(tmp_path, "resources", "w", "c1")
     assert back == [plain(record), {"episode_id": {}, "x": None}]
+
+
+# -- the storage-writer seam -------------------------------------------------------------
+class RecordingWriter(StorageWriter):
+    """Test-only: writes plain files and notes each path; fails the ``fail_on``-th write with ``errno``."""
+
+    def __init__(self, fail_on: int | None = None, code: int = errno.ENOSPC):
+        self.paths: list[Path] = []
+        self.fail_on, self.code = fail_on, code
+
+    def write(self, path, data):
+        self.paths.append(path)
+        if len(self.paths) == self.fail_on:
+            raise OSError(self.code, os.strerror(self.code), str(path))
+        super().write(path, data)
+
+
+@pytest.fixture
+def installed():
+    previous: list[StorageWriter] = []
+
+    def install(writer: StorageWriter) -> StorageWriter:
+        previous.append(use_storage_writer(writer))
+        return writer
+
+    yield install
+    if previous:
+        use_storage_writer(previous[0])
+
+
+def test_every_file_goes_through_the_installed_writer(tmp_path, installed):
+    writer = installed(RecordingWriter())
+    manifest = write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    directory = tmp_path / "gym" / "agent" / "a"
+    assert [p.parent for p in writer.paths] == [directory, directory]
+    assert "records.jsonl" in writer.paths[0].name and "manifest.json" in writer.paths[1].name
+    assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_NAME, manifest.records_file])
+    assert read_participant_state(tmp_path, "agent", "a", "c1")[1] == RECORDS
+
+
+@pytest.mark.parametrize("fail_on, code, names", [
+    (1, errno.ENOSPC, "records-"), (2, errno.EIO, MANIFEST_NAME)])
+def test_a_failing_writer_names_the_file_and_publishes_nothing(tmp_path, installed, fail_on, code, names):
+    installed(RecordingWriter(fail_on=fail_on, code=code))
+    with pytest.raises(CheckpointStoreError) as raised:
+        write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    directory = tmp_path / "gym" / "agent" / "a"
+    assert f"cannot write {directory / names}" in str(raised.value)
+    assert f"[Errno {code}] {os.strerror(code)}" in str(raised.value)
+    assert not (directory / MANIFEST_NAME).exists()
+    assert [p for p in directory.iterdir() if p.name.startswith(".")] == []  # no temp file left
+
+
+def test_use_storage_writer_returns_the_previous_one_and_refuses_anything_else(installed):
+    first, second = RecordingWriter(), RecordingWriter()
+    installed(first)  # the fixture puts the default back
+    assert use_storage_writer(second) is first
+    assert use_storage_writer(first) is second
+    with pytest.raises(TypeError, match="must be a StorageWriter, got function"):
+        use_storage_writer(lambda path, data: None)  # type: ignore[arg-type]
+
+
+def test_the_store_reads_no_environment_and_imports_no_testing_or_rl_module():
+    import gym_patches.checkpoint.store as store
+
+    source = inspect.getsource(store)
+    assert "environ" not in source and "getenv" not in source
+    assert "gym_patches.testing" not in source and "nemo_rl" not in source

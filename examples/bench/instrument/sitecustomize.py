@@ -159,12 +159,13 @@ def _snapshot_hooks(path):
                 _append(path, rec)
 
         cls.attempt = attempt
-        publish = getattr(module, "commit_snapshot", None)
-        if publish is not None:
-            module.commit_snapshot = _timed(path, "publish", publish)
+
+    def store_hook(module):
+        module.commit_snapshot = _timed(path, "publish", module.commit_snapshot)
 
     return {"nemo_rl.algorithms.single_controller_utils.gym_coordinator": coordinator_hook,
-            "nemo_rl.algorithms.single_controller_utils.snapshot": snapshot_hook}
+            "nemo_rl.algorithms.single_controller_utils.rollout_snapshot.snapshotter": snapshot_hook,
+            "nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store": store_hook}
 
 
 # -- tool calls (resources servers) -----------------------------------------------------------

@@ -1,8 +1,9 @@
 """Build the trainer and the generation backend a run plugs into the controller.
 
-``policy.model_name: scripted-test-backend`` selects a test pair (a scripted
-OpenAI-compatible backend that plays each row's demonstration, and a trainer
-that only records batches) for RL-level tests of recovery; anything else is a
+``policy.model_name: scripted-test-backend`` selects a pair of named fakes (a
+scripted OpenAI-compatible backend that plays each row's demonstration, replying
+after ``policy.scripted_backend.delay_s``, and a trainer that only records
+batches) for RL-level tests and benchmarks of recovery; anything else is a
 Hugging Face causal LM trained with GRPO: the embedded tiny default
 (``tiny-causal-lm``, built and warm-started locally, cached), a local model
 directory, or a hub id.
@@ -17,17 +18,17 @@ from typing import Any
 import ray
 
 from gym_patches.utils.processes import free_port
-from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
+from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, MasterConfig
 
 logger = logging.getLogger(__name__)
-SCRIPTED_TEST_BACKEND = "scripted-test-backend"
 
 
 class ScriptedTestGeneration:
-    """Test backend: plays each row's ground truth; refit is a no-op (it has no weights)."""
+    """The scripted fake as the generation backend: plays each row's ground truth; refit is a no-op
+    (it has no weights)."""
 
     def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0, jitter_s: float = 0.0):
-        from gym_patches.testing.scripted_backend import ScriptedBackend
+        from gym_patches.fakes.scripted_backend import ScriptedBackend
 
         self._backend = ScriptedBackend().start()
         self._backend.plans_from_rows(rows)
@@ -65,7 +66,8 @@ class RayGenerationBackend:
         else:
             worker_cls = GenerationWorker
         self._worker = worker_cls.options(num_cpus=1, num_gpus=gpus).remote(
-            config.policy.model_dump(mode="json"), model_files(model_dir), weights, 0, config.grpo.seed
+            config.policy.trainer_policy().model_dump(mode="json"), model_files(model_dir), weights, 0,
+            config.grpo.seed,
         )
         self.base_url = ray.get(self._worker.start.remote("127.0.0.1", port))
 
@@ -207,6 +209,6 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, log=
         source = resolve_model_source(config.policy.model_name)
         log(f"Policy: {config.policy.model_name} from {source}")
     policy = load_policy(source, config.policy.dtype, config.policy.device, config.policy.max_seq_len)
-    trainer = GRPOTrainer(config.policy, config.loss_fn, config.grpo, policy)
+    trainer = GRPOTrainer(config.policy.trainer_policy(), config.loss_fn, config.grpo, policy)
     generation = RayGenerationBackend(config, source, trainer.state_dict_bytes(), port)
     return GRPOTrainerAdapter(trainer), generation

@@ -55,6 +55,36 @@ class _Section(BaseModel):
 
 
 # ----- sections ------------------------------------------------------------
+SCRIPTED_TEST_BACKEND = "scripted-test-backend"
+
+
+class ScriptedBackendConfig(_Section):
+    """``policy.scripted_backend``: how the named fake ``policy.model_name: scripted-test-backend``
+    replies (``gym_patches/fakes/scripted_backend.py``); each reply waits ``delay_s`` plus up to
+    ``jitter_s`` more (seeded). Only that fake reads it."""
+
+    delay_s: float = Field(default=0.0, ge=0.0, le=600.0)  # the fake's own bounds
+    jitter_s: float = Field(default=0.0, ge=0.0, le=600.0)
+
+
+class RunPolicyConfig(PolicyConfig):
+    """The run's ``policy`` section: the trainer's ``PolicyConfig`` plus the scripted fake's replies."""
+
+    scripted_backend: ScriptedBackendConfig = Field(default_factory=ScriptedBackendConfig)
+
+    @model_validator(mode="after")
+    def _scripted_only(self) -> "RunPolicyConfig":
+        if self.scripted_backend != ScriptedBackendConfig() and self.model_name != SCRIPTED_TEST_BACKEND:
+            raise ValueError(
+                f"policy.scripted_backend is set but policy.model_name={self.model_name!r}; it configures "
+                f"only policy.model_name={SCRIPTED_TEST_BACKEND}")
+        return self
+
+    def trainer_policy(self) -> PolicyConfig:
+        """The section without the fake's keys: what the trainer and the generation workers validate."""
+        return PolicyConfig.model_validate(self.model_dump(exclude={"scripted_backend"}))
+
+
 class DataConfig(_Section):
     train_data_path: str
     val_data_path: str | None = None
@@ -339,7 +369,7 @@ class AsyncRLConfig(_Section):
 class MasterConfig(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    policy: RunPolicyConfig = Field(default_factory=RunPolicyConfig)
     data: DataConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)

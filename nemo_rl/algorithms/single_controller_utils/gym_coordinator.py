@@ -10,6 +10,10 @@ answer a status probe leaves at once, one still preparing ``park_grace_s`` after
 every other replica is prepared leaves then; it is resumed at once, its rollouts
 are not saved in this snapshot, and the reason names the server. A replica whose
 resume failed sits the next snapshot out while it is reopened.
+
+Each operation builds its typed request (``gym_patches.checkpoint.calls``) once
+and sends it to every replica's one ``checkpoint`` entry; only what differs per
+replica (its scope, its directory, its servers' policies) is filled in per copy.
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ from typing import Any, AsyncIterator, Awaitable
 
 import ray
 
+from gym_patches.checkpoint.calls import (
+    CommitCall,
+    ForgetCall,
+    GymCall,
+    PersistCall,
+    PrepareCall,
+    ProbeCall,
+    RenewCall,
+    RestoreCall,
+    ResumeCall,
+    RetireCall,
+)
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
 from gym_patches.checkpoint.coordination import CoordinationError, CoordinationFailures, PrepareResult
@@ -204,13 +220,13 @@ class GymCheckpointCoordinator:
                 raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
         return out, failures
 
-    def _handles(self) -> dict[str, Any]:
-        return self.shard_set.checkpoint_handles
+    def _send(self, iid: str, request: GymCall) -> Any:
+        return self.shard_set.send_checkpoint(iid, request)
 
     async def retire(self, checkpoint_id: str, episodes: dict[str, list[EpisodeId]]) -> None:
         deadline = time.time() + self.prepare_timeout_s
         calls = {
-            iid: self._handles()[iid].checkpoint_retire.remote(checkpoint_id, deadline, eps)
+            iid: self._send(iid, RetireCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, episode_ids=eps))
             for iid, eps in episodes.items()
             if eps
         }
@@ -228,7 +244,7 @@ class GymCheckpointCoordinator:
         renewer: asyncio.Task | None = None
         leavers: dict[str, asyncio.Task] = {}  # left-out replicas being resumed meanwhile
         left_out = self._sit_out_unresumed(leavers)
-        asked = [iid for iid in sorted(self._handles()) if iid not in left_out]
+        asked = [iid for iid in self.instance_ids if iid not in left_out]
         try:
             results = await self._prepare_replicas(checkpoint_id, asked, deadline, capture, left_out, leavers)
             not_ready = {iid: r.blockers for iid, r in results.items() if not r.prepared}
@@ -267,12 +283,14 @@ class GymCheckpointCoordinator:
     ) -> dict[str, PrepareResult]:
         """Prepare ``asked`` at once; probe the servers of replicas that take long; move replicas
         that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``)."""
-        handles = self._handles()
+        request = PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, restart_only_policy=self.policy,
+                              capture=capture)
+        overrides = self.shard_set.prepare_policy_overrides
         refs = {
-            iid: handles[iid].checkpoint_prepare.remote(
-                checkpoint_id, deadline, self.policy, self.shard_set.prepare_policy_overrides.get(iid), capture)
+            iid: self._send(iid, request.replace(policy_overrides=overrides[iid]) if overrides.get(iid) else request)
             for iid in asked
         }
+        probe = ProbeCall(timeout_s=self.park_grace_s)
         tasks = {iid: asyncio.ensure_future(ref) for iid, ref in refs.items()}
         probes: dict[str, asyncio.Future] = {}
         last_probe: dict[str, dict[str, GymServerProbe]] = {}
@@ -334,7 +352,7 @@ class GymCheckpointCoordinator:
                     if iid not in probes and (others_ready or now - started >= PROBE_AFTER_S) \
                             and now - probed_at.get(iid, float("-inf")) >= PROBE_EVERY_S:
                         probed_at[iid] = now
-                        probes[iid] = asyncio.ensure_future(handles[iid].checkpoint_probe.remote(self.park_grace_s))
+                        probes[iid] = asyncio.ensure_future(self._send(iid, probe))
                 if others_ready and now - others_prepared_at >= self.park_grace_s:
                     for iid in waiting:
                         # A probe under way answers within its own timeout (the grace): wait for it, so the
@@ -386,12 +404,9 @@ class GymCheckpointCoordinator:
         while True:
             await asyncio.sleep(period)
             deadline = time.time() + self.prepare_timeout_s
-            handles = self._handles()
+            request = RenewCall(checkpoint_id=checkpoint_id, deadline_ts=deadline)
             try:
-                await self._collect(
-                    "renew", {iid: handles[iid].checkpoint_renew.remote(checkpoint_id, deadline) for iid in iids},
-                    deadline,
-                )
+                await self._collect("renew", {iid: self._send(iid, request) for iid in iids}, deadline)
             except GymCheckpointOperationError as exc:
                 logger.warning("lease renewal for %s failed: %s", checkpoint_id, exc)
 
@@ -400,11 +415,12 @@ class GymCheckpointCoordinator:
     ) -> dict[str, GymCheckpointCommitSummary]:
         """Each replica's servers write only their own episodes, ``scope[iid][server]``, inside the pause."""
         deadline = time.time() + self.prepare_timeout_s
-        handles = self._handles()
         return await self._collect(
             "commit",
             {
-                iid: handles[iid].checkpoint_commit.remote(prepared.checkpoint_id, deadline, root, scope.get(iid, {}))
+                iid: self._send(iid, CommitCall(
+                    checkpoint_id=prepared.checkpoint_id, deadline_ts=deadline,
+                    checkpoint_dir=self.shard_set.checkpoint_dir(iid, root), episode_ids=scope.get(iid, {})))
                 for iid in prepared.instance_ids
             },
             deadline,
@@ -414,11 +430,10 @@ class GymCheckpointCoordinator:
         """Every replica drops what its servers keep about these finished rollouts (chunked). A replica
         that is not reopened yet (it left a snapshot) gets them later, with the next forget it can take."""
         total = 0
-        handles = self._handles()
         closed = set(self._unresumed) | {iid for iid, task in self._reopening.items() if not task.done()}
-        for iid in handles:
+        for iid in self.instance_ids:
             self._unforgotten.setdefault(iid, []).extend(rollout_ids)
-        for iid in sorted(handles):
+        for iid in self.instance_ids:
             if iid in closed:
                 continue
             ids, self._unforgotten[iid] = self._unforgotten[iid], []
@@ -427,9 +442,9 @@ class GymCheckpointCoordinator:
                     chunk = ids[start:start + MAX_EPISODES_PER_REQUEST]
                     # Short: the training loop waits for it, and a hung server must not hold a step.
                     deadline = time.time() + min(self.prepare_timeout_s, FORGET_TIMEOUT_S)
-                    cid = f"forget-{uuid.uuid4().hex[:12]}"
-                    done = await self._collect(
-                        "forget", {iid: handles[iid].checkpoint_forget.remote(cid, deadline, chunk)}, deadline)
+                    request = ForgetCall(checkpoint_id=f"forget-{uuid.uuid4().hex[:12]}", deadline_ts=deadline,
+                                         rollout_ids=chunk)
+                    done = await self._collect("forget", {iid: self._send(iid, request)}, deadline)
                     total += done[iid]
             except BaseException:
                 self._unforgotten[iid] = ids + self._unforgotten[iid]  # tried again with the next forget
@@ -442,10 +457,11 @@ class GymCheckpointCoordinator:
         """Each replica of ``scope`` (those that took part) writes ``scope[iid][server]`` from what its
         capture prepare serialised (Gym is already resumed)."""
         deadline = time.time() + self.prepare_timeout_s
-        handles = self._handles()
         return await self._collect(
             "persist",
-            {iid: handles[iid].checkpoint_persist.remote(checkpoint_id, deadline, root, by_server)
+            {iid: self._send(iid, PersistCall(checkpoint_id=checkpoint_id, deadline_ts=deadline,
+                                              checkpoint_dir=self.shard_set.checkpoint_dir(iid, root),
+                                              episode_ids=by_server))
              for iid, by_server in scope.items()},
             deadline,
         )
@@ -455,15 +471,13 @@ class GymCheckpointCoordinator:
         never keeps the others closed. A replica that did not fully reopen is remembered and reopened
         before its next prepare (the lease reopens it anyway, later). Returns the failures."""
         deadline = time.time() + self.prepare_timeout_s
-        handles = self._handles()
-        targets = sorted(handles) if iids is None else iids
+        targets = self.instance_ids if iids is None else iids
         if not targets:
             return {}
+        request = ResumeCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, call_timeout_s=RESUME_CALL_TIMEOUT_S)
         # Three stages of short calls: a replica that has not answered by then has failed its resume.
         _, failures = await self._gather_replicas(
-            "resume",
-            {iid: handles[iid].checkpoint_resume.remote(checkpoint_id, deadline, RESUME_CALL_TIMEOUT_S)
-             for iid in targets},
+            "resume", {iid: self._send(iid, request) for iid in targets},
             min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S),
         )
         for iid in targets:
@@ -485,16 +499,19 @@ class GymCheckpointCoordinator:
     ) -> dict[str, list[str]]:
         """Restore every replica that saved something; returns new agent keys per instance."""
         deadline = time.time() + self.prepare_timeout_s
-        unknown = sorted(set(exported) - set(self._handles()))
+        unknown = sorted(set(exported) - set(self.instance_ids))
         if unknown:
             raise RuntimeError(f"snapshot names Gym instances that are not running: {unknown}")
         try:
             return await self._collect(
                 "restore",
                 {
-                    iid: self._handles()[iid].checkpoint_restore.remote(
-                        restore_id, deadline, root, by_server, source_checkpoint_id
-                    )
+                    iid: self._send(iid, RestoreCall(
+                        checkpoint_id=restore_id, deadline_ts=deadline,
+                        checkpoint_dir=self.shard_set.checkpoint_dir(iid, root),
+                        episode_ids={name: [EpisodeId.from_capture_key(k) for k in keys]
+                                     for name, keys in by_server.items()},
+                        source_checkpoint_id=source_checkpoint_id))
                     for iid, by_server in exported.items()
                 },
                 deadline,

@@ -100,4 +100,10 @@ class RunRecords:
         path = self.log_dir / name
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # blank, or the last line torn by a kill
+        return rows

@@ -1,6 +1,7 @@
-"""What ``examples/run_grpo.py`` does once the config is loaded, in order:
+"""What ``run_grpo`` (``nemo_rl/cli/run_grpo.py``) does once the config is loaded, in order:
 Ray -> Gym spin-up and the restart-only check -> policy and generation ->
-the controller loop -> plots and a summary. Everything started is stopped."""
+the controller loop -> plots and a summary. Everything started is stopped.
+``hooks`` (``nemo_rl.utils.run_hooks``) reach the Gym setup and the controller."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
 from nemo_rl.utils.loggers import MetricLoggers, open_loggers
+from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import check_run_identity
 from nemo_rl.utils.run_lock import hold_run_dirs
 from nemo_rl.utils.snapshot_store import remove_stale_tmp_dirs
@@ -126,16 +128,17 @@ class _RunReaper:
             self.proc.wait()
 
 
-def run(config: MasterConfig, *, launched_at: float | None = None, skip_restart_only_check: bool = False) -> int:
+def run(config: MasterConfig, *, launched_at: float | None = None, hooks: RunHooks | None = None) -> int:
     """The run directories stay locked until this returns: a second launch on them is refused at once."""
     launched_at = launched_at or time.monotonic()
+    hooks = hooks or RunHooks()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
     ckpt = config.checkpointing
     with hold_run_dirs(config.logger.log_dir, ckpt.checkpoint_dir if ckpt.enabled else None):
-        return _run_locked(config, launched_at, skip_restart_only_check)
+        return _run_locked(config, launched_at, hooks)
 
 
-def _run_locked(config: MasterConfig, launched_at: float, skip_restart_only_check: bool) -> int:
+def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> int:
     check_run_identity(config)  # another run's checkpoint_dir is refused before anything starts
     if config.checkpointing.enabled:
         remove_stale_tmp_dirs(config.checkpointing.checkpoint_dir)  # only this process writes here now
@@ -161,8 +164,7 @@ def _run_locked(config: MasterConfig, launched_at: float, skip_restart_only_chec
         # seconds naming its key; after the reaper, so a W&B service process is one of the run's own.
         # Closed on every way out, so the last rows reach the backends when the run fails too.
         with open_loggers(config.logger, config.to_dict()) as loggers:
-            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, skip_restart_only_check,
-                           startup, loggers)
+            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, hooks, startup, loggers)
     finally:
         reaper.stop()
     _report(config, summary)
@@ -170,7 +172,7 @@ def _run_locked(config: MasterConfig, launched_at: float, skip_restart_only_chec
 
 
 def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
-         val_rows: list[dict[str, Any]], scripted: bool, skip_restart_only_check: bool,
+         val_rows: list[dict[str, Any]], scripted: bool, hooks: RunHooks,
          startup: StartupClock, loggers: MetricLoggers) -> dict[str, Any]:
     init_ray(config)
     startup.mark("ray")
@@ -178,15 +180,13 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     shard_set = None
     try:
         if scripted:
-            generation = ScriptedTestGeneration(rows + val_rows,
-                                                delay_s=float(os.environ.get("NEMO_RL_SCRIPTED_DELAY_S", "0")),
-                                                jitter_s=float(os.environ.get("NEMO_RL_SCRIPTED_JITTER_S", "0")))
+            replies = config.policy.scripted_backend
+            generation = ScriptedTestGeneration(rows + val_rows, delay_s=replies.delay_s, jitter_s=replies.jitter_s)
             policy_url, port = generation.base_url, 0
         else:
             policy_url, port = reserve_policy_url(config)
         shard_set = _spinup_gym(
-            config, policy_base_url=policy_url, log_dir=log_dir, rows=rows,
-            skip_restart_only_check=skip_restart_only_check,
+            config, policy_base_url=policy_url, log_dir=log_dir, rows=rows, hooks=hooks,
         )
         startup.mark("gym")
         print(f"Gym ready in {time.monotonic() - launched_at:.1f}s: "
@@ -200,7 +200,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         startup.mark("model")
         freeze_startup_objects()  # imports, config and the model stay out of every later full collection
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                                              loggers))
+                                              loggers, hooks))
     finally:
         if shard_set is not None:
             shard_set.shutdown()
@@ -211,13 +211,14 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
 
 
 async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                          loggers) -> dict[str, Any]:
+                          loggers, hooks) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
     with StepProgress(total=config.grpo.max_num_steps, enabled=config.logger.progress_bar) as progress:
         controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
-                                      on_progress=progress.update, startup=startup, loggers=loggers)
+                                      on_progress=progress.update, startup=startup, loggers=loggers,
+                                      hooks=hooks)
         summary = await controller.run()
     return summary
 

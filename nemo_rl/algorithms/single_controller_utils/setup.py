@@ -27,6 +27,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
 )
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.nemo_gym import NemoGym, NemoGymShardSet, build_gym_actor_config
+from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.snapshot_store import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -184,14 +185,14 @@ def _spinup_gym(
     log_dir: str | Path,
     rows: list[dict[str, Any]] | None = None,
     control_auth_token: str | None = None,
-    skip_restart_only_check: bool = False,
+    hooks: RunHooks | None = None,
 ) -> NemoGymShardSet:
     """Start one ``NemoGym`` actor per shard replica, discover restart-only servers, check.
 
     ``rows`` (the training data) decide each agent's recovery level through the
     per-agent and per-task-source overrides; without them every agent has
-    ``target_level``. ``skip_restart_only_check`` is a test-only switch (the
-    RL-level stall regression).
+    ``target_level``. A restart-only check that refuses the setup goes to
+    ``hooks.on_restart_only_servers`` (the product's default raises it).
     """
     env = config.env.nemo_gym
     turn = config.rollout_recovery.turn_checkpointing_enabled
@@ -256,8 +257,10 @@ def _spinup_gym(
                 for iid in shard_set.restart_only_servers
             }
             logger.info("Gym checkpoint participants discovered in %.2fs", time.monotonic() - started)
-            if not skip_restart_only_check:
+            try:
                 restart_only_check(config, shard_set.restart_only_servers, server_types, turn_users)
+            except ValueError as refused:
+                (hooks or RunHooks()).on_restart_only_servers(refused)
     except BaseException:
         shard_set.shutdown()
         raise

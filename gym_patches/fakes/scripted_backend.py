@@ -1,7 +1,7 @@
-"""Scripted chat-completions server: a test backend, not a policy.
+"""Scripted chat-completions server: a named fake, not a policy.
 
 Serves OpenAI-compatible ``POST /v1/chat/completions`` in its own process
-(``python -m gym_patches.testing.scripted_backend --port N``) so Gym tests
+(``python -m gym_patches.fakes.scripted_backend --port N``) so Gym tests
 exercise a real model server over real HTTP with answers they can predict.
 
 Plans are keyed by the text of the first user message. A plan is a list of
@@ -350,7 +350,7 @@ class ScriptedBackend:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
             with os.fdopen(fd, "wb") as log_file:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "gym_patches.testing.scripted_backend", "--host", self.host,
+                    [sys.executable, "-m", "gym_patches.fakes.scripted_backend", "--host", self.host,
                      "--port", str(self.port)],
                     env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     preexec_fn=die_with_parent,

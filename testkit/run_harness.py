@@ -1,9 +1,11 @@
-"""Run ``examples/run_grpo.py`` as a real process, kill it on a condition, reap it, read its records.
+"""Run a GRPO run as a real process, kill it on a condition, reap it, read its records.
 
 One harness for everything that starts GRPO runs from the outside: the
 functional tests (``tests/functional/rl_run.py``), the crash matrix
 (``examples/crash_matrix.py``) and the recovery benchmark
-(``examples/bench/``).
+(``examples/bench/``). A run is ``python -m testkit.run_grpo args`` with the
+repository as its working directory: the product's ``run_grpo`` main with the
+test hooks (crash points, write faults) its environment asks for.
 
 - A run is started in its own session (its own process group), with a
   *marker* in its environment (``NEMO_RL_TEST_RUN_ID=<hex>``). Ray workers, the
@@ -17,6 +19,9 @@ functional tests (``tests/functional/rl_run.py``), the crash matrix
 - ``RunDirs`` and ``read_jsonl`` read what a run wrote: ``metrics.jsonl``,
   ``snapshots.jsonl`` (a line torn by a SIGKILL is skipped) and ``restore.json``;
   ``JsonlFollower`` reads a growing JSONL file while the run writes it.
+- ``scripted_overrides`` are the config overrides of the scripted fake's reply
+  delay (``policy.scripted_backend``); ``run_env`` sets the test-only crash
+  point and write fault and never lets the caller's own leak into a run.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable
 
 from gym_patches.utils.processes import processes_with_env, wait_until_gone
+from testkit.crash_points import CRASH_ENV
+from testkit.write_faults import WRITE_FAULT_ENV
 
-REPO = Path(__file__).resolve().parents[2]
-RUN_GRPO = REPO / "examples" / "run_grpo.py"
+REPO = Path(__file__).resolve().parents[1]
+RUN_GRPO_MODULE = "testkit.run_grpo"  # the test entry: the product's main with the test hooks
+INJECT_DIR = Path(__file__).resolve().parent / "inject"  # its sitecustomize installs write faults in every process
 MARKER_ENV = "NEMO_RL_TEST_RUN_ID"
-CRASH_ENV = "NEMO_RL_TEST_ONLY_CRASH_AT"  # see nemo_rl/utils/fault_injection.py
-SCRIPTED_DELAY_ENV = "NEMO_RL_SCRIPTED_DELAY_S"  # reply delay of policy.model_name=scripted-test-backend
 REAP_TIMEOUT_S = 30.0
 
 
@@ -132,36 +138,51 @@ def new_marker() -> str:
     return uuid.uuid4().hex
 
 
+def scripted_overrides(delay_s: float = 0.0, jitter_s: float = 0.0) -> list[str]:
+    """Config overrides for the scripted fake's replies (``policy.model_name=scripted-test-backend``):
+    each waits ``delay_s`` plus up to ``jitter_s``; zero values are left at their default."""
+    return [f"policy.scripted_backend.{key}={value}"
+            for key, value in (("delay_s", delay_s), ("jitter_s", jitter_s)) if value]
+
+
 def run_env(
     *,
-    delay_s: float | None = None,
     marker: str | None = None,
     crash: str | None = None,
+    write_fault: str | None = None,
     pythonpath: Iterable[str | Path] = (),
     extra: dict[str, str] | None = None,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of a run: this process's, plus the scripted backend's delay, the marker,
-    the test-only crash hook (removed unless ``crash`` is given), directories put first on
-    ``PYTHONPATH`` (e.g. a ``sitecustomize`` that instruments the run) and ``extra``."""
+    """The environment of a run: this process's, plus the marker, the test-only crash point and
+    write fault (each removed unless given here or in ``extra``), directories put first on
+    ``PYTHONPATH`` (e.g. a ``sitecustomize`` that instruments the run) and ``extra``.
+
+    A write fault also puts ``testkit/inject`` first on ``PYTHONPATH``, so every process of the run
+    (Gym servers included) writes through the failing storage writer.
+    """
     env = dict(os.environ if base is None else base)
     env.setdefault("RAY_AUTH_MODE", "disabled")
-    if delay_s is not None:
-        env[SCRIPTED_DELAY_ENV] = str(delay_s)
     if marker is not None:
         env[MARKER_ENV] = marker
     env.pop(CRASH_ENV, None)
+    env.pop(WRITE_FAULT_ENV, None)
     if crash:
         env[CRASH_ENV] = crash
+    if write_fault:
+        env[WRITE_FAULT_ENV] = write_fault
+    env.update(extra or {})
     paths = [str(p) for p in pythonpath]
+    if env.get(WRITE_FAULT_ENV):
+        paths.insert(0, str(INJECT_DIR))
     if paths:
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    env.update(extra or {})
     return env
 
 
 def grpo_command(args: Iterable[str]) -> list[str]:
-    return [sys.executable, str(RUN_GRPO), *args]
+    """``python -m testkit.run_grpo args`` (run with the repository as the working directory)."""
+    return [sys.executable, "-m", RUN_GRPO_MODULE, *args]
 
 
 # ----------------------------------------------------------------------------- processes
@@ -186,7 +207,7 @@ def reap(marker: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
 
 def start_run(args: Iterable[str], *, env: dict[str, str], stdout: IO | int | None = subprocess.DEVNULL,
               stderr: IO | int | None = subprocess.DEVNULL) -> subprocess.Popen:
-    """``run_grpo.py args`` in its own session (so one ``killpg`` reaches its whole group)."""
+    """``grpo_command(args)`` in its own session (so one ``killpg`` reaches its whole group)."""
     return subprocess.Popen(grpo_command(args), cwd=REPO, env=env, stdout=stdout, stderr=stderr,
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -248,7 +269,7 @@ def run_once(
     reap_after: bool = True,
     reap_timeout_s: float = REAP_TIMEOUT_S,
 ) -> RunOutcome:
-    """Run ``run_grpo.py args`` once.
+    """Run ``grpo_command(args)`` once.
 
     ``kill_when(elapsed_s)`` is polled every ``poll_s`` while the run lives; once
     it holds, the group (or with ``kill_driver_only`` the driver alone) is

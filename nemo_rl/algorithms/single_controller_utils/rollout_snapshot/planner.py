@@ -4,6 +4,9 @@ A snapshot spans every Gym instance (``<shard>/replica-<i>``) at once. These
 functions hold no I/O, so the snapshotter and the model-based tests run the
 very same code:
 
+- ``gym_checkpoint_agents`` (and ``gym_checkpoint_keys``,
+  ``gym_checkpoint_inventory``): the ledger's turn-level rollouts per
+  instance, what the cut is planned and checked against;
 - ``plan_cut``: after prepare, what each instance is asked to commit (its
   turn-level rollouts minus those Gym reported unsaved), and ``server_scopes``
   splits that per Gym server;
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from gym_patches.checkpoint.identity import EpisodeId
-from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.experience.rollout_recovery import LedgerError, RolloutRecoveryLedger
 
 
 class GymOwnershipError(RuntimeError):
@@ -52,6 +55,41 @@ class CutCounts:
     not_admitted: int
 
 
+def gym_checkpoint_agents(
+    ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]
+) -> dict[str, dict[str, str | None]]:
+    """Per instance, the turn-level rollouts Gym holds: capture key -> ``agent_name``.
+
+    One pass over ``ledger.turn_level_live()`` and capture keys only (this
+    runs inside the pause, with every rollout held). An attempt on an instance
+    outside ``instance_ids`` means the topology changed: ``LedgerError``.
+    """
+    out: dict[str, dict[str, str | None]] = {iid: {} for iid in instance_ids}
+    for group, g, attempt in ledger.turn_level_live():
+        key = attempt.rollout_id(group.group_id, g)
+        agents = out.get(attempt.gym_instance_id)
+        if agents is None:
+            raise LedgerError(
+                f"rollout {key} is held by Gym instance "
+                f"{attempt.gym_instance_id}, which is not in the live topology {sorted(out)}"
+            )
+        agents[key] = group.agent_name
+    return out
+
+
+def gym_checkpoint_keys(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, set[str]]:
+    """The capture keys of ``gym_checkpoint_agents`` (no ``EpisodeId`` built: this runs in the cut)."""
+    return {iid: set(agents) for iid, agents in gym_checkpoint_agents(ledger, instance_ids).items()}
+
+
+def gym_checkpoint_inventory(
+    ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]
+) -> dict[str, list[EpisodeId]]:
+    """``gym_checkpoint_agents`` as ``EpisodeId`` lists (for callers outside the cut: it parses every key)."""
+    return {iid: [EpisodeId.from_capture_key(key) for key in agents]
+            for iid, agents in gym_checkpoint_agents(ledger, instance_ids).items()}
+
+
 def plan_cut(
     ledger: RolloutRecoveryLedger,
     instance_ids: Iterable[str],
@@ -63,7 +101,7 @@ def plan_cut(
     iids = tuple(sorted(instance_ids))
     out = tuple(sorted(set(left_out) - set(iids)))
     unsaved = {iid: frozenset(gym_unsaved.get(iid, ())) for iid in iids}
-    owned = ledger.gym_checkpoint_agents(iids + out)
+    owned = gym_checkpoint_agents(ledger, iids + out)
     scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} for iid in iids}
     return CutPlan(iids, scope, unsaved, out)
 
@@ -130,7 +168,7 @@ def check_cut(
     saving agent after it closed, or one the drain did not see finish): they restart from the
     prompt after a crash, like unsaved ones, having lost nothing."""
     problems = []
-    owned_by = ledger.gym_checkpoint_keys(plan.topology)
+    owned_by = gym_checkpoint_keys(ledger, plan.topology)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         outside = done - plan.scope[iid].keys()
@@ -157,7 +195,7 @@ def cut_counts(
     """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed and returned ``owned``).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted."""
-    inventory = owned if owned is not None else ledger.gym_checkpoint_keys(plan.topology)
+    inventory = owned if owned is not None else gym_checkpoint_keys(ledger, plan.topology)
     saved = unsaved = waiting = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))

@@ -1,0 +1,54 @@
+"""The work of a blocking commit: export, check, write. It runs as a job of the checkpoint's
+scope; the control plane admits the request and moves the phase."""
+
+from __future__ import annotations
+
+from gym_patches.checkpoint.control.scope import Job
+from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.records import record_key
+from gym_patches.checkpoint.store import WriteStopped, write_participant_state
+from gym_patches.checkpoint.wire import CommitRequest, ParticipantManifest, PrepareReport
+
+
+async def export_and_write(job: Job, participant: CheckpointParticipant, instance: str,
+                           req: CommitRequest) -> tuple[ParticipantManifest, list[str]]:
+    """Export the scope and write it (in a thread the job owns); the manifest and the keys."""
+    scope = None if req.episode_ids is None else list(req.episode_ids)
+    records = await participant.export(scope)
+    keys = exported_keys(instance, records, None if scope is None else {e.capture_key for e in scope})
+    try:
+        manifest = await job.in_thread(
+            write_participant_state, req.checkpoint_dir, participant.kind, instance, req.checkpoint_id, records,
+            should_stop=job.stop.is_set,
+        )
+    except WriteStopped:
+        raise CheckpointError(f"commit for {req.checkpoint_id!r} was aborted", code="stale_checkpoint") from None
+    return manifest, keys
+
+
+def refuse_unready(instance: str, report: PrepareReport, scope: tuple[str, ...] | None) -> None:
+    """A commit needs the participant still ready and no unsaved episode in its scope."""
+    if not report.ready:
+        raise CheckpointError(f"{instance} is no longer ready (blockers: {report.blockers})", code="invalid_phase")
+    unsaved = set(report.unsaved)
+    in_scope = sorted(unsaved if scope is None else unsaved.intersection(scope))
+    if in_scope:
+        raise CheckpointError(
+            f"{instance} cannot save {in_scope[:10]} ({len(in_scope)} unsaved in scope); "
+            "commit only the continued episodes",
+            code="restart_in_scope",
+        )
+
+
+def exported_keys(instance: str, records: list[Record], scope: set[str] | None) -> list[str]:
+    """Each record's capture key; a record without one, or outside the scope, fails the commit."""
+    keys: list[str] = []
+    for index, record in enumerate(records):
+        key = record_key(record)
+        if key is None:
+            raise CheckpointError(f"{instance} exported record {index} without a valid episode_id")
+        if scope is not None and key not in scope:
+            raise CheckpointError(f"{instance} exported {key!r}, which is outside the commit scope")
+        keys.append(key)
+    return keys

@@ -1,0 +1,152 @@
+"""The capture of a staged snapshot: taken at prepare, written by ``persist`` after resume.
+
+A ``capture`` prepare copies every exportable session's record the moment the participant is
+prepared (``take_capture``); ``persist`` writes a scope's records from that copy later, so nothing
+running after resume can change what is written. Only the newest capture is kept; it owns its
+persist write (``tasks``), which a newer capture or the server's stop closes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from gym_patches.checkpoint.control.scope import Job, TaskScope
+from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.records import CapturedRecord, RecordEncodeError, encode_record, frozen_copy, record_key
+from gym_patches.checkpoint.store import EncodedRecords, WriteStopped, write_participant_state
+from gym_patches.checkpoint.wire import ParticipantManifest, PersistReply, dump
+
+
+class StagedCapture:
+    """Every exportable session's record by capture key (an immutable record as it is, any other
+    already encoded), the keys reported unsaved at prepare, and the persist write it owns."""
+
+    def __init__(self, instance: str, checkpoint_id: str, entries: dict[str, list[Record | bytes]], nbytes: int,
+                 fill: Callable[[EpisodeId], Record | None] | None, unsaved: frozenset[str]):
+        self.checkpoint_id = checkpoint_id
+        self.keys = sorted(entries)
+        self.nbytes = nbytes
+        self.unsaved = unsaved
+        self.tasks = TaskScope(f"capture {checkpoint_id!r}", instance)
+        self._entries: dict[str, list[Record | bytes]] | None = entries  # None once written
+        self._fill = fill
+
+    def persist(self, kind: str, instance: str, checkpoint_dir: str, scope: tuple[str, ...]) -> Job[dict[str, Any]]:
+        """The write of ``scope`` to ``checkpoint_dir``: started by the first call (which fixes the
+        arguments), shared by every retry. Caller holds the control plane's lock."""
+        args = (checkpoint_dir, scope)
+        job = self.tasks.get("persist")
+        if job is not None:
+            if job.args != args:
+                raise CheckpointError(f"persist for {self.checkpoint_id!r} was already asked with other arguments",
+                                      code="checkpoint_conflict")
+            return job
+        in_scope = sorted(self.unsaved.intersection(scope))
+        if in_scope:
+            raise CheckpointError(
+                f"{instance} cannot save {in_scope[:10]} ({len(in_scope)} unsaved in scope); "
+                "persist only the continued episodes",
+                code="restart_in_scope",
+            )
+
+        async def write(job: Job[dict[str, Any]]) -> dict[str, Any]:
+            # no lock: it changes only this capture (freed once written), which nothing else writes
+            try:
+                keys, manifest = await job.in_thread(self._write, checkpoint_dir, kind, instance, scope,
+                                                     job.stop.is_set)
+            except WriteStopped:
+                raise CheckpointError(f"persist for {self.checkpoint_id!r} was aborted",
+                                      code="stale_checkpoint") from None
+            return dump(PersistReply(manifest=manifest, episode_ids=keys))
+
+        return self.tasks.spawn("persist", f"persist for {self.checkpoint_id!r}", args, write)
+
+    def select(self, scope: tuple[str, ...]) -> tuple[list[str], EncodedRecords]:
+        """The scope's records as JSONL lines (in key order), and the keys that have any."""
+        assert self._entries is not None, f"the capture of {self.checkpoint_id!r} was already written"
+        keys: list[str] = []
+        lines: list[bytes] = []
+        for key in scope:
+            found = self._entries.get(key)
+            if found is None and self._fill is not None:
+                record = self._fill(EpisodeId.from_capture_key(key))
+                found = None if record is None else [record]
+            if not found:
+                continue
+            keys.append(key)
+            for entry in found:
+                if type(entry) is bytes:
+                    lines.append(entry)
+                    continue
+                try:
+                    lines.append(encode_record(entry))
+                except RecordEncodeError as exc:
+                    raise CheckpointStoreError(f"the record of {key} is not JSON-serialisable: {exc}") from None
+        return keys, EncodedRecords(lines)
+
+    def _write(self, checkpoint_dir: str, kind: str, instance: str, scope: tuple[str, ...],
+               should_stop: Callable[[], bool]) -> tuple[list[str], ParticipantManifest]:
+        """Select and write the scope (blocking: runs in the job's thread), then free the copy."""
+        keys, encoded = self.select(scope)
+        manifest = write_participant_state(checkpoint_dir, kind, instance, self.checkpoint_id, encoded,
+                                           should_stop=should_stop)
+        self._entries = None  # written: retries get the stored reply
+        return keys, manifest
+
+
+class NewestCapture:
+    """The one capture kept: a newer one replaces it, closing the older one's persist write."""
+
+    def __init__(self) -> None:
+        self._staged: StagedCapture | None = None
+
+    def of(self, checkpoint_id: str) -> StagedCapture:
+        staged = self._staged
+        if staged is None or staged.checkpoint_id != checkpoint_id:
+            raise CheckpointError(f"nothing captured for checkpoint {checkpoint_id!r} (a newer capture replaced "
+                                  "it, or its prepare did not capture)", code="stale_checkpoint")
+        return staged
+
+    async def replace(self, captured: StagedCapture) -> None:
+        older, self._staged = self._staged, captured
+        if older is not None:  # its write, if still running, stops before it publishes
+            await older.tasks.close("a newer capture")
+
+    async def close(self, reason: str) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            await staged.tasks.close(reason)
+
+
+async def take_capture(participant: CheckpointParticipant, instance: str, checkpoint_id: str,
+                       unsaved: list[str]) -> StagedCapture:
+    """Copy every exportable session's record now, while everything is held (on the loop: a
+    thread would only wait on the GIL). A record of immutable values is kept as it is (its
+    fragments are already bytes) and encoded by ``persist``; any other is encoded here. A
+    ``CapturedRecord`` is that work done by the participant when its session came to rest. A
+    record without a valid episode_id fails the prepare."""
+    records: list[Any] = await participant.capture_records()
+    fill = participant.scope_fill()
+    entries: dict[str, list[Record | bytes]] = {}
+    nbytes = 0
+    for index, record in enumerate(records):
+        if type(record) is CapturedRecord:  # checked and frozen by the participant, maybe long ago
+            key, kept, size = record
+            entries.setdefault(key, []).append(kept)
+            nbytes += size
+            continue
+        key = record_key(record)
+        if key is None:
+            raise CheckpointError(f"{instance} exported record {index} without a valid episode_id")
+        kept, size = frozen_copy(record)
+        if kept is None:
+            try:
+                kept = encode_record(record)
+            except RecordEncodeError as exc:
+                raise CheckpointError(f"{instance} cannot capture record {index} ({key}): {exc}") from None
+            size = len(kept)
+        nbytes += size
+        entries.setdefault(key, []).append(kept)
+    return StagedCapture(instance, checkpoint_id, entries, nbytes, fill, frozenset(unsaved))

@@ -1,0 +1,46 @@
+"""Rollout snapshots: save and restore of rollouts in flight, one component with DCP-like roles.
+
+Where each role lives (docs/design.md §5.4):
+
+- ``planner.py``: the cut, pure functions of the ledger and Gym's answers
+  (what each Gym instance saves, the ownership check, the counts), and the
+  ledger's Gym inventory;
+- ``stagers.py``: one stager per mode (``staged``, ``blocking``,
+  ``ledger_only``), chosen once at setup, each with ``hold`` / ``stage`` /
+  ``write``;
+- ``snapshotter.py``: one attempt, in order: gate -> prepare -> stage ->
+  resume -> write -> publish;
+- ``store.py``: the snapshot's files (``ControllerState``,
+  ``GymCheckpointIndex``), each read beside its write, the one selection scan
+  and the publish;
+- ``restore.py``: select, read, Gym restore, restart rules -> ``RestoredState``;
+- ``outcome.py``: an attempt's record and how failures are classified;
+- ``inputs.py``: what a snapshot may read from the controller.
+
+The Gym side of every call goes through ``GymCheckpointCoordinator``
+(``single_controller_utils/gym_coordinator.py``).
+"""
+
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, SnapshotSuperseded
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import RestoredState, RunRestorer
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.snapshotter import RolloutSnapshotter
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
+    CONTROLLER_STATE_FILE,
+    GYM_CHECKPOINT_FILE,
+    ControllerState,
+    GymCheckpointIndex,
+)
+
+__all__ = [
+    "CONTROLLER_STATE_FILE",
+    "GYM_CHECKPOINT_FILE",
+    "ControllerState",
+    "GymCheckpointIndex",
+    "RestoredState",
+    "RolloutSnapshotter",
+    "RunRestorer",
+    "SnapshotInputs",
+    "SnapshotOutcome",
+    "SnapshotSuperseded",
+]

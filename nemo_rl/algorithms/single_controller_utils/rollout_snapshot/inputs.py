@@ -1,0 +1,23 @@
+"""What a snapshot may read from the controller (it changes none of it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from nemo_rl.data.dataloader import PromptDataloader
+from nemo_rl.experience.data_plane import DataPlaneStore
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+
+
+@dataclass
+class SnapshotInputs:
+    """The controller's state a snapshot reads, as live references (read only inside the cut)."""
+
+    ledger: RolloutRecoveryLedger
+    data_plane: DataPlaneStore
+    dataloader: PromptDataloader
+    step: Callable[[], int]
+    anchor_dir: Callable[[], Path]
+    agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # instance -> agent -> servers

@@ -1,0 +1,163 @@
+"""Restore: the newest durable trainer step, its newest usable rollout snapshot, Gym's saved episodes.
+
+``RunRestorer.restore`` selects once (``store.select_snapshot``), reads and
+validates once (``store.read_snapshot``), asks Gym to install what it saved,
+applies the restart rules of the ledger (docs/design.md §5.5) and returns a
+``RestoredState``; the controller only assigns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gym_patches.checkpoint.identity import EpisodeId
+from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
+    CONTROLLER_STATE_FILE,
+    read_snapshot,
+    required_snapshot_files,
+)
+from nemo_rl.experience.data_plane import DataPlaneStore
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.snapshot_store import SnapshotStoreError, resolve_restore_point
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerBookkeeping(BaseModel):
+    """What the controller stores beside the trainer's own state in ``step_N`` (``save_trainer_checkpoint``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(ge=0)
+    dataloader: dict[str, Any]
+    ledger: dict[str, Any]
+    metrics_row: dict[str, Any] | None = None  # the step's metrics.jsonl row, in case its append was lost
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    """Where a restarted run continues: the controller takes these as they are."""
+
+    step: int  # the trainer step restored (its anchor is where new snapshots go)
+    ledger: RolloutRecoveryLedger
+    dataloader: dict[str, Any] | None  # the dataloader's state; None: from the start
+    data_plane: DataPlaneStore  # the sealed samples the snapshot held (empty without one)
+    record: dict[str, Any]  # restore.json
+    message: str  # one line for the console
+    metrics_row: dict[str, Any] | None = None  # the restored step's metrics row (see TrainerBookkeeping)
+
+
+class RunRestorer:
+    """Restores one run directory; ``load_trainer(anchor)`` loads the trainer and returns its bookkeeping."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        *,
+        read_snapshots: bool,  # rollout_checkpointing.restore_mode == "latest"
+        coordinator: GymCheckpointCoordinator | None,  # None: ledger-only snapshots (no Gym index)
+        max_attempts_per_sibling: int,
+        load_trainer: Callable[[Path], Awaitable[dict[str, Any]]],
+        hooks: RunHooks,
+    ):
+        self.checkpoint_dir = checkpoint_dir
+        self.read_snapshots = read_snapshots
+        self.coordinator = coordinator
+        self.max_attempts = max_attempts_per_sibling
+        self.load_trainer = load_trainer
+        self.hooks = hooks
+
+    def _ledger(self, state: dict[str, Any] | None) -> RolloutRecoveryLedger:
+        """A saved ledger under this run's retry budget (the config may have changed since)."""
+        ledger = RolloutRecoveryLedger(self.max_attempts)
+        if state is not None:
+            ledger.load_state_dict(state)
+            ledger.max_attempts_per_sibling = self.max_attempts
+        return ledger
+
+    async def restore(self) -> RestoredState | None:
+        """None: nothing to restore (a new run)."""
+        turn_level = self.coordinator is not None
+        # One scan: the newest intact trainer step (only it is hashed) and its newest usable snapshot;
+        # restore_mode=trainer_checkpoint leaves the snapshots unread.
+        point = resolve_restore_point(self.checkpoint_dir, required_snapshot_files(turn_level),
+                                      read_snapshots=self.read_snapshots)
+        if point is None:
+            return None
+        selection = point.snapshot
+        for path, why in point.skipped:
+            logger.warning("skipping trainer checkpoint %s: %s", path, why)
+        step, ledger, dataloader, metrics_row = 0, self._ledger(None), None, None
+        if point.step > 0:
+            extra = await self.load_trainer(point.anchor)
+            try:
+                kept = TrainerBookkeeping.model_validate(extra)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise SnapshotStoreError(f"{point.anchor}: trainer state: {'.'.join(map(str, first['loc']))}: "
+                                         f"{first['msg']}") from None
+            step, dataloader, ledger = kept.step, kept.dataloader, self._ledger(kept.ledger)
+            metrics_row = kept.metrics_row
+        for path, why in selection.skipped:
+            logger.warning("skipping rollout snapshot %s: %s", path, why)
+        record: dict[str, Any] = {
+            "trainer_step": point.step,
+            "snapshot": None,
+            "skipped_snapshots": [{"path": str(p), "reason": r} for p, r in selection.skipped],
+            "skipped_trainer_steps": [{"path": str(p), "reason": r} for p, r in point.skipped],
+            "restored_turn": 0,
+            "restarted_from_prompt": 0,
+            "kept_siblings": 0,
+        }
+        if selection.path is None:
+            # Anything the trainer state still counts as in flight restarts from its prompt.
+            summary = ledger.prepare_for_restart(set())
+            why = ("rollout_checkpointing.restore_mode=trainer_checkpoint: rollout snapshots are not read"
+                   if not self.read_snapshots else "no valid rollout snapshot")
+            record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
+                          kept_siblings=len(summary.kept_siblings), snapshot_reason=why)
+            return RestoredState(step, ledger, dataloader, DataPlaneStore(), record,
+                                 f"Resuming from trainer checkpoint step {point.step} ({why}).", metrics_row)
+        snap = read_snapshot(selection.path, turn_level)
+        if snap.state.step != step:
+            raise SnapshotStoreError(f"{snap.path / CONTROLLER_STATE_FILE}: snapshot is for step {snap.state.step}, "
+                                     f"anchor is step {step}")
+        ledger, dataloader = self._ledger(snap.state.ledger), snap.state.dataloader
+        restored: set[tuple[str, str, int]] = set()  # (instance, rollout id, the attempt Gym restored it as)
+        restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
+        exported = snap.gym.exported() if snap.gym is not None else {}
+        if exported:
+            assert self.coordinator is not None
+            new_keys = await self.coordinator.restore(
+                f"restore-{uuid.uuid4().hex[:12]}", str(snap.path), exported, snap.gym.checkpoint_id)
+            for iid, keys in new_keys.items():
+                for key in keys:
+                    e = EpisodeId.from_capture_key(key)
+                    restored.add((iid, e.rollout_id, e.attempt))
+                    restored_on[key] = iid
+        self.hooks.reached("restore")  # Gym restored, the ledger not applied
+        summary = ledger.prepare_for_restart(restored)
+        snap.data_plane.discard(summary.discarded_rollout_ids)
+        record.update(
+            snapshot=str(snap.path),
+            restored_turn=len(summary.restored_turn),
+            restarted_from_prompt=len(summary.restarted_from_prompt),
+            kept_siblings=len(summary.kept_siblings),
+            redone_groups=len(summary.redone_groups),
+            restored_rollout_ids=summary.restored_turn,
+            restored_instances={key: restored_on[key] for key in summary.restored_turn},
+            restarted_rollout_ids=summary.restarted_from_prompt,
+            kept_rollout_ids=summary.kept_siblings,
+        )
+        message = (f"Restored rollout snapshot {snap.path.name} at step {step}: {record['restored_turn']} continue at "
+                   f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
+                   f"{record['kept_siblings']} sealed kept.")
+        return RestoredState(step, ledger, dataloader, snap.data_plane, record, message, metrics_row)

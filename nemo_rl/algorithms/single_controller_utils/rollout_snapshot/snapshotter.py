@@ -1,0 +1,113 @@
+"""The snapshotter: one attempt, read top to bottom.
+
+gate -> prepare -> stage -> resume -> write -> publish. The stager
+(``stagers.py``) decides what each step does for this run's mode; this module
+owns the order, the dispatch gate, the failure count and the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import uuid
+
+from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
+from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
+from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, survives_publish
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedCut, make_stager
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import publish_snapshot
+from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
+from nemo_rl.utils.run_hooks import RunHooks
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutSnapshotter:
+    """Takes snapshots for one controller; counts consecutive failures."""
+
+    def __init__(
+        self,
+        inputs: SnapshotInputs,
+        coordinator: GymCheckpointCoordinator | None,
+        records: RunRecords,
+        settings: RolloutCheckpointConfig,
+        changes: LedgerChanges,
+        hooks: RunHooks | None = None,
+    ):
+        self.inputs = inputs
+        self.records = records
+        self.settings = settings
+        self.hooks = hooks or RunHooks()
+        self.gate = DispatchGate(changes)  # owned here; the controller reads it
+        self.stager = make_stager(settings.commit_mode, inputs, self.hooks, coordinator, self.gate, changes)
+        # Held for a whole attempt: pruning old trainer anchors waits for it, so a snapshot still
+        # being written under an anchor (it runs past the step's end) never loses its directory.
+        self.busy = asyncio.Lock()
+        self.consecutive_failures = 0
+
+    async def attempt(self) -> "SnapshotOutcome":
+        """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
+        The pump awaits this, so at most one snapshot is ever being written."""
+        async with self.busy:
+            outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}", self.stager.mode, self.inputs.step())
+            try:
+                async with self.stager.hold(outcome.checkpoint_id) as prepared:  # gate closed, Gym prepared
+                    outcome.mark("prepare")
+                    cut = await self.stager.stage(prepared, outcome)
+                    outcome.mark("cut")
+                outcome.pause_s = outcome.elapsed()  # Gym resumed, the gate open again
+                outcome.mark("resume")
+                await self._write_and_publish(cut, outcome)
+                outcome.reason = "committed"
+                self.consecutive_failures = 0
+            except BaseException as exc:
+                self._failed(outcome, exc)
+            finally:
+                if not outcome.pause_s:
+                    outcome.pause_s = outcome.elapsed()
+                if outcome.reason:
+                    self.records.snapshot_attempt(**outcome.row())
+            return outcome
+
+    async def _write_and_publish(self, cut: StagedCut, outcome: SnapshotOutcome) -> None:
+        """Gym writes what it has not yet, then the controller's files are written and the directory
+        is sealed and renamed off the event loop: only a complete write becomes a snapshot."""
+        try:
+            self.hooks.reached("persist", cut.step)  # rollouts resumed, this snapshot not written
+            index = await self.stager.write(cut, outcome)
+            await asyncio.to_thread(
+                publish_snapshot, cut.tmp, cut.final, cut.capture, index, cut.checkpoint_id,
+                self.settings.keep_latest_k, lambda: self.hooks.reached("publish", cut.step))
+        except BaseException:
+            shutil.rmtree(cut.tmp, ignore_errors=True)
+            raise
+        outcome.committed, outcome.path = True, str(cut.final)
+        outcome.mark("publish")
+        outcome.persist_s = outcome.elapsed() - outcome.pause_s
+
+    def _failed(self, outcome: SnapshotOutcome, exc: BaseException) -> None:
+        """Record the failure; raise what must stop the run (a bug, a fatal error, too many in a row)."""
+        if outcome.committed:
+            # Published: the snapshot stands. Record what failed after it, then let fatal errors stop the run.
+            outcome.reason = "committed"
+            outcome.post_publish_error = f"{type(exc).__name__}: {exc}"
+            self.consecutive_failures = 0
+            if survives_publish(exc):
+                return
+            raise exc
+        outcome.failed(exc)
+        if outcome.reason == "invariant_error" or not isinstance(exc, Exception):
+            raise exc
+        logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
+        if outcome.reason == "superseded":  # not a failure: the next step's snapshots follow
+            return
+        self.consecutive_failures += 1
+        limit = self.settings.max_consecutive_failures
+        if self.consecutive_failures >= limit:
+            raise RuntimeError(
+                f"{self.consecutive_failures} consecutive rollout snapshots failed "
+                f"(rollout_checkpointing.max_consecutive_failures={limit}); last error: {exc}"
+            ) from exc

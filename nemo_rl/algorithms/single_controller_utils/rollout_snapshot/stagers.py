@@ -1,0 +1,307 @@
+"""Stagers: how a snapshot holds rollouts, what it copies in the pause, and what it writes after.
+
+One stager per ``rollout_checkpointing.commit_mode``, chosen once at setup
+(``make_stager``); the snapshotter calls the same three methods on each:
+
+- ``hold(checkpoint_id)``: close the dispatch gate and prepare Gym (an async
+  context: leaving it resumes Gym and reopens the gate, whatever happened);
+- ``stage(prepared, outcome)``: inside the pause, the exclusive cut: plan,
+  Gym's share, drain, ownership check, the controller's state serialised in
+  memory; returns a ``StagedCut``;
+- ``write(cut, outcome)``: after resume, Gym's files that are not written yet;
+  returns the ``GymCheckpointIndex`` the snapshot publishes (None: no Gym).
+
+``StagedStager`` (default): each Gym server copies its sessions as it is
+prepared; they are written after resume (persist). ``BlockingStager``: Gym
+writes its records inside the pause (commit). ``LedgerOnlyStager`` (sibling
+and prompt_group levels): Gym is not asked and nothing is held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, ClassVar
+
+from gym_patches.utils.collector import CollectorHold
+from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
+from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator, PreparedGym
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, SnapshotSuperseded
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
+    CutPlan,
+    GymOwnershipError,
+    check_cut,
+    cut_counts,
+    episode_scopes,
+    plan_cut,
+    server_scopes,
+)
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
+    ControllerStateCapture,
+    GymCheckpointIndex,
+)
+from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus
+from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.snapshot_store import prepare_snapshot_paths
+
+logger = logging.getLogger(__name__)
+# How long the drain waits for in-scope rollouts Gym did not export (replies already on the wire).
+DRAIN_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class StagedCut:
+    """What the pause captured; the write and the publish after resume need nothing else."""
+
+    checkpoint_id: str
+    step: int
+    tmp: Path  # the snapshot's temporary directory (Gym's blocking commit already wrote into it)
+    final: Path
+    capture: ControllerStateCapture
+    gym: Any = None  # the stager's own part: BlockingStager: GymCheckpointIndex; StagedStager: PendingPersist
+
+
+@dataclass(frozen=True)
+class PendingPersist:
+    """A staged cut's Gym half: each server writes its share of the turn-level saves from its capture."""
+
+    scopes: dict[str, dict[str, list[str]]]  # instance -> server -> capture keys (``server_scopes``)
+    exported: dict[str, set[str]]  # instance -> what its agents captured in the scope: continues at turn level
+    unsaved: dict[str, list[str]]  # instance -> rollouts restart-only servers could not save
+
+
+class Stager(ABC):
+    """One way of taking a snapshot (see the module docstring)."""
+
+    mode: ClassVar[str]  # recorded as ``commit_mode`` in snapshots.jsonl
+
+    def __init__(self, inputs: SnapshotInputs, hooks: RunHooks):
+        self.inputs = inputs
+        self.hooks = hooks
+
+    @abstractmethod
+    def hold(self, checkpoint_id: str) -> contextlib.AbstractAsyncContextManager[PreparedGym | None]: ...
+
+    @abstractmethod
+    async def stage(self, prepared: PreparedGym | None, outcome: SnapshotOutcome) -> StagedCut: ...
+
+    @abstractmethod
+    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex | None: ...
+
+    def _capture(self, step: int) -> ControllerStateCapture:
+        """The controller's state, serialised (no awaits: a consistent cut of ledger and data plane)."""
+        inputs = self.inputs
+        return ControllerStateCapture.take(step, inputs.ledger.state_json(), inputs.dataloader.state_dict(),
+                                           inputs.data_plane)
+
+
+class LedgerOnlyStager(Stager):
+    """Sibling and prompt_group levels: sealed samples and the ledger only; nothing is held."""
+
+    mode = "ledger_only"
+
+    @contextlib.asynccontextmanager
+    async def hold(self, checkpoint_id: str) -> AsyncIterator[None]:
+        yield None
+
+    async def stage(self, prepared: None, outcome: SnapshotOutcome) -> StagedCut:
+        tmp, final = prepare_snapshot_paths(self.inputs.anchor_dir())
+        capture = self._capture(outcome.step)
+        outcome.captured_bytes = capture.data_plane.nbytes
+        return StagedCut(outcome.checkpoint_id, outcome.step, tmp, final, capture)
+
+    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _GymShare:
+    """What Gym saved of the scope inside the pause: the agents' turn-level saves, and (blocking)
+    what each server wrote."""
+
+    exported: dict[str, set[str]]  # instance -> capture keys that continue at turn level
+    written: dict[str, dict[str, list[str]]] | None = None  # instance -> server -> keys written (blocking)
+
+
+class _GymStager(Stager):
+    """The turn-level cut both Gym modes share; subclasses say what Gym does with the scope."""
+
+    captures: ClassVar[bool]  # whether prepare asks each server to copy its sessions (staged)
+
+    def __init__(self, inputs: SnapshotInputs, hooks: RunHooks, coordinator: GymCheckpointCoordinator,
+                 gate: DispatchGate, changes: LedgerChanges):
+        super().__init__(inputs, hooks)
+        self.coordinator = coordinator
+        self.gate = gate
+        self.changes = changes
+        self._collector = CollectorHold()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, checkpoint_id: str) -> AsyncIterator[PreparedGym]:
+        async with self.gate.closed():
+            try:
+                async with self.coordinator.prepared(checkpoint_id, capture=self.captures) as prepared:
+                    self._collector.hold()  # prepared to resumed: no full collection while rollouts are held
+                    yield prepared
+            finally:
+                self._collector.release()
+
+    @abstractmethod
+    async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
+                             outcome: SnapshotOutcome) -> _GymShare: ...
+
+    @abstractmethod
+    def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
+                  outcome: SnapshotOutcome, capture: ControllerStateCapture) -> Any: ...
+
+    def _still_at(self, step: int, while_: str) -> None:
+        # The step's last rollouts finished and training moved on: this cut would straddle two
+        # trainer steps (and its directory an anchor not yet published). Skip it.
+        if self.inputs.step() != step:
+            raise SnapshotSuperseded(f"training reached step {self.inputs.step()} while the snapshot of step "
+                                     f"{step} was being {while_}")
+
+    async def stage(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> StagedCut:
+        inputs, step = self.inputs, outcome.step
+        self._still_at(step, "prepared")
+        self.hooks.reached("prepare", step)
+        iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
+        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out)
+        restart_only = self.coordinator.shard_set.restart_only_servers
+        # A saving server reports as unsaved only runs that reached it after it closed: not started.
+        not_started = {
+            iid: {k for server, keys in prepared.results[iid].unsaved.items()
+                  if server not in restart_only.get(iid, ()) for k in keys}
+            for iid in iids
+        }
+        tmp, final = prepare_snapshot_paths(inputs.anchor_dir())
+        try:
+            scopes = server_scopes(plan, inputs.agent_servers)
+            share = await self._save_in_pause(prepared, plan, scopes, tmp, outcome)
+            self.hooks.reached("commit", step)
+            for iid, keys in (await self._drain(plan.scope, share.exported, prepared.deadline_ts)).items():
+                not_started[iid] |= keys
+            outcome.mark("drain")
+            self._still_at(step, "committed")
+            # Exclusive cut: no awaits until the state is captured in memory.
+            owned = check_cut(inputs.ledger, plan, share.exported, not_started)
+            if plan.left_out:
+                outcome.left_out = dict(prepared.left_out)
+                outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
+            counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned)
+            capture = self._capture(step)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
+        unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
+        gym = self._gym_part(prepared, scopes, share, unsaved, outcome, capture)
+        return StagedCut(outcome.checkpoint_id, step, tmp, final, capture, gym)
+
+    async def _drain(
+        self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], deadline_ts: float
+    ) -> dict[str, set[str]]:
+        """Give in-scope rollouts Gym did not export a moment to finish (a reply or a verify on the
+        wire seals them), without holding every rollout for them: whatever has not sealed, failed or
+        been refused after ``DRAIN_GRACE_S`` is returned per instance as not started. Such a rollout
+        restarts from its prompt after a crash; nothing it did is in the snapshot or lost by it."""
+        ledger = self.inputs.ledger
+        pending = {key: iid for iid, keys in scope.items() for key in keys if key not in exported[iid]}
+
+        def settled() -> bool:
+            for key in [k for k in pending if ledger.attempt_status(k) is not RolloutAttemptStatus.DISPATCHED]:
+                del pending[key]
+            return not pending
+
+        try:
+            await self.changes.wait_for(settled, timeout_s=max(0.1, min(DRAIN_GRACE_S, deadline_ts - time.time())))
+        except TimeoutError:
+            logger.info("snapshot drain: %d rollouts neither exported nor finished within %.1fs; they restart "
+                        "from the prompt if this snapshot is restored: %s", len(pending), DRAIN_GRACE_S,
+                        sorted(pending)[:5])
+        out: dict[str, set[str]] = {iid: set() for iid in scope}
+        for key, iid in pending.items():
+            out[iid].add(key)
+        return out
+
+
+class BlockingStager(_GymStager):
+    """Gym writes its records inside the pause (commit); after resume only the controller's files remain."""
+
+    mode = "blocking"
+    captures = False
+
+    async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
+                             outcome: SnapshotOutcome) -> _GymShare:
+        commits = await self.coordinator.commit(prepared, str(tmp), episode_scopes(scopes))
+        outcome.mark("commit")
+        return _GymShare(exported={iid: set(commits[iid].agent_exported) for iid in plan.instance_ids},
+                         written={iid: commits[iid].exported_by_server for iid in plan.instance_ids})
+
+    def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
+                  outcome: SnapshotOutcome, capture: ControllerStateCapture) -> GymCheckpointIndex:
+        outcome.captured_bytes = capture.data_plane.nbytes
+        assert share.written is not None
+        return GymCheckpointIndex.from_written(prepared.checkpoint_id, share.written, share.exported, unsaved)
+
+    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        return cut.gym  # Gym's records are in the directory already
+
+
+class StagedStager(_GymStager):
+    """Each Gym server copies its sessions in memory as it is prepared; it writes them after resume."""
+
+    mode = "staged"
+    captures = True
+
+    async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
+                             outcome: SnapshotOutcome) -> _GymShare:
+        # the agents' captures are the turn-level saves
+        return _GymShare(exported={iid: prepared.results[iid].captured_keys("agent") & plan.scope[iid].keys()
+                                   for iid in plan.instance_ids})
+
+    def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
+                  outcome: SnapshotOutcome, capture: ControllerStateCapture) -> PendingPersist:
+        outcome.captured_bytes_by_server = {
+            f"{iid}/{server}": n for iid in prepared.instance_ids
+            for server, n in sorted(prepared.results[iid].captured_bytes().items())}
+        outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + capture.data_plane.nbytes
+        return PendingPersist(scopes, share.exported, unsaved)
+
+    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        index = await self.persist(cut.checkpoint_id, cut.tmp, cut.gym)
+        outcome.mark("persist")
+        return index
+
+    async def persist(self, checkpoint_id: str, tmp: Path, pending: PendingPersist) -> GymCheckpointIndex:
+        """Every Gym server writes its scope from its capture; every turn-level save must be written."""
+        persisted = await self.coordinator.persist(checkpoint_id, str(tmp), episode_scopes(pending.scopes))
+        for iid, keys in pending.exported.items():
+            lost = keys - set(persisted[iid].agent_exported)
+            if lost:
+                raise GymOwnershipError(f"Gym instance {iid}: agents captured {sorted(lost)[:10]} at prepare but "
+                                        "did not write them")
+        written = {iid: persisted[iid].exported_by_server for iid in pending.exported}
+        return GymCheckpointIndex.from_written(checkpoint_id, written, pending.exported, pending.unsaved)
+
+
+STAGERS: dict[str, type[_GymStager]] = {"staged": StagedStager, "blocking": BlockingStager}
+
+
+def make_stager(commit_mode: str, inputs: SnapshotInputs, hooks: RunHooks,
+                coordinator: GymCheckpointCoordinator | None, gate: DispatchGate, changes: LedgerChanges) -> Stager:
+    """The stager for this run: ledger-only without Gym checkpoints, else ``commit_mode``'s."""
+    if coordinator is None:
+        return LedgerOnlyStager(inputs, hooks)
+    try:
+        cls = STAGERS[commit_mode]
+    except KeyError:
+        raise ValueError(f"rollout_checkpointing.commit_mode={commit_mode!r}: expected one of "
+                         f"{', '.join(sorted(STAGERS))}") from None
+    return cls(inputs, hooks, coordinator, gate, changes)

@@ -1,0 +1,431 @@
+"""The rollout-recovery ledger: prompt group -> siblings -> attempts, and its transitions.
+
+The ledger is the RL side's single record of which rollout attempts exist,
+where they run and which are sealed. It is pure bookkeeping (no Ray, no HTTP),
+so a snapshot of it plus the data plane is a consistent cut (DESIGN §4.3,
+§5.3). This module holds the mutable ledger and the checked moves between
+states (reserve, dispatch, refuse, seal, fail, train, compact) and its
+persistence; the records it moves live in ``schema``, the restart rules in
+``restart``, and what a snapshot asks of Gym in the snapshot cut planner.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple
+
+from pydantic import ValidationError
+
+from gym_patches.checkpoint.identity import EpisodeId
+from nemo_rl.experience.rollout_recovery.levels import RecoveryTargetLevel
+from nemo_rl.experience.rollout_recovery.restart import RestartSummary, RestoredEpisode, apply_restart_rules
+from nemo_rl.experience.rollout_recovery.schema import (
+    LIVE_STATUSES,
+    LedgerError,
+    LedgerState,
+    PositionRange,
+    PromptGroupRecoveryRecord,
+    PromptGroupStatus,
+    RolloutAttemptRecord,
+    RolloutAttemptStatus,
+    RolloutRetriesExhausted,
+    RolloutSiblingRecord,
+    position_in,
+    with_position,
+)
+
+DEFAULT_MAX_ATTEMPTS_PER_SIBLING = 3
+
+
+class DispatchRequest(NamedTuple):
+    """An attempt to send to Gym; ``gym_instance_id`` is set when it must go back
+    to the replica that saved it."""
+
+    group_id: str
+    generation_index: int
+    rollout_id: str
+    gym_instance_id: str | None
+
+
+class RolloutRecoveryLedger:
+    """Mutable ledger; every error names the rollout id or group id involved."""
+
+    def __init__(self, max_attempts_per_sibling: int = DEFAULT_MAX_ATTEMPTS_PER_SIBLING):
+        if max_attempts_per_sibling < 1:
+            raise ValueError("max_attempts_per_sibling must be >= 1")
+        self.max_attempts_per_sibling = max_attempts_per_sibling
+        self.groups: dict[str, PromptGroupRecoveryRecord] = {}
+        # Positions of every group trained this run, as merged [lo, hi) ranges (see LedgerState).
+        self.trained_positions: list[PositionRange] = []
+        self._by_base: dict[str, tuple[str, int, int]] = {}  # base id -> (group, g, attempt idx)
+        self._by_position: dict[int, str] = {}  # dataloader position -> group id in the ledger
+
+    @property
+    def trained_count(self) -> int:
+        """How many groups this run has trained (compacted ones included)."""
+        return sum(hi - lo for lo, hi in self.trained_positions)
+
+    def is_trained_position(self, position: int) -> bool:
+        return position_in(self.trained_positions, position)
+
+    # ----- lifecycle -------------------------------------------------------
+    def reserve_group(
+        self,
+        group_id: str,
+        prompt_id: str,
+        prompt_index: int,
+        task_source: str | None,
+        agent_name: str | None,
+        restore_level: RecoveryTargetLevel | str,
+        num_generations: int,
+        target_step: int,
+        *,
+        position: int,
+    ) -> PromptGroupRecoveryRecord:
+        """Record a new prompt group with one reserved attempt per generation.
+
+        ``position`` is the dataloader position it takes; one already trained
+        or held by another group is refused, so no prompt is trained twice.
+        """
+        if group_id in self.groups:
+            raise LedgerError(f"group {group_id} is already in the ledger")
+        if self.is_trained_position(position):
+            raise LedgerError(f"group {group_id}: dataloader position {position} was already trained")
+        if position in self._by_position:
+            raise LedgerError(
+                f"group {group_id}: dataloader position {position} is held by group {self._by_position[position]}"
+            )
+        if num_generations < 1:
+            raise LedgerError(f"group {group_id}: num_generations must be >= 1")
+        group = PromptGroupRecoveryRecord(
+            group_id=group_id,
+            prompt_id=prompt_id,
+            prompt_index=prompt_index,
+            task_source=task_source,
+            agent_name=agent_name,
+            restore_level=RecoveryTargetLevel(restore_level),
+            expected_generations=num_generations,
+            target_step=target_step,
+            position=position,
+            siblings=[
+                RolloutSiblingRecord(generation_index=g, attempts=[RolloutAttemptRecord()])
+                for g in range(num_generations)
+            ],
+        )
+        # Validates the ids against Gym's rollout-id rules before anything is stored.
+        for g in range(num_generations):
+            group.siblings[g].current_attempt.episode(group_id, g)
+        self.groups[group_id] = group
+        self._index_group(group)
+        return group
+
+    def reserved_attempts(self) -> list[DispatchRequest]:
+        """Every current attempt waiting for dispatch, in reservation order."""
+        out = []
+        for group in self.groups.values():
+            if group.status is not PromptGroupStatus.GENERATING:
+                continue
+            for sibling in group.siblings:
+                attempt = sibling.current_attempt
+                if attempt.status is RolloutAttemptStatus.RESERVED:
+                    out.append(
+                        DispatchRequest(
+                            group.group_id,
+                            sibling.generation_index,
+                            attempt.rollout_id(group.group_id, sibling.generation_index),
+                            attempt.gym_instance_id,
+                        )
+                    )
+        return out
+
+    def mark_dispatched(self, rollout_id: str, gym_instance_id: str) -> None:
+        group, sibling, attempt = self._current(rollout_id)
+        if attempt.status is not RolloutAttemptStatus.RESERVED:
+            raise LedgerError(
+                f"rollout {rollout_id} is {attempt.status.value}, only a reserved attempt "
+                "can be dispatched"
+            )
+        if attempt.gym_attempt > 0 and attempt.gym_instance_id != gym_instance_id:
+            raise LedgerError(
+                f"rollout {rollout_id} was restored by Gym instance {attempt.gym_instance_id} "
+                f"and must return to it, not to {gym_instance_id}"
+            )
+        self._replace_current(
+            group,
+            sibling,
+            attempt.model_copy(
+                update={"status": RolloutAttemptStatus.DISPATCHED, "gym_instance_id": gym_instance_id}
+            ),
+        )
+
+    def mark_refused(self, rollout_id: str, max_refusals: int) -> int:
+        """Gym refused a dispatched attempt (closed for a checkpoint): it is reserved again.
+
+        A fresh attempt forgets its replica (Gym never had it); a restored one
+        keeps it (its saved session waits there). Returns the refusal count;
+        past ``max_refusals`` it raises, naming the rollout.
+        """
+        group, sibling, attempt = self._current(rollout_id)
+        if attempt.status is not RolloutAttemptStatus.DISPATCHED:
+            raise LedgerError(f"cannot mark rollout {rollout_id} refused: it is {attempt.status.value}")
+        refusals = attempt.refusals + 1
+        if refusals > max_refusals:
+            raise LedgerError(
+                f"rollout {rollout_id} was refused by Gym {refusals} times (the limit is {max_refusals}); "
+                "Gym keeps its admission closed"
+            )
+        self._replace_current(
+            group,
+            sibling,
+            attempt.model_copy(update={
+                "status": RolloutAttemptStatus.RESERVED,
+                "refusals": refusals,
+                "gym_instance_id": attempt.gym_instance_id if attempt.gym_attempt > 0 else None,
+            }),
+        )
+        return refusals
+
+    def refused_waiting(self) -> list[str]:
+        """Turn-level attempts Gym refused that wait for redispatch (never admitted)."""
+        return [
+            group.rollout_id(sibling.generation_index)
+            for group in self.groups.values()
+            if group.status is PromptGroupStatus.GENERATING and group.restore_level.requires_gym_checkpoint
+            for sibling in group.siblings
+            if sibling.current_attempt.status is RolloutAttemptStatus.RESERVED
+            and sibling.current_attempt.refusals > 0 and sibling.current_attempt.gym_attempt == 0
+        ]
+
+    def mark_sealed(self, rollout_id: str, reward: float) -> PromptGroupRecoveryRecord:
+        """Seal a dispatched attempt; the group becomes complete with its last sibling."""
+        group, sibling, attempt = self._current(rollout_id)
+        if attempt.status is not RolloutAttemptStatus.DISPATCHED:
+            raise LedgerError(
+                f"cannot seal rollout {rollout_id}: it is {attempt.status.value}, not dispatched"
+            )
+        self._replace_current(
+            group,
+            sibling,
+            attempt.model_copy(update={"status": RolloutAttemptStatus.SEALED, "reward": float(reward)}),
+        )
+        if group.all_sealed():
+            group.status = PromptGroupStatus.COMPLETE
+        return group
+
+    def mark_failed(self, rollout_id: str) -> str:
+        """Fail a live attempt and reserve a retry from the prompt; returns its id."""
+        group, sibling, attempt = self._current(rollout_id)
+        if attempt.status not in LIVE_STATUSES:
+            raise LedgerError(
+                f"cannot fail rollout {rollout_id}: it is {attempt.status.value}"
+            )
+        self._replace_current(
+            group, sibling, attempt.model_copy(update={"status": RolloutAttemptStatus.FAILED})
+        )
+        failures = sibling.failure_count()
+        if failures >= self.max_attempts_per_sibling:
+            raise RolloutRetriesExhausted(rollout_id, failures)
+        return self._append_attempt(group, sibling)
+
+    def complete_groups(self) -> list[PromptGroupRecoveryRecord]:
+        """Groups whose siblings are all sealed and which are not trained yet."""
+        return [g for g in self.groups.values() if g.status is PromptGroupStatus.COMPLETE]
+
+    def mark_group_trained(self, group_id: str) -> None:
+        """Record a complete group as trained; refused if it (or its position) was trained already."""
+        group = self._group(group_id)
+        if group.status is PromptGroupStatus.TRAINED or self.is_trained_position(group.position):
+            raise LedgerError(f"group {group_id} (position {group.position}) was already trained")
+        if group.status is not PromptGroupStatus.COMPLETE:
+            raise LedgerError(f"group {group_id} is {group.status.value}, not complete")
+        group.status = PromptGroupStatus.TRAINED
+        self.trained_positions = with_position(self.trained_positions, group.position)
+
+    def compact_trained(self, group_ids) -> list[str]:
+        """Drop the records of trained groups (their positions stay in ``trained_positions``).
+
+        Returns the Gym rollout ids of every attempt they had, for Gym to forget.
+        Keeps the ledger, and every snapshot of it, as large as the work in flight.
+        """
+        rollout_ids = []
+        for group_id in group_ids:
+            group = self._group(group_id)
+            if group.status is not PromptGroupStatus.TRAINED:
+                raise LedgerError(f"group {group_id} is {group.status.value}; only trained groups are compacted")
+            for sibling in group.siblings:
+                for attempt in sibling.attempts:
+                    base = attempt.base_rollout_id(group_id, sibling.generation_index)
+                    rollout_ids.append(base)
+                    self._by_base.pop(base, None)
+            self._by_position.pop(group.position, None)
+            del self.groups[group_id]
+        return rollout_ids
+
+    def attempt_status(self, rollout_id: str) -> RolloutAttemptStatus | None:
+        """Status of a current attempt in a generating group; None if the id is
+        unknown, superseded, or its group is already complete."""
+        try:
+            _, _, attempt = self._current(rollout_id)
+        except LedgerError:
+            return None
+        return attempt.status
+
+    def sealed_rollout_ids(self) -> set[str]:
+        """Capture keys of every sealed current attempt (what the data plane must hold)."""
+        return {
+            g.rollout_id(s.generation_index)
+            for g in self.groups.values()
+            if g.status is not PromptGroupStatus.TRAINED
+            for s in g.siblings
+            if s.current_attempt.status is RolloutAttemptStatus.SEALED
+        }
+
+    # ----- what Gym holds (the snapshot cut's inventory reads it) ----------
+    def turn_level_live(self) -> Iterator[tuple[PromptGroupRecoveryRecord, int, RolloutAttemptRecord]]:
+        """``(group, generation_index, attempt)`` for every current attempt Gym holds at turn level.
+
+        Dispatched attempts, and reserved ones after a Gym restore (their saved
+        session waits on that replica), in generating groups whose restore level
+        needs Gym saves: what a snapshot asks Gym to commit. One pass, nothing built.
+        """
+        generating, dispatched, reserved = (PromptGroupStatus.GENERATING, RolloutAttemptStatus.DISPATCHED,
+                                            RolloutAttemptStatus.RESERVED)  # locals: this runs in the pause
+        for group in self.groups.values():
+            if group.status is not generating or not group.restore_level.requires_gym_checkpoint:
+                continue
+            for sibling in group.siblings:
+                attempt = sibling.attempts[-1]  # the current attempt
+                status = attempt.status
+                if status is dispatched or (status is reserved and attempt.gym_attempt > 0):
+                    yield group, sibling.generation_index, attempt
+
+    # ----- restart ----------------------------------------------------------
+    def prepare_for_restart(self, restored: set[RestoredEpisode] | None = None) -> RestartSummary:
+        """Apply the per-level restart rules to every generating group (DESIGN §4.5; ``restart``).
+
+        ``restored`` holds ``(instance_id, base rollout_id, attempt)`` for each
+        episode Gym restored, with the attempt number Gym gave it (the saved
+        attempt + 1): attempt numbers are Gym's everywhere, the ledger never
+        re-derives them. The ledger is only changed if every restored triple is
+        consumed; otherwise ValueError names them.
+        """
+        staged = RolloutRecoveryLedger(self.max_attempts_per_sibling)
+        staged.groups = {gid: g.model_copy(deep=True) for gid, g in self.groups.items()}
+        staged.trained_positions = list(self.trained_positions)
+        staged._reindex()
+        summary = apply_restart_rules(staged, restored)
+        self.groups = staged.groups
+        self._reindex()
+        return summary
+
+    # ----- persistence -----------------------------------------------------
+    def _state(self) -> LedgerState:
+        return LedgerState(
+            max_attempts_per_sibling=self.max_attempts_per_sibling,
+            groups=list(self.groups.values()),
+            trained_positions=list(self.trained_positions),
+            trained_count=self.trained_count,
+        )
+
+    def state_dict(self) -> dict:
+        """Pure-JSON state (enums as strings)."""
+        return self._state().model_dump(mode="json")
+
+    def state_json(self) -> bytes:
+        """``state_dict`` as JSON bytes, serialised by pydantic-core in one pass (about twice as fast:
+        a snapshot takes it while rollouts are held). Not validated here: the transitions keep the
+        ledger consistent, and the snapshot checks these bytes after rollouts resume
+        (``check_state_json``), before anything is sealed."""
+        state = LedgerState.model_construct(
+            max_attempts_per_sibling=self.max_attempts_per_sibling,
+            groups=list(self.groups.values()),
+            trained_positions=list(self.trained_positions),
+            trained_count=self.trained_count,
+        )
+        return state.__pydantic_serializer__.to_json(state)
+
+    @staticmethod
+    def check_state_json(data: bytes) -> None:
+        """Raise ``LedgerError`` naming the problem if ``state_json`` bytes are not a consistent ledger."""
+        try:
+            LedgerState.model_validate_json(data)
+        except ValidationError as exc:
+            raise LedgerError(f"ledger state is inconsistent: {exc.errors()[0]['msg']}") from None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the ledger with a validated state; unknown fields are rejected."""
+        parsed = LedgerState.model_validate(state)
+        self.max_attempts_per_sibling = parsed.max_attempts_per_sibling
+        self.groups = {g.group_id: g for g in parsed.groups}
+        self.trained_positions = [tuple(r) for r in parsed.trained_positions]
+        self._reindex()
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "RolloutRecoveryLedger":
+        ledger = cls()
+        ledger.load_state_dict(state)
+        return ledger
+
+    # ----- internals -------------------------------------------------------
+    def _group(self, group_id: str) -> PromptGroupRecoveryRecord:
+        try:
+            return self.groups[group_id]
+        except KeyError:
+            raise LedgerError(
+                f"unknown group {group_id}: not in the ledger (never reserved, or trained and compacted)"
+            ) from None
+
+    def _current(self, rollout_id: str):
+        """(group, sibling, attempt) for the capture key of a current attempt."""
+        try:
+            episode = EpisodeId.from_capture_key(rollout_id)
+        except ValueError:
+            raise LedgerError(f"malformed rollout id {rollout_id!r}") from None
+        where = self._by_base.get(episode.rollout_id)
+        if where is None:
+            raise LedgerError(f"unknown rollout {rollout_id}")
+        group_id, g, idx = where
+        group = self.groups[group_id]
+        sibling = group.siblings[g]
+        attempt = sibling.attempts[idx]
+        if idx != len(sibling.attempts) - 1:
+            raise LedgerError(
+                f"rollout {rollout_id} is not the current attempt of {group_id} g{g} "
+                f"(it is {attempt.status.value})"
+            )
+        if attempt.gym_attempt != episode.attempt:
+            raise LedgerError(
+                f"rollout {rollout_id} is stale: the current Gym attempt is "
+                f"{attempt.rollout_id(group_id, g)}"
+            )
+        if group.status is not PromptGroupStatus.GENERATING:
+            raise LedgerError(f"rollout {rollout_id}: group {group_id} is {group.status.value}")
+        return group, sibling, attempt
+
+    def _replace_current(self, group, sibling, attempt: RolloutAttemptRecord) -> None:
+        """Swap in the sibling's new current attempt (no checks: the transitions and ``restart`` check)."""
+        sibling.attempts = [*sibling.attempts[:-1], attempt]
+
+    def _append_attempt(self, group, sibling) -> str:
+        """Reserve a fresh attempt for the sibling and index it; returns its capture key."""
+        attempt = RolloutAttemptRecord()
+        sibling.attempts = [*sibling.attempts, attempt]
+        g = sibling.generation_index
+        self._by_base[attempt.base_rollout_id(group.group_id, g)] = (
+            group.group_id,
+            g,
+            len(sibling.attempts) - 1,
+        )
+        return attempt.rollout_id(group.group_id, g)
+
+    def _index_group(self, group: PromptGroupRecoveryRecord) -> None:
+        self._by_position[group.position] = group.group_id
+        for sibling in group.siblings:
+            for idx, attempt in enumerate(sibling.attempts):
+                base = attempt.base_rollout_id(group.group_id, sibling.generation_index)
+                self._by_base[base] = (group.group_id, sibling.generation_index, idx)
+
+    def _reindex(self) -> None:
+        self._by_base = {}
+        self._by_position = {}
+        for group in self.groups.values():
+            self._index_group(group)

@@ -1,0 +1,102 @@
+"""Crash points for the crash matrix (``examples/crash_matrix.py``, ``tests/functional``): ``CrashAt``.
+
+``NEMO_RL_TEST_ONLY_CRASH_AT=<phase>[:<nth>]`` (read by ``testkit/run_grpo.py``,
+which passes ``CrashAt`` to the run as its hooks) makes the run SIGKILL its
+whole process group (driver, Ray's GCS, raylet and agents, the scripted
+backend) the ``nth`` time (default 1) the controller reaches ``phase``. It
+simulates a machine or container dying at a precise point; nothing is flushed
+or cleaned up. Processes outside the group (Ray workers run in their own
+sessions, Gym servers under them) go the way they would after a real crash: the
+run's reaper (``runner._RunReaper``) kills them. Without the variable the run
+gets the product's no-op hooks.
+
+The snapshot phases count per trainer step (the ``scope`` the run passes):
+``commit:2`` fires at the second snapshot of the first step that takes two, so
+the step's first snapshot is on disk for the next run to restore. ``train`` and
+``restore`` count per run.
+
+Phases (where the controller calls ``hooks.reached``; ``nemo_rl.utils.run_hooks.PHASES``):
+
+- ``prepare``: a snapshot has Gym prepared, before anything is committed;
+- ``commit``: Gym has committed its records (staged: captured them at prepare), before the snapshot is published;
+- ``persist``: staged snapshots only: rollouts have resumed, Gym has not written its captured
+  records and the snapshot is not published (the previous one must stay the newest valid);
+- ``publish``: the snapshot's temporary directory is fully written, before it
+  is sealed and renamed into place;
+- ``restore``: Gym has restored the snapshot's episodes, before the ledger is
+  applied;
+- ``train``: inside a training step (the trainer has consumed the batch, the
+  step is not checkpointed yet).
+
+The run must be started in its own session (``start_new_session=True``, as the
+harness does) so the group kill hits only it; when the process is not its
+group's leader only the process itself is killed (the reaper takes the rest down).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections import Counter
+from collections.abc import Mapping
+
+from nemo_rl.utils.run_hooks import PHASES, RunHooks
+
+CRASH_ENV = "NEMO_RL_TEST_ONLY_CRASH_AT"
+
+
+def parse_crash_spec(spec: str | None) -> tuple[str, int] | None:
+    """``'commit:2'`` -> ``('commit', 2)``; empty or None -> None; anything else raises naming the variable."""
+    if spec is None or not spec.strip():
+        return None
+    phase, sep, nth_text = spec.strip().partition(":")
+    if phase not in PHASES:
+        raise ValueError(f"{CRASH_ENV}={spec!r}: unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
+    nth = 1
+    if sep:
+        try:
+            nth = int(nth_text)
+        except ValueError:
+            raise ValueError(f"{CRASH_ENV}={spec!r}: count {nth_text!r} is not an integer") from None
+        if nth < 1:
+            raise ValueError(f"{CRASH_ENV}={spec!r}: count must be >= 1")
+    return phase, nth
+
+
+class CrashAt(RunHooks):
+    """Run hooks that SIGKILL the run's process group the ``nth`` time ``phase`` is reached in one scope."""
+
+    def __init__(self, phase: str, nth: int = 1, *, spec: str | None = None):
+        if phase not in PHASES:
+            raise ValueError(f"CrashAt({phase!r}): not one of {', '.join(PHASES)}")
+        if nth < 1:
+            raise ValueError(f"CrashAt({phase!r}, {nth}): nth must be >= 1")
+        self.phase, self.nth = phase, nth
+        self.spec = spec or f"{phase}:{nth}"  # as the variable said it, for the crash line
+        self.reaches: Counter[object] = Counter()  # scope -> times ``phase`` was reached there
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> CrashAt | None:
+        """The crash ``NEMO_RL_TEST_ONLY_CRASH_AT`` asks for (None: unset); a malformed value raises naming it."""
+        spec = environ.get(CRASH_ENV)
+        target = parse_crash_spec(spec)
+        return None if target is None else cls(*target, spec=spec.strip())
+
+    def reached(self, phase: str, scope: object = None) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"reached({phase!r}): not one of {', '.join(PHASES)}")
+        if phase != self.phase:
+            return
+        self.reaches[scope] += 1
+        if self.reaches[scope] == self.nth:
+            self.kill_run()
+
+    def kill_run(self) -> None:
+        """SIGKILL the process group when this process leads it, else this process alone."""
+        print(f"TEST-ONLY crash: {CRASH_ENV}={self.spec} reached; SIGKILL of the whole run",
+              file=sys.stderr, flush=True)
+        pgid = os.getpgid(0)
+        if pgid == os.getpid():
+            os.killpg(pgid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)

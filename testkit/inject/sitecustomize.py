@@ -1,0 +1,83 @@
+"""Install the write-fault storage writers in every process of a run that asked for a fault.
+
+Python imports ``sitecustomize`` at startup from the first ``sys.path`` entry
+that has one. The harness (``testkit.run_harness.run_env``) puts this directory
+and the repository on ``PYTHONPATH`` when ``NEMO_TEST_ONLY_WRITE_FAULT`` is set;
+Ray workers, the Gym actors and the Gym servers they spawn inherit both, so a
+Gym server writes its records through the failing writer as the driver does.
+
+Nothing is imported up front: the writer of a side is installed right after
+that side's store module is first imported (a ``sys.meta_path`` finder), so a
+process that never writes checkpoints pays nothing. A ``sitecustomize`` further
+down ``sys.path`` (the interpreter's own, or the benchmark's) still runs.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``testkit.write_faults.install_from_env(side)`` once, right after the side's store module runs."""
+
+    def __init__(self, modules: dict[str, str]):
+        self.modules = dict(modules)  # module name -> side
+
+    def find_spec(self, fullname, path, target=None):
+        side = self.modules.pop(fullname, None)
+        if side is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            from testkit.write_faults import install_from_env
+
+            install_from_env(side)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _run_next_sitecustomize() -> None:
+    """This file shadows any later ``sitecustomize``; run that one as Python would have."""
+    later = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later)
+    if spec is not None and spec.loader is not None and os.path.dirname(os.path.abspath(spec.origin or "")) != _HERE:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+def _install() -> None:
+    if not os.environ.get("NEMO_TEST_ONLY_WRITE_FAULT"):
+        return
+    from testkit.write_faults import STORE_MODULES
+
+    sys.meta_path.insert(0, _InstallAfterImport({module: side for side, module in STORE_MODULES.items()}))
+
+
+try:
+    _install()
+except Exception as _exc:  # never break interpreter startup; the driver validates the variable itself
+    print(f"testkit write faults: not installed in pid {os.getpid()}: {_exc!r}", file=sys.stderr)
+try:
+    _run_next_sitecustomize()
+except Exception as _exc:
+    print(f"testkit write faults: the next sitecustomize failed: {_exc!r}", file=sys.stderr)

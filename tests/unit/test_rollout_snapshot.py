@@ -1,0 +1,177 @@
+"""The rollout-snapshot component on real files: stager choice, the straight-line attempt, the
+store's validated reads, restore's typed state, and hooks at the publish (no Gym: ledger-only
+snapshots; the Gym stagers run against real servers in tests/functional)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
+from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
+    CONTROLLER_STATE_FILE,
+    ControllerState,
+    RolloutSnapshotter,
+    RunRestorer,
+    SnapshotInputs,
+)
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import (
+    BlockingStager,
+    LedgerOnlyStager,
+    StagedStager,
+    make_stager,
+)
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import select_snapshot
+from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
+from nemo_rl.data.dataloader import PromptDataloader
+from nemo_rl.experience.data_plane import DataPlaneStore
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.experience.sample import RolloutSample
+from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.snapshot_store import SnapshotStoreError, anchor_dir, ensure_bootstrap_anchor
+
+ROWS = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
+
+
+class RecordingHooks(RunHooks):
+    """Records every phase reached; raises ``fail`` at ``fail_at`` (a test's hooks, as the crash matrix's)."""
+
+    def __init__(self, fail_at: str | None = None, fail: BaseException | None = None):
+        self.reached_phases: list[tuple[str, object]] = []
+        self.fail_at, self.fail = fail_at, fail
+
+    def reached(self, phase: str, scope: object = None) -> None:
+        self.reached_phases.append((phase, scope))
+        if phase == self.fail_at and self.fail is not None:
+            raise self.fail
+
+
+class Run:
+    """A controller's state at step 0: one group of two siblings, one sealed (its sample in the data plane)."""
+
+    def __init__(self, root: Path):
+        self.checkpoint_dir = root / "ckpt"
+        ensure_bootstrap_anchor(self.checkpoint_dir)
+        self.ledger = RolloutRecoveryLedger()
+        self.ledger.reserve_group("g1", "p0", 0, None, None, "sibling", 2, 1, position=0)
+        ids = [req.rollout_id for req in self.ledger.reserved_attempts()]
+        for rid in ids:
+            self.ledger.mark_dispatched(rid, "nemo_gym/replica-0")
+        self.ledger.mark_sealed(ids[0], 1.0)
+        self.sealed, self.running = ids
+        self.data_plane = DataPlaneStore()
+        self.data_plane.put(RolloutSample(rollout_id=ids[0], group_id="g1", generation_index=0, reward=1.0))
+        self.dataloader = PromptDataloader(ROWS, seed=0)
+        self.records = RunRecords(root / "logs")
+
+    def inputs(self) -> SnapshotInputs:
+        return SnapshotInputs(self.ledger, self.data_plane, self.dataloader, lambda: 0,
+                              lambda: anchor_dir(self.checkpoint_dir, 0))
+
+    def snapshotter(self, hooks: RunHooks | None = None, **settings) -> RolloutSnapshotter:
+        return RolloutSnapshotter(self.inputs(), None, self.records, RolloutCheckpointConfig(**settings),
+                                  LedgerChanges(), hooks=hooks)
+
+    def restorer(self, *, read_snapshots: bool = True) -> RunRestorer:
+        async def no_trainer(anchor: Path) -> dict:
+            raise AssertionError("step 0 has no trainer state to load")
+
+        return RunRestorer(self.checkpoint_dir, read_snapshots=read_snapshots, coordinator=None,
+                           max_attempts_per_sibling=3, load_trainer=no_trainer, hooks=RunHooks())
+
+    def rows(self) -> list[dict]:
+        return self.records.read("snapshots.jsonl")
+
+
+def test_one_stager_per_mode_is_chosen_once():
+    inputs = SnapshotInputs(RolloutRecoveryLedger(), DataPlaneStore(), PromptDataloader(ROWS, seed=0),
+                            lambda: 0, lambda: Path("/nonexistent"))
+    changes = LedgerChanges()
+    gate = DispatchGate(changes)
+    assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes), LedgerOnlyStager)
+    coordinator = object()  # never called: only the choice is under test
+    assert isinstance(make_stager("staged", inputs, RunHooks(), coordinator, gate, changes), StagedStager)
+    assert isinstance(make_stager("blocking", inputs, RunHooks(), coordinator, gate, changes), BlockingStager)
+    with pytest.raises(ValueError, match=r"rollout_checkpointing.commit_mode='fast': expected one of blocking, "
+                                         r"staged"):
+        make_stager("fast", inputs, RunHooks(), coordinator, gate, changes)
+
+
+async def test_a_ledger_only_snapshot_restores_as_a_typed_state(tmp_path):
+    run = Run(tmp_path)
+    hooks = RecordingHooks()
+    outcome = await run.snapshotter(hooks).attempt()
+    assert outcome.committed and outcome.reason == "committed" and outcome.mode == "ledger_only"
+    assert [p for p, _ in hooks.reached_phases] == ["persist", "publish"]  # no Gym: no prepare, no commit
+    assert list(outcome.phases_s) == ["prepare", "cut", "resume", "publish"]
+    (row,) = run.rows()
+    assert row["commit_mode"] == "ledger_only" and row["committed"] and row["path"] == outcome.path
+
+    restored = await run.restorer().restore()
+    assert restored is not None and restored.step == 0
+    assert restored.record["snapshot"] == outcome.path and restored.record["kept_siblings"] == 1
+    assert restored.record["restarted_from_prompt"] == 1  # the sibling still running restarts
+    assert [s.rollout_id for s in restored.data_plane.group_samples("g1")] == [run.sealed]
+    assert restored.dataloader == run.dataloader.state_dict()
+    assert "Restored rollout snapshot snapshot_" in restored.message
+
+
+async def test_restore_mode_trainer_checkpoint_reads_no_snapshot(tmp_path):
+    run = Run(tmp_path)
+    assert (await run.snapshotter().attempt()).committed
+    restored = await run.restorer(read_snapshots=False).restore()
+    assert restored.record["snapshot"] is None and "restore_mode=trainer_checkpoint" in restored.record[
+        "snapshot_reason"]
+    assert len(restored.data_plane) == 0 and restored.dataloader is None
+
+
+async def test_a_failure_at_the_publish_leaves_the_previous_snapshot_the_newest(tmp_path):
+    run = Run(tmp_path)
+    first = await run.snapshotter().attempt()
+    failing = run.snapshotter(RecordingHooks("publish", OSError(28, "No space left on device", "x")))
+    second = await failing.attempt()
+    assert not second.committed and second.reason == "io_error" and "No space left" in second.error
+    assert failing.consecutive_failures == 1
+    snapshots = anchor_dir(run.checkpoint_dir, 0) / "rollout_snapshots"
+    assert [p.name for p in snapshots.iterdir()] == [Path(first.path).name]  # no tmp dir left
+    assert select_snapshot(anchor_dir(run.checkpoint_dir, 0), turn_level=False).path == Path(first.path)
+    assert [r["reason"] for r in run.rows()] == ["committed", "io_error"]
+
+
+async def test_an_invariant_error_stops_the_run_and_is_recorded(tmp_path):
+    run = Run(tmp_path)
+    with pytest.raises(RuntimeError, match="a bug"):
+        await run.snapshotter(RecordingHooks("persist", RuntimeError("a bug"))).attempt()
+    assert [r["reason"] for r in run.rows()] == ["invariant_error"]
+
+
+async def test_controller_state_is_validated_where_it_is_read(tmp_path):
+    run = Run(tmp_path)
+    outcome = await run.snapshotter().attempt()
+    path = Path(outcome.path) / CONTROLLER_STATE_FILE
+    state = ControllerState.read(Path(outcome.path))
+    assert state.step == 0 and state.data_plane.count == 1
+    data = json.loads(path.read_text())
+    data["data_plane"]["sha256"] = "not-a-digest"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SnapshotStoreError, match=rf"{path}: data_plane.sha256: String should match pattern"):
+        ControllerState.read(Path(outcome.path))
+    path.write_text("{")
+    with pytest.raises(SnapshotStoreError, match=rf"{path}: cannot read"):
+        ControllerState.read(Path(outcome.path))
+
+
+async def test_the_ledger_taken_unvalidated_in_the_pause_is_checked_before_the_seal(tmp_path):
+    """``state_json`` skips validation inside the pause; the write checks the bytes: a ledger broken
+    by a bug fails the attempt as invariant_error and publishes nothing."""
+    run = Run(tmp_path)
+    assert json.loads(run.ledger.state_json()) == run.ledger.state_dict()
+    run.ledger.groups["g1"].__dict__["position"] = -1  # a corruption no transition makes (bypasses validation)
+    with pytest.raises(Exception, match="ledger state is inconsistent"):
+        await run.snapshotter().attempt()
+    assert [r["reason"] for r in run.rows()] == ["invariant_error"]
+    assert not (anchor_dir(run.checkpoint_dir, 0) / "rollout_snapshots").exists() or not any(
+        (anchor_dir(run.checkpoint_dir, 0) / "rollout_snapshots").iterdir())

@@ -28,23 +28,42 @@ took, Gym's and the controller's data plane) and, where the run records it,
 ``captured_bytes_by_server`` (``"<gym instance id>/<server>"`` -> bytes of
 that participant's staged copy), both from ``snapshots.jsonl``.
 
+Burst and steady attempts. While Gym is still receiving the step's ``/run``
+calls (at N = 8192 on 2 cores, the first 35-70 s of a step), an attempt either
+fails (``gym_unavailable``: the agent, busy seeding rollouts, cannot answer a
+status probe within ``gym_park_grace_s``) or waits out the drain for rollouts
+the controller dispatched and Gym never saw (``not_admitted``). Those attempts
+are **burst** (``attempt_classes``): ``not_admitted > 0``, a ``gym_unavailable``
+failure, or an attempt that a later attempt of the same step shows started
+before the step's last rollout reached Gym (that later one still found
+``not_admitted > 0``). Every other attempt is **steady**. Rows report medians
+for steady, burst and all kept attempts, and count every attempt of a run by
+class, failed ones included (a failed attempt held rollouts too, for its
+``pause_s``). The goals are evaluated on steady attempts (``basis`` in the goal;
+rows stored before the classes existed fall back to all kept attempts).
+
 Goals: at ``goal_n`` (512) the median excess over the tool is at most
 ``GOAL_EXCESS_MS``; the idle pause (disk) grows at most ``GROWTH_MAX`` from
 N = 512 to 2048; and at N = 2048 (idle, disk) the staged pause is at most
 ``STAGED_OVER_BLOCKING_MAX`` of the blocking one, where two variants set
-``rollout_checkpointing.commit_mode`` to ``staged`` and ``blocking``.
+``rollout_checkpointing.commit_mode`` to ``staged`` and ``blocking``. At the
+scale users run (512 prompts x 16 generations: ``LARGE_N`` = 8192 rollouts in
+flight) the median excess over the tool is at most ``LARGE_EXCESS_MS`` and the
+idle pause grows at most ``LARGE_GROWTH_MAX`` from N = 2048 to 8192.
 
-Every N runs on one Gym replica, so the growth with N is not mixed with a
-change of topology (a replica's ``NemoGym`` actor serves up to 100,000
-``/run`` calls and has its own concurrency group for checkpoint calls); N
-above ``per_replica`` would use several replicas of the one shard (every
-snapshot spans all of them).
+Every N up to ``per_replica`` (2048; ``bench_recovery.py --per-replica``)
+runs on one Gym replica, so the growth with N is not mixed with a change of
+topology (a replica's ``NemoGym`` actor serves up to 100,000 ``/run`` calls and
+has its own concurrency group for checkpoint calls); N above ``per_replica``
+uses ``ceil(N / per_replica)`` replicas of the one shard (every snapshot spans
+all of them). Each row records its replica count.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +93,13 @@ PHASES = ("prepare", "commit", "publish", "resume")
 GOAL_N, GOAL_EXCESS_MS = 512, 50.0  # median pause over the longest tool call in flight, disk
 GROWTH_FROM_N, GROWTH_TO_N, GROWTH_MAX = 512, 2048, 4.5  # idle pause (disk), ratio of medians
 RATIO_AT_N, STAGED_OVER_BLOCKING_MAX = 2048, 0.3  # idle pause (disk), staged / blocking
+LARGE_N, LARGE_EXCESS_MS = 8192, 100.0  # users run 512 prompts x 16 generations: median excess over the tool
+LARGE_GROWTH_FROM_N, LARGE_GROWTH_MAX = 2048, 4.5  # idle pause (disk), ratio of medians, 2048 -> LARGE_N
 COMMIT_MODE = "rollout_checkpointing.commit_mode="
+BURST, STEADY = "burst", "steady"
+# Laid over every run: a burst of failed attempts must not stop the run (the product stops after
+# max_consecutive_failures in a row), and a prepare may wait long on a saturated agent.
+RUN_SETTINGS = ("rollout_checkpointing.max_consecutive_failures=1000", "rollout_recovery.gym_prepare_timeout_s=60")
 
 
 def tmpfs_root() -> Path | None:
@@ -90,6 +115,9 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
     log = log or make_log("snapshot-cost")
     variants = variants or DEFAULT_VARIANTS
     shm = tmpfs_root()
+    log(f"run config laid over every run: {', '.join(RUN_SETTINGS)} (so a burst of failed attempts does not "
+        f"stop the run; rollout_recovery.gym_park_grace_s left at its default); N > {per_replica} uses "
+        f"ceil(N / {per_replica}) Gym replicas")
     rows = []
     for label, extra in variants:
         for n in sizes:
@@ -109,7 +137,7 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
             mine = [r for r in rows if r["variant"] == label and r["storage"] == storage and r.get("idle")]
             if len(mine) >= 2:
                 fits[f"{label}/{storage}"] = {
-                    f: growth([r["n"] for r in mine], [r[f]["median"] for r in mine])
+                    f: growth([r["n"] for r in mine], [(basis(r).get(f) or {}).get("median") for r in mine])
                     for f in ("pause_s", *(f"{p}_s" for p in PHASES), "bytes")}
     return {"name": NAME, "title": TITLE, "rows": rows, "fits": fits,
             "goal": goal_of(rows, variants, goal_n, goal_ms),
@@ -118,7 +146,7 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
                        "generations": generations, "fill": fill, "per_replica": per_replica,
                        "tmpfs_sizes": list(tmpfs_sizes), "kinds": list(kinds),
                        "variants": [{"label": v[0], "overrides": v[1]} for v in variants],
-                       "max_num_steps": steps,
+                       "max_num_steps": steps, "timeout_s": timeout_s, "run_settings": list(RUN_SETTINGS),
                        "setup": f"{CONFIG}, scripted backend, recording trainer, steps of N rollouts each "
                                 "(stopped once enough snapshots are in)"}}
 
@@ -136,8 +164,7 @@ def _one(root: Path, n: int, kind: str, storage: str, shm: Path | None, extra: l
     overrides = [
         f"grpo.max_num_steps={steps}", f"grpo.num_prompts_per_step={prompts}", f"grpo.num_generations_per_prompt={gens}",
         f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
-        "rollout_checkpointing.keep_latest_k=100000", "rollout_checkpointing.max_consecutive_failures=1000",
-        "rollout_recovery.gym_prepare_timeout_s=60",
+        "rollout_checkpointing.keep_latest_k=100000", *RUN_SETTINGS,
     ]
     if replicas > 1:
         overrides.append(f"env.nemo_gym.shards=[{{name: nemo_gym, replicas: {replicas}}}]")
@@ -150,22 +177,27 @@ def _one(root: Path, n: int, kind: str, storage: str, shm: Path | None, extra: l
         ckpt = shm / f"bench-recovery-{os.getpid()}-{root.name}"
     full = math.ceil(fill * n)
     checked = {"at": 0.0, "done": False}
+    every_s = max(0.5, n / 4096)  # reading the run's files is work on the cores the run uses
 
     def enough(dirs, elapsed: float) -> bool:
-        """``repeats`` committed snapshots of >= ``full`` rollouts (tool runs: each with a tool call in flight)."""
-        if elapsed - checked["at"] < 0.5:
+        """``repeats`` steady committed snapshots of >= ``full`` rollouts (tool runs: each with a tool
+        call in flight)."""
+        if elapsed - checked["at"] < every_s:
             return checked["done"]
         checked["at"] = elapsed
-        snaps = [s for s in dirs.records("snapshots.jsonl") if s.get("committed") and in_flight(s) >= full]
-        if kind == "tool" and len(snaps) >= repeats:
-            partial = _analyse_files(root, snaps, tool_s)
-            checked["done"] = sum(1 for a in partial if a.get("excess_s") is not None) >= repeats
+        snaps = dirs.records("snapshots.jsonl")
+        kept = [s for s, (c, _) in zip(snaps, attempt_classes(snaps))
+                if c == STEADY and s.get("committed") and in_flight(s) >= full]
+        if kind == "tool" and len(kept) >= repeats:
+            partial = _analyse_files(root, snaps, full, tool_s)
+            checked["done"] = sum(1 for a in partial
+                                  if a.get("excess_s") is not None and a["class"] == STEADY) >= repeats
         else:
-            checked["done"] = len(snaps) >= repeats
+            checked["done"] = len(kept) >= repeats
         return checked["done"]
 
-    log(f"N={n} ({prompts}x{gens}, {replicas} replica(s)) {kind} {storage}: run until {repeats} snapshots of "
-        f">= {full} rollouts" + (" with a tool call in flight" if kind == "tool" else ""))
+    log(f"N={n} ({prompts}x{gens}, {replicas} replica(s)) {kind} {storage}: run until {repeats} steady snapshots "
+        f"of >= {full} rollouts" + (" with a tool call in flight" if kind == "tool" else ""))
     try:
         run = controller_run(root, config=CONFIG, overrides=overrides, delay_s=delay_s, timeout_s=timeout_s,
                              kill_when=enough, tool_log=kind == "tool", checkpoint_dir=ckpt)
@@ -175,40 +207,110 @@ def _one(root: Path, n: int, kind: str, storage: str, shm: Path | None, extra: l
             import shutil
 
             shutil.rmtree(ckpt, ignore_errors=True)
-    res.update(prompts=prompts, generations=gens, replicas=replicas, command=run.command,
+    res.update(prompts=prompts, generations=gens, replicas=replicas, per_replica=per_replica, command=run.command,
                stragglers=run.outcome.leftover, ended=run.outcome.killed_by or f"exit {run.outcome.returncode}")
-    log(f"  {len(res['attempts'])} snapshots at N >= {full} (of {len(run.snapshots)} attempts, "
-        f"{committed_count(run.dirs)} committed); pause median "
-        f"{_med([a['pause_s'] for a in res['attempts']]) * 1e3:.0f} ms"
-        + (f"; {len(res['with_tool'])} with a tool in flight" if kind == "tool" else ""))
+    c = res["counts"]
+    steady = [a["pause_s"] for a in res["attempts"] if a["class"] == STEADY]
+    burst = [a["pause_s"] for a in res["attempts"] if a["class"] == BURST]
+    log(f"  {len(res['attempts'])} snapshots at N >= {full} ({c['kept_steady']} steady, {c['kept_burst']} burst) "
+        f"of {len(run.snapshots)} attempts ({committed_count(run.dirs)} committed, {c['failed']} failed"
+        + (f": {_reasons(c['failed_by_reason'])}" if c["failed"] else "") + "); pause median steady "
+        f"{_ms(steady)}, burst {_ms(burst)}"
+        + (f"; {len(res['with_tool'])} with a tool in flight ({c['kept_steady_with_tool']} steady)"
+           if kind == "tool" else "") + f"; ended: {res['ended']}")
     return res
 
 
-def _med(values: list[float]) -> float:
-    return summary(values)["median"] or 0.0
+def _ms(values: list[float]) -> str:
+    med = summary(values)["median"]
+    return "—" if med is None else f"{med * 1e3:.0f} ms"
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {k}" for reason, k in sorted(counts.items()))
+
+
+def attempt_classes(snapshots: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+    """``(class, why)`` per ``snapshots.jsonl`` record, in the order the controller took them.
+
+    ``burst`` (Gym had not yet received every rollout the step dispatched) with why:
+    ``not_admitted`` (the cut found rollouts dispatched that Gym never saw), ``gym_unavailable`` (the
+    attempt failed: a replica could not answer or be parked in time), ``before_not_admitted`` (a later
+    attempt of the same step still found ``not_admitted > 0``: this one started before the step's
+    last rollout reached Gym). Every other attempt is ``steady`` (why None). A ``gym_unavailable``
+    failure does not reclassify the attempts before it: it can also have other causes."""
+    signal: list[str | None] = []
+    last_not_admitted: dict[Any, int] = {}
+    for i, s in enumerate(snapshots):
+        if int(s.get("not_admitted") or 0) > 0:
+            signal.append("not_admitted")
+            last_not_admitted[s.get("step")] = i
+        elif not s.get("committed") and s.get("reason") == "gym_unavailable":
+            signal.append("gym_unavailable")
+        else:
+            signal.append(None)
+    out: list[tuple[str, str | None]] = []
+    for i, s in enumerate(snapshots):
+        if signal[i] is not None:
+            out.append((BURST, signal[i]))
+        elif i < last_not_admitted.get(s.get("step"), -1):
+            out.append((BURST, "before_not_admitted"))
+        else:
+            out.append((STEADY, None))
+    return out
 
 
 def _analyse(run: ControllerRun, n: int, full: int, kind: str, tool_s: float) -> dict[str, Any]:
     chosen = _attempt_records(run.snapshots, run.attempts, run.tool_calls if kind == "tool" else None, full, tool_s)
     with_tool = [a for a in chosen if a.get("excess_s") is not None]
-    failed = [s for s in run.snapshots if not s.get("committed")]
-    return {"attempts": chosen, "with_tool": with_tool, "all_attempts": len(run.snapshots),
-            "failed": [{"reason": s.get("reason"), "pause_s": s.get("pause_s")} for s in failed]}
+    classes = attempt_classes(run.snapshots)
+    failed = [{"reason": s.get("reason"), "pause_s": s.get("pause_s"), "step": s.get("step"),
+               "class": c, "burst_reason": why}
+              for s, (c, why) in zip(run.snapshots, classes) if not s.get("committed")]
+    return {"attempts": chosen, "with_tool": with_tool, "all_attempts": len(run.snapshots), "failed": failed,
+            "counts": attempt_counts(run.snapshots, classes, chosen, with_tool, full)}
 
 
-def _analyse_files(root: Path, snapshots: list[dict[str, Any]], tool_s: float) -> list[dict[str, Any]]:
+def attempt_counts(snapshots: list[dict[str, Any]], classes: list[tuple[str, str | None]],
+                   kept: list[dict[str, Any]], with_tool: list[dict[str, Any]], full: int) -> dict[str, Any]:
+    """Every attempt of a run by what became of it: kept (committed, >= ``full`` rollouts, timed) by
+    class; committed with fewer rollouts; failed by reason and class; superseded (training moved on:
+    not a failure)."""
+    failed = [(s, c) for s, (c, _) in zip(snapshots, classes)
+              if not s.get("committed") and s.get("reason") != "superseded"]
+    under = [s for s in snapshots if s.get("committed") and in_flight(s) < full]
+    return {
+        "attempts": len(snapshots),
+        "committed": sum(1 for s in snapshots if s.get("committed")),
+        "kept": len(kept),
+        "kept_steady": sum(1 for a in kept if a["class"] == STEADY),
+        "kept_burst": sum(1 for a in kept if a["class"] == BURST),
+        "kept_burst_because": dict(Counter(a["burst_reason"] for a in kept if a["class"] == BURST)),
+        "kept_steady_with_tool": sum(1 for a in with_tool if a["class"] == STEADY),
+        "committed_under_fill": len(under),
+        "max_in_flight": max((in_flight(s) for s in snapshots), default=0),
+        "failed": len(failed),
+        "failed_burst": sum(1 for _, c in failed if c == BURST),
+        "failed_by_reason": dict(Counter(str(s.get("reason")) for s, _ in failed)),
+        "failed_pause_s": summary(float(s.get("pause_s") or 0.0) for s, _ in failed),
+        "superseded": sum(1 for s in snapshots if not s.get("committed") and s.get("reason") == "superseded"),
+    }
+
+
+def _analyse_files(root: Path, snapshots: list[dict[str, Any]], full: int, tool_s: float) -> list[dict[str, Any]]:
     """The same records from the files of a run still going (for its stop condition)."""
     return _attempt_records(snapshots, timed_attempts(read_jsonl(root / "snapshot-timing.jsonl")),
-                            read_jsonl(root / "tool-calls.jsonl"), 0, tool_s, with_bytes=False)
+                            read_jsonl(root / "tool-calls.jsonl"), full, tool_s, with_bytes=False)
 
 
 def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
                      with_bytes: bool = True) -> list[dict[str, Any]]:
-    """One record per committed snapshot of >= ``full`` rollouts: pause, phases, bytes and, given the
-    tool calls, the longest call still running when prepare began and the pause beyond it."""
+    """One record per committed snapshot of >= ``full`` rollouts: pause, phases, bytes, its class
+    (``attempt_classes`` over every record of the run) and, given the tool calls, the longest call
+    still running when prepare began and the pause beyond it."""
     by_id = {a.get("checkpoint_id"): a for a in attempts}
     out = []
-    for s in snapshots:
+    for s, (cls, why) in zip(snapshots, attempt_classes(snapshots)):
         if not s.get("committed") or in_flight(s) < full:
             continue
         a = by_id.get(s["checkpoint_id"])
@@ -218,7 +320,8 @@ def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
         path = Path(s["path"]) if s.get("path") else None
         by_server = s.get("captured_bytes_by_server")
         rec = {"checkpoint_id": s["checkpoint_id"], "in_flight": in_flight(s), "saved": s.get("saved", 0),
-               "pause_s": s["pause_s"], "persist_s": s.get("persist_s"), "commit_mode": s.get("commit_mode"),
+               "not_admitted": int(s.get("not_admitted") or 0), "step": s.get("step"), "class": cls,
+               "burst_reason": why, "started_at": a.get("start"), "pause_s": s["pause_s"], "persist_s": s.get("persist_s"), "commit_mode": s.get("commit_mode"),
                "captured_bytes": s.get("captured_bytes"),
                "captured_bytes_by_server": {str(k): v for k, v in by_server.items() if isinstance(v, (int, float))}
                if isinstance(by_server, dict) else {},

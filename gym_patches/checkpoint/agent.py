@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar, get_args
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -78,11 +78,12 @@ def make_record(episode: EpisodeId, boundary: Boundary, state: SimpleAgentLoopSt
 class _Session:
     """One running ``/run``. ``state`` is the loop's live state object; the loop
     only mutates it while ``phase`` is seeding/running, so in every parked phase
-    it equals the state at ``boundary``."""
+    it equals the state at ``boundary``. Hashed by identity (the participant's phase sets)."""
 
     episode: EpisodeId
     phase: SessionPhase = "admitting"
-    park_requested: bool = False
+    key: str = field(init=False)  # the capture key, made once
+    listed: bool = False  # in the participant's table (and its phase sets)
     boundary: Boundary | None = None
     state: SimpleAgentLoopState | None = None
     task: "asyncio.Task[Any] | None" = None
@@ -91,6 +92,9 @@ class _Session:
     # so a capture of a session that has not moved since the previous snapshot reuses that one's bytes.
     version: int = 0
     captured: "tuple[int, CapturedRecord] | None" = None
+
+    def __post_init__(self) -> None:
+        self.key = self.episode.capture_key
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,10 @@ class Activation:
         return self._s.episode.capture_key
 
     async def boundary(self, name: Boundary, state: SimpleAgentLoopState) -> None:
-        """Record the boundary; park here (wait for reopen) if a park is requested."""
+        """Record the boundary; park here (wait for reopen) while admission is closed."""
         s = self._s
         s.boundary, s.state = name, state
-        if s.park_requested:
+        if not self._p.accepting:
             self._p._set_phase(s, "parked")
             await self._p._until_reopened(s)
         self._p._set_phase(s, "running")
@@ -135,7 +139,7 @@ class Activation:
         except BaseException:
             self._p._set_phase(s, "running")
             raise
-        if s.park_requested and self._p._ready_reported:
+        if self._p._ready_reported:  # only ever set while closed
             self._p._set_phase(s, "holding_reply")
             await self._p._until_reopened(s)
         self._p._set_phase(s, "running")
@@ -168,6 +172,12 @@ class AgentSessionParticipant(CheckpointParticipant):
         self._reopened = asyncio.Event()
         self._reopened.set()
         self._ready_reported = False  # this close cycle told someone "ready"
+        # The listed sessions by phase, kept on every move, so readiness and a capture look only at
+        # the few that block or changed instead of scanning every session while rollouts are held.
+        self._by_phase: dict[str, set[_Session]] = {phase: set() for phase in get_args(SessionPhase)}
+        # Listed sessions at a boundary whose record is not made yet (came to rest before the first
+        # checkpoint, or serialising failed): what ``close_admission`` still has to serialise.
+        self._uncaptured: set[_Session] = set()
 
     def status_extra(self) -> dict[str, Any]:
         return {"restart_only": False}
@@ -183,8 +193,8 @@ class AgentSessionParticipant(CheckpointParticipant):
         key = episode.capture_key
         if key in self._sessions:
             raise RunRequestError(409, "rollout_in_progress", f"{self.name}: a /run for {key} is already running")
-        s = _Session(episode, park_requested=not self.accepting)
-        self._sessions[key] = s
+        s = _Session(episode)
+        self._list(s)
         s.task = asyncio.create_task(self._drive(s, runner), name=f"agent-run:{key}")
         self.notify_changed()
         try:
@@ -196,8 +206,19 @@ class AgentSessionParticipant(CheckpointParticipant):
             raise
         finally:
             if self._sessions.get(key) is s:
-                del self._sessions[key]
+                self._unlist(s)
             self.notify_changed()
+
+    def _list(self, s: _Session) -> None:
+        self._sessions[s.key] = s
+        s.listed = True
+        self._by_phase[s.phase].add(s)
+
+    def _unlist(self, s: _Session) -> None:
+        del self._sessions[s.key]
+        s.listed = False
+        self._by_phase[s.phase].discard(s)
+        self._uncaptured.discard(s)
 
     async def _drive(self, s: _Session, runner: Runner[T]) -> T:
         await self._until_reopened(s)  # a /run that arrives while closed waits
@@ -210,12 +231,21 @@ class AgentSessionParticipant(CheckpointParticipant):
         return await runner(act, restored.boundary, restored.state)
 
     def _set_phase(self, s: _Session, phase: SessionPhase) -> None:
-        if s.phase != phase:
+        old = s.phase
+        if old != phase:
             if phase in _MUTABLE:
                 s.version += 1
             s.phase = phase
-            if phase in _AT_BOUNDARY and (self.capture_eagerly or not self.accepting):
-                self._precapture(s)
+            if s.listed:
+                self._by_phase[old].discard(s)
+                self._by_phase[phase].add(s)
+                if phase in _MUTABLE:
+                    self._uncaptured.discard(s)
+                elif phase in _AT_BOUNDARY:
+                    if self.capture_eagerly or not self.accepting:
+                        self._precapture(s)
+                    if s.captured is None or s.captured[0] != s.version:
+                        self._uncaptured.add(s)
             self.notify_changed()
 
     def _captured(self, s: _Session) -> CapturedRecord:
@@ -228,6 +258,7 @@ class AgentSessionParticipant(CheckpointParticipant):
             if entry is None:  # cannot happen: an EpisodeId, strings and a fragment
                 raise CheckpointError(f"{self.name}: the record of session {s.episode} cannot be captured")
             s.captured = (s.version, entry)
+            self._uncaptured.discard(s)
         return s.captured[1]
 
     def _precapture(self, s: _Session) -> None:
@@ -241,7 +272,8 @@ class AgentSessionParticipant(CheckpointParticipant):
                 s.captured = None
 
     async def _until_reopened(self, s: _Session) -> None:
-        while s.park_requested:
+        # A park is requested of every session exactly while admission is closed.
+        while not self.accepting:
             await self._reopened.wait()
 
     # -- admission ---------------------------------------------------------
@@ -252,40 +284,27 @@ class AgentSessionParticipant(CheckpointParticipant):
         self._ready_reported = False
         if self._reopened.is_set():
             self._reopened = asyncio.Event()
-        for s in self._sessions.values():
-            s.park_requested = True
-            if s.phase in _AT_BOUNDARY:
-                self._precapture(s)
+        for s in list(self._uncaptured):  # every other session at rest was serialised as it came to rest
+            self._precapture(s)
         self.notify_changed()
 
     async def open_admission(self) -> None:
         self.accepting = True
         self._ready_reported = False
-        for s in self._sessions.values():
-            s.park_requested = False
         self._reopened.set()
         self.notify_changed()
 
     def readiness(self) -> PrepareReport:
-        blockers: list[str] = []
-        unsaved: list[str] = []
-        sessions = at_boundary = awaiting = 0
-        for key, s in self._sessions.items():
-            if s.phase == "admitting":
-                # Arrived while closed and has done nothing: nothing to save, so after a
-                # crash it restarts from its prompt. Saying so keeps it out of commit scopes.
-                if key not in self._restored:
-                    unsaved.append(key)
-                continue
-            sessions += 1
-            if s.phase == "parked":
-                at_boundary += 1
-            elif s.phase in _WAITING_ON_MODEL:
-                awaiting += 1
-            else:
-                blockers.append(key)
+        by_phase = self._by_phase
+        blockers = [s.key for s in by_phase["seeding"]] + [s.key for s in by_phase["running"]]
+        # An admitting /run arrived while closed and has done nothing: nothing to save, so after a
+        # crash it restarts from its prompt. Saying so keeps it out of commit scopes.
+        admitting = by_phase["admitting"]
+        unsaved = [s.key for s in admitting if s.key not in self._restored]
         pending = len(self._restored)  # installed, /run not started yet (a waiting one is skipped above)
-        counts = {"sessions": sessions + pending, "at_boundary": at_boundary + pending, "awaiting_model": awaiting}
+        counts = {"sessions": len(self._sessions) - len(admitting) + pending,
+                  "at_boundary": len(by_phase["parked"]) + pending,
+                  "awaiting_model": len(by_phase["awaiting_model"]) + len(by_phase["holding_reply"])}
         report = PrepareReport.build(blockers, unsaved, counts)
         if report.ready and not self.accepting:
             self._ready_reported = True
@@ -296,10 +315,9 @@ class AgentSessionParticipant(CheckpointParticipant):
         """The sessions a commit of ``wanted`` (None: all) exports, in key order; raises for one in
         scope that is not at a boundary."""
         out: list[_Session] = []
-        for key in sorted(self._sessions):
+        keys = self._sessions if wanted is None else [k for k in wanted if k in self._sessions]
+        for key in sorted(keys):
             s = self._sessions[key]
-            if wanted is not None and key not in wanted:
-                continue
             if s.phase == "admitting":
                 if key in self._restored or wanted is None:
                     continue  # a restored one is exported from ``_restored``
@@ -314,9 +332,10 @@ class AgentSessionParticipant(CheckpointParticipant):
             out.append(s)
         return out
 
-    def _restored_records(self, wanted: set[str] | None) -> list[Record]:
+    def _restored_records(self, wanted: set[str] | None, ordered: bool = True) -> list[Record]:
+        restored = sorted(self._restored.items()) if ordered else self._restored.items()
         return [make_record(r.episode, r.boundary, r.state)
-                for key, r in sorted(self._restored.items()) if wanted is None or key in wanted]
+                for key, r in restored if wanted is None or key in wanted]
 
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         wanted = None if episodes is None else {e.capture_key for e in episodes}
@@ -326,8 +345,20 @@ class AgentSessionParticipant(CheckpointParticipant):
 
     async def capture_records(self) -> list[Any]:
         """Each parked session's ``CapturedRecord``, kept while it has not moved (most were made as
-        the sessions came to rest, so this does almost no work while rollouts are held)."""
-        return [self._captured(s) for s in self._exportable(None)] + self._restored_records(None)
+        the sessions came to rest, so this does almost no work while rollouts are held). In no
+        particular order: the capture keys them by capture key."""
+        if self._by_phase["seeding"] or self._by_phase["running"]:
+            self._exportable(None)  # raises, naming the first session (in key order) not at a boundary
+        out: list[Any] = []
+        for s in self._sessions.values():
+            captured = s.captured
+            if captured is not None and captured[0] == s.version:
+                out.append(captured[1])  # at a boundary: a record is made only there
+            elif s.phase != "admitting":
+                if s.state is None or s.boundary is None:
+                    self._exportable(None)  # raises for the first such session in key order
+                out.append(self._captured(s))
+        return out + self._restored_records(None, ordered=False)
 
     async def install(self, records: list[Record]) -> list[str]:
         parsed: list[RestoredSession] = []

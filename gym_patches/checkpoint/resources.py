@@ -104,6 +104,11 @@ class ResourcesParticipant(CheckpointParticipant):
         self._open.set()
         # session id -> capture key of sessions retired here (a later call gets stale_attempt)
         self._retired_sessions: OrderedDict[str, str] = OrderedDict()
+        # Kept on every call, so readiness and a capture look only at what blocks or changed instead of
+        # scanning every session while rollouts are held: the live sessions with a call in flight, and
+        # the idle ones whose state is not exported yet (``close_admission`` exports those).
+        self._busy: dict[str, LiveSession] = {}
+        self._unexported: dict[str, LiveSession] = {}
 
     # -- admission ---------------------------------------------------------
     @property
@@ -116,7 +121,7 @@ class ResourcesParticipant(CheckpointParticipant):
         self.accepting = False
         self.capture_eagerly = True
         self._open.clear()
-        for session in self.sessions.values():
+        for session in list(self._unexported.values()):  # the others were exported after their last call
             self._precapture(session)
         self.notify_changed()
 
@@ -129,6 +134,9 @@ class ResourcesParticipant(CheckpointParticipant):
                 self._captured(session)
             except Exception:
                 session.exported = session.captured = None
+            else:
+                if self._unexported.get(session.session_id) is session:
+                    del self._unexported[session.session_id]
 
     async def open_admission(self) -> None:
         self.accepting = True
@@ -145,14 +153,14 @@ class ResourcesParticipant(CheckpointParticipant):
 
     def readiness(self) -> PrepareReport:
         seeding = [s.episode.capture_key for s in self._seeding.values()]
-        inflight = sum(s.inflight for s in self.sessions.values()) + len(seeding)
+        inflight = sum(s.inflight for s in self._busy.values()) + len(seeding)
         counts = {"inflight": inflight, "sessions": len(self.sessions), "waiting": self._waiting}
         if self.mode == "restart_only":
             live = [s.episode.capture_key for s in self.sessions.values()] + seeding
             if self.policy == "best_effort":
                 return PrepareReport.build([], unsaved=live, counts=counts)
             return PrepareReport.build(live, counts=counts)
-        busy = [s.episode.capture_key for s in self.sessions.values() if s.inflight > 0] + seeding
+        busy = [s.episode.capture_key for s in self._busy.values()] + seeding
         return PrepareReport.build(busy, counts=counts)
 
     def status_extra(self) -> dict[str, Any]:
@@ -180,9 +188,14 @@ class ResourcesParticipant(CheckpointParticipant):
         if session_id in self.sessions:
             raise CheckpointError(f"{self.instance}: session {session_id!r} is already live")
         session = LiveSession(session_id, episode, state)
-        self.sessions[session_id] = session
+        self._list(session)
         self.notify_changed()
         return session
+
+    def _list(self, session: LiveSession) -> None:
+        self.sessions[session.session_id] = session
+        if self.mode == "exported":
+            self._unexported[session.session_id] = session
 
     def lookup(self, session_id: str | None) -> LiveSession:
         """The live session, or ``stale_attempt`` / ``UnknownSessionError``."""
@@ -207,11 +220,17 @@ class ResourcesParticipant(CheckpointParticipant):
         session = self.lookup(session_id)  # it may have been retired while we waited
         session.inflight += 1
         session.calls += 1
+        self._busy[session.session_id] = session  # lookup found it live
+        self._unexported.pop(session.session_id, None)
         self.notify_changed()
         try:
             yield session
         finally:
             session.inflight -= 1
+            if session.inflight == 0 and self._busy.get(session.session_id) is session:
+                del self._busy[session.session_id]
+                if self.mode == "exported":
+                    self._unexported[session.session_id] = session  # until exported below
             if self.capture_eagerly or not self.accepting:
                 self._precapture(session)
             self.notify_changed()
@@ -222,6 +241,8 @@ class ResourcesParticipant(CheckpointParticipant):
         """Forget a session (after verify/close); its state is freed once no call uses it."""
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
+            self._busy.pop(session.session_id, None)
+            self._unexported.pop(session.session_id, None)
         session.ended = True
         self.notify_changed()
         if session.inflight == 0:
@@ -267,12 +288,14 @@ class ResourcesParticipant(CheckpointParticipant):
         their last call ended); a state given as Python objects goes as a plain record."""
         if self.mode == "restart_only":
             return []
+        if self._busy:
+            session = next(s for s in self.sessions.values() if s.inflight)  # the first, as a scan finds it
+            raise CheckpointError(f"{self.instance}: session {session.session_id!r} of "
+                                  f"{session.episode.capture_key} has a call in flight")
         out: list[Any] = []
         for session in self.sessions.values():
-            if session.inflight:
-                raise CheckpointError(f"{self.instance}: session {session.session_id!r} of "
-                                      f"{session.episode.capture_key} has a call in flight")
-            out.append(self._captured(session))
+            cached = session.captured
+            out.append(cached[1] if cached is not None and cached[0] == session.calls else self._captured(session))
         return out
 
     def _record(self, session: LiveSession) -> Record:
@@ -336,7 +359,7 @@ class ResourcesParticipant(CheckpointParticipant):
                     await self.hooks.close_state(state)
             raise
         for session_id, episode, state in built:
-            self.sessions[session_id] = LiveSession(session_id, episode, state)
+            self._list(LiveSession(session_id, episode, state))
         self.notify_changed()
         keys: list[str] = []
         for _, episode, _ in built:

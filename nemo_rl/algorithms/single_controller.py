@@ -34,6 +34,7 @@ from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBack
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import StallWatchdog
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
+    RestoreLookup,
     RolloutSnapshotter,
     RunRestorer,
     SnapshotInputs,
@@ -94,9 +95,11 @@ class SingleController:
         startup: StartupClock | None = None,
         loggers: MetricLoggers | None = None,  # the metric backends (opened and closed by the runner)
         hooks: RunHooks | None = None,  # where tests act (crash points); none: the product's no-op
+        restore_lookup: RestoreLookup | None = None,  # the runner's one lookup at start; none: look here
     ):
         self.config = config
         self.hooks = hooks or RunHooks()
+        self.restore_lookup = restore_lookup
         self.startup = startup or StartupClock(None)
         self.val_rows = list(val_rows or [])
         self.shard_set = shard_set
@@ -467,7 +470,7 @@ class SingleController:
             max_attempts_per_sibling=self.config.async_rl.rollout_failure.max_infra_attempts_per_prompt,
             load_trainer=load_trainer, hooks=self.hooks,
         )
-        restored = await restorer.restore()
+        restored = await restorer.restore(self.restore_lookup)
         self.startup.resumed = restored is not None and restored.step > 0
         if restored is None:
             ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})

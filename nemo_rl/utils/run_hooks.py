@@ -12,8 +12,8 @@ from __future__ import annotations
 PHASES: dict[str, str] = {
     "prepare": "a snapshot has Gym prepared, before anything is committed",
     "commit": "Gym has committed its records (staged: captured them at prepare), before the snapshot is published",
-    "persist": "staged snapshots only: rollouts have resumed, Gym has not written its captured records and the "
-               "snapshot is not published (the previous one must stay the newest valid)",
+    "persist": "rollouts have resumed after a snapshot's pause and its files are not written (staged: Gym has "
+               "not written its captured records); the previous snapshot must stay the newest valid",
     "publish": "the snapshot's temporary directory is fully written, before it is sealed and renamed into place",
     "restore": "Gym has restored the snapshot's episodes, before the ledger is applied",
     "train": "inside a training step: the trainer has consumed the batch, the step is not checkpointed yet",

@@ -234,7 +234,8 @@ def _install():
     timing = os.environ.get("BENCH_TIMING_FILE")
     if timing:
         hooks.update(_timing_hooks(timing))
-        if any(a.endswith("run_grpo.py") for a in sys.argv[:1]):
+        # the run's driver: ``python -m testkit.run_grpo`` (sys.argv is not set yet at startup)
+        if any(a.endswith("run_grpo.py") or a.endswith("run_grpo") for a in sys.orig_argv[:3]):
             _append(timing, {"event": "process_start", "start": _STARTED, "end": _STARTED, "pid": os.getpid(),
                              "ok": True})
     if hooks:

@@ -19,6 +19,7 @@ import ray
 
 from gym_patches.utils.processes import free_port
 from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, MasterConfig
+from nemo_rl.utils.snapshot_store import RestorePoint
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +142,7 @@ def reserve_policy_url(config: MasterConfig) -> tuple[str, int]:
     return f"http://127.0.0.1:{port}/v1", port
 
 
-def _trainer_restore_point(config: MasterConfig):
-    from nemo_rl.utils.snapshot_store import resolve_restore_point
-
-    if not config.checkpointing.enabled:
-        return None
-    point = resolve_restore_point(config.checkpointing.checkpoint_dir)
-    return point if point is not None and point.step > 0 else None
-
-
-def preflight(config: MasterConfig) -> str | None:
+def preflight(config: MasterConfig, point: RestorePoint | None) -> str | None:
     """Checks before anything starts (no Ray, no Gym yet).
 
     Returns a message when the run in ``checkpointing.checkpoint_dir`` already
@@ -159,8 +151,7 @@ def preflight(config: MasterConfig) -> str | None:
     """
     from nemo_rl.models.policy import resolve_model_source
 
-    point = _trainer_restore_point(config)
-    if point is not None:
+    if point is not None and point.step > 0:
         if point.step >= config.grpo.max_num_steps:
             return (f"The run is complete: {config.checkpointing.checkpoint_dir} holds trainer step {point.step} "
                     f"of grpo.max_num_steps={config.grpo.max_num_steps}. Nothing to do (raise grpo.max_num_steps "
@@ -173,7 +164,8 @@ def preflight(config: MasterConfig) -> str | None:
     return None
 
 
-def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, log=print) -> tuple[Any, Any]:
+def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, point: RestorePoint | None,
+               log=print) -> tuple[Any, Any]:
     """The policy (from a trainer checkpoint, the cached embedded default, or ``policy.model_name``),
     the GRPO trainer, and the generation worker.
 
@@ -190,8 +182,7 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, log=
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(config.grpo.seed)
-    point = _trainer_restore_point(config)
-    if point is not None:
+    if point is not None and point.step > 0:  # the step the controller restores (one lookup per start)
         saved = json.loads((point.anchor / "trainer_state.json").read_text()).get("policy_cfg", {})
         if saved.get("model_name") != config.policy.model_name:
             raise ValueError(

@@ -322,7 +322,8 @@ class RolloutRecoveryConfig(_Section):
 class RolloutCheckpointConfig(_Section):
     snapshot_attempt_interval_s: float | None = Field(default=None, gt=0)  # None: off
     # staged: Gym captures its records in memory while rollouts are held and writes them after resume
-    # (the pause is the capture only); blocking: everything is written before rollouts resume.
+    # (the pause is the capture only); blocking: Gym writes its records before rollouts resume. The
+    # controller's own files are written after resume in both (rollout_snapshot/stagers.py).
     commit_mode: Literal["staged", "blocking"] = "staged"
     max_consecutive_failures: int = Field(default=3, ge=1)
     keep_latest_k: int = Field(default=2, ge=1)  # snapshots kept per trainer step (anchor)

@@ -28,6 +28,7 @@ from nemo_rl.algorithms.single_controller_utils.components import (
     reserve_policy_url,
 )
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import RestoreLookup, find_restore_point
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
 from nemo_rl.utils.loggers import MetricLoggers, open_loggers
@@ -140,9 +141,15 @@ def run(config: MasterConfig, *, launched_at: float | None = None, hooks: RunHoo
 
 def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> int:
     check_run_identity(config)  # another run's checkpoint_dir is refused before anything starts
+    lookup = RestoreLookup(None)
     if config.checkpointing.enabled:
         remove_stale_tmp_dirs(config.checkpointing.checkpoint_dir)  # only this process writes here now
-    finished = preflight(config)  # an unfetchable policy.model_name fails here too, in seconds
+        # The one lookup of what this start restores (the chosen trainer step is hashed once, here).
+        lookup = find_restore_point(
+            Path(config.checkpointing.checkpoint_dir),
+            turn_level=config.rollout_recovery.turn_checkpointing_enabled,
+            read_snapshots=config.rollout_checkpointing.restore_mode != "trainer_checkpoint")
+    finished = preflight(config, lookup.point)  # an unfetchable policy.model_name fails here too, in seconds
     if finished:
         print(finished, flush=True)
         return 0
@@ -164,7 +171,7 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> in
         # seconds naming its key; after the reaper, so a W&B service process is one of the run's own.
         # Closed on every way out, so the last rows reach the backends when the run fails too.
         with open_loggers(config.logger, config.to_dict()) as loggers:
-            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, hooks, startup, loggers)
+            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, hooks, startup, loggers, lookup)
     finally:
         reaper.stop()
     _report(config, summary)
@@ -173,7 +180,7 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> in
 
 def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
          val_rows: list[dict[str, Any]], scripted: bool, hooks: RunHooks,
-         startup: StartupClock, loggers: MetricLoggers) -> dict[str, Any]:
+         startup: StartupClock, loggers: MetricLoggers, lookup: RestoreLookup) -> dict[str, Any]:
     init_ray(config)
     startup.mark("ray")
     generation = None
@@ -196,11 +203,11 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
 
             trainer = RecordingTrainer(log_dir)
         else:
-            trainer, generation = build_real(config, rows, port)
+            trainer, generation = build_real(config, rows, port, lookup.point)
         startup.mark("model")
         freeze_startup_objects()  # imports, config and the model stay out of every later full collection
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                                              loggers, hooks))
+                                              loggers, hooks, lookup))
     finally:
         if shard_set is not None:
             shard_set.shutdown()
@@ -211,14 +218,14 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
 
 
 async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                          loggers, hooks) -> dict[str, Any]:
+                          loggers, hooks, lookup) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
     with StepProgress(total=config.grpo.max_num_steps, enabled=config.logger.progress_bar) as progress:
         controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
                                       on_progress=progress.update, startup=startup, loggers=loggers,
-                                      hooks=hooks)
+                                      hooks=hooks, restore_lookup=lookup)
         summary = await controller.run()
     return summary
 

@@ -23,7 +23,12 @@ The Gym side of every call goes through ``GymCheckpointCoordinator``
 
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, SnapshotSuperseded
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import RestoredState, RunRestorer
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import (
+    RestoredState,
+    RestoreLookup,
+    RunRestorer,
+    find_restore_point,
+)
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.snapshotter import RolloutSnapshotter
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
@@ -37,10 +42,12 @@ __all__ = [
     "GYM_CHECKPOINT_FILE",
     "ControllerState",
     "GymCheckpointIndex",
+    "RestoreLookup",
     "RestoredState",
     "RolloutSnapshotter",
     "RunRestorer",
     "SnapshotInputs",
     "SnapshotOutcome",
     "SnapshotSuperseded",
+    "find_restore_point",
 ]

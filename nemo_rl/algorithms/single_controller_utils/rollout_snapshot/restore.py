@@ -26,7 +26,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import SnapshotStoreError, resolve_restore_point
+from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError, resolve_restore_point
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,25 @@ class TrainerBookkeeping(BaseModel):
     dataloader: dict[str, Any]
     ledger: dict[str, Any]
     metrics_row: dict[str, Any] | None = None  # the step's metrics.jsonl row, in case its append was lost
+
+
+@dataclass(frozen=True)
+class RestoreLookup:
+    """A start's one lookup of what to restore (``find_restore_point``); ``point`` None: a new run.
+
+    The runner takes it before anything starts and hands it to everything that needs it (the
+    finished-run check, the policy's weights, the controller's restore), so the chosen checkpoint
+    is hashed once per start."""
+
+    point: RestorePoint | None
+
+
+def find_restore_point(checkpoint_dir: Path, *, turn_level: bool, read_snapshots: bool) -> RestoreLookup:
+    """The newest intact trainer step (only it is hashed) and its newest snapshot that verifies and
+    holds every file this run needs; ``read_snapshots=False`` (restore_mode=trainer_checkpoint)
+    leaves the snapshots unread."""
+    return RestoreLookup(resolve_restore_point(checkpoint_dir, required_snapshot_files(turn_level),
+                                               read_snapshots=read_snapshots))
 
 
 @dataclass(frozen=True)
@@ -83,13 +102,13 @@ class RunRestorer:
             ledger.max_attempts_per_sibling = self.max_attempts
         return ledger
 
-    async def restore(self) -> RestoredState | None:
-        """None: nothing to restore (a new run)."""
+    async def restore(self, lookup: RestoreLookup | None = None) -> RestoredState | None:
+        """None: nothing to restore (a new run). ``lookup``: the start's lookup, if the runner took it."""
         turn_level = self.coordinator is not None
-        # One scan: the newest intact trainer step (only it is hashed) and its newest usable snapshot;
-        # restore_mode=trainer_checkpoint leaves the snapshots unread.
-        point = resolve_restore_point(self.checkpoint_dir, required_snapshot_files(turn_level),
-                                      read_snapshots=self.read_snapshots)
+        if lookup is None:
+            lookup = find_restore_point(self.checkpoint_dir, turn_level=turn_level,
+                                        read_snapshots=self.read_snapshots)
+        point = lookup.point
         if point is None:
             return None
         selection = point.snapshot

@@ -2,6 +2,9 @@
 
     python examples/bench_recovery.py            # full run (about 30 minutes on 2 cores)
     python examples/bench_recovery.py --quick    # small N, few repeats (a few minutes)
+    python examples/bench_recovery.py --preset n8192   # N = 2048 and 8192 on one replica, both commit modes,
+                                                       # plus the bookkeeping rows (about 15 minutes, under 25)
+    python examples/bench_recovery.py --only snapshot_cost --sizes 2048,8192 --per-replica 8192 --repeats 3
     python examples/bench_recovery.py --only snapshot_cost,stall --out /tmp/bench
     python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
 
@@ -20,6 +23,11 @@ Measurements (see docs/benchmarks.md for the method behind each):
   overhead       5. rollouts per minute with snapshots every T seconds versus none
   setup_check    6. seconds from launch to the setup error of the mixed config as shipped
   relaunch       7. seconds from the relaunch after a SIGKILL to the first dispatched rollout, by phase
+  bookkeeping    8. bytes read and seconds of trainer-checkpoint bookkeeping per save and restore lookup
+
+A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
+Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
+evaluated on steady attempts.
 
 Prints progress lines and one markdown table per measurement, writes
 ``<out>/recovery.json``, ``<out>/recovery.md`` and ``<out>/<measurement>.png``.
@@ -43,12 +51,22 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from bench import alternative, overhead, relaunch, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
+from bench import (  # noqa: E402
+    alternative,
+    bookkeeping,
+    overhead,
+    relaunch,
+    setup_check,
+    snapshot_cost,
+    stall,
+    work_lost,
+)
 from bench.common import SharedGym, fmt, machine_info, make_log  # noqa: E402
-from bench.plots import plot  # noqa: E402
+from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
-MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch)}
+MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
+                               bookkeeping)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -57,12 +75,18 @@ VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small N and few repeats (under 3 minutes)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="full (default), quick or tiny")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="full (default), quick, tiny or n8192 (measurements 1 and 8 at N = 2048 and 8192)")
     p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(ORDER)}")
     p.add_argument("--out", default="bench_results", help="where recovery.json, recovery.md and the PNGs go")
     p.add_argument("--workdir", default=None, help="scratch space (default: a temp dir, removed at the end)")
     p.add_argument("--keep-workdir", action="store_true", help="keep run logs and checkpoints")
     p.add_argument("--sizes", default=None, help="override snapshot_cost sizes, e.g. 8,64,512")
+    p.add_argument("--per-replica", type=int, default=None, metavar="N",
+                   help="snapshot_cost: rollouts per Gym replica (default 2048; N above it uses ceil(N / this) "
+                        "replicas), e.g. 8192 to run N = 8192 on one replica like N = 2048")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="override snapshot_cost repeats (steady snapshots each run waits for)")
     p.add_argument("--variant", nargs="+", action="append", default=None, metavar=("LABEL", "OVERRIDE"),
                    help="a label and config overrides for every controller run of measurements 1, 2 and 5; "
                         "repeat to compare variants side by side")
@@ -130,6 +154,21 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
                          f"{'—' if slope is None else f'{slope:.2f}'}"
                          + ("; a step grew faster than N" if gv.get("every_step_within_linear") is False else "")
                          + ")")
+            lg = g.get("large")
+            if lg:
+                big = (gv.get("large") or {}).get("disk") or {}
+                detail = ("" if big.get("excess_ms_median") is None else
+                          f" (disk: median {big['excess_ms_median']:.0f} ms over the tool, worst "
+                          f"{big['excess_ms_max']:.0f} ms, {big.get('attempts', '?')} attempt(s))")
+                lines.append(f"1.{tag} pause at N={lg['at_n']} within {lg['pause_within_ms_of_longest_tool']:g} ms "
+                             f"of the longest tool call in flight: {yes(big.get('met'))}{detail}")
+                gr = (gv.get("large") or {}).get("growth") or {}
+                shown = ("" if gr.get("ratio") is None else
+                         f" (x{gr['ratio']:.2f}: {gr['pause_ms_from']:,.0f} → {gr['pause_ms_to']:,.0f} ms)")
+                lines.append(f"1.{tag} idle pause growth from N={lg['growth_from_n']} to N={lg['growth_to_n']} at most "
+                             f"x{lg['growth_max']:g}: {yes(gr.get('met'))}{shown}")
+        if g.get("basis"):
+            lines.append(f"1. every goal of measurement 1 is evaluated on {g['basis']}")
         sb = g.get("staged_over_blocking")
         if sb is not None:
             detail = (f"{sb['ratio']:.2f} = {sb['staged_pause_ms']:,.0f} / {sb['blocking_pause_ms']:,.0f} ms"
@@ -185,6 +224,18 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
                      f"{fmt(rows.get('first', {}).get('to_first_dispatch_s'), 1, 1)} s; every relaunch resumed: "
                      f"{yes(g.get('every_relaunch_resumed'))}; 1-minute load average at relaunch "
                      f"{fmt(g.get('loadavg_1m_at_relaunch'), 1, 2)})")
+    if "bookkeeping" in results:
+        g = results["bookkeeping"]["goal"]
+        keep = results["bookkeeping"]["config"]["keep"]
+
+        def passes(key: str) -> str:
+            return "" if g.get(key) is None else f" (most {g[key]:.2f} passes)"
+
+        lines.append(f"8. trainer-checkpoint bookkeeping, keep_top_k={keep}: a save reads its own bytes at most once: "
+                     f"{yes(g['save_reads_own_bytes_at_most_once'])}{passes('max_save_passes')}; its prune rereads no "
+                     f"kept step: {yes(g['prune_rereads_no_kept_step'])}{passes('max_prune_passes')}; a restore-point "
+                     f"lookup hashes only the step it restores: {yes(g['restore_hashes_only_the_restored_step'])}"
+                     f"{passes('max_restore_passes')}")
     return lines
 
 
@@ -203,7 +254,9 @@ def render_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     for name in ORDER:
         if name in results:
             res = results[name]
-            out += [f"## {res['title']}", "", MODULES[name].table(res), "", f"![{name}]({name}.png)", ""]
+            out += [f"## {res['title']}", "", MODULES[name].table(res), ""]
+            if name in PLOTTERS:
+                out += [f"![{name}]({name}.png)", ""]
     out += ["## Goals", ""] + [f"- {line}" for line in goal_lines(results)] + [""]
     return "\n".join(out)
 
@@ -229,27 +282,62 @@ def render(path: Path, out: Path) -> int:
         r["rows"] = relaunch.rows_of(r["repeats"])
         r["goal"] = relaunch.goal_of(r["rows"], r["repeats"], r["goal"].get("relaunch_to_first_dispatch_max_s",
                                                                         relaunch.GOAL_S))
+    if "bookkeeping" in results:
+        results["bookkeeping"]["goal"] = bookkeeping.goal_of(results["bookkeeping"]["results"])
     out.mkdir(parents=True, exist_ok=True)
     for name, res in results.items():
-        plot(name, res, out)
+        if name in PLOTTERS:
+            plot(name, res, out)
     (out / "recovery.json").write_text(json.dumps(_json_safe({"meta": meta, "results": results}), indent=1) + "\n")
     (out / "recovery.md").write_text(render_markdown(results, meta))
     print("Goals:\n" + "\n".join(f"  {line}" for line in goal_lines(results)), flush=True)
     return 0
 
 
+def plan(args: argparse.Namespace) -> tuple[str, dict[str, dict[str, Any]], list[str]]:
+    """The preset's name and parameters with the command line's overrides laid over them, and the
+    measurements to run, in order (``--only``, else every one the preset has parameters for)."""
+    preset_name = args.preset or ("quick" if args.quick else "full")
+    preset = {k: dict(v) for k, v in PRESETS[preset_name].items()}
+    wanted = {s.strip() for s in args.only.split(",") if s.strip()} if args.only else set()
+    unknown = wanted - set(ORDER)
+    if unknown:
+        raise ValueError(f"unknown measurement(s) {sorted(unknown)}; choose from {ORDER}")
+    missing = wanted - set(preset)
+    if missing:
+        raise ValueError(f"preset {preset_name!r} has no parameters for {sorted(missing)}; it has {sorted(preset)}")
+    chosen = [n for n in ORDER if n in preset and (not wanted or n in wanted)]
+    cost: dict[str, Any] = {}
+    if args.sizes:
+        try:
+            cost["sizes"] = [int(x) for x in args.sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--sizes={args.sizes!r} must be whole numbers separated by commas (e.g. 512,2048)") \
+                from None
+        if not cost["sizes"] or min(cost["sizes"]) < 1:
+            raise ValueError(f"--sizes={args.sizes!r} must list sizes of at least 1")
+    for flag, key, value in (("--per-replica", "per_replica", args.per_replica),
+                             ("--repeats", "repeats", args.repeats)):
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"{flag}={value} must be at least 1")
+            cost[key] = value
+    if cost:
+        if "snapshot_cost" not in preset:
+            raise ValueError(f"--sizes, --per-replica and --repeats set snapshot_cost, which preset {preset_name!r} "
+                             "does not run")
+        preset["snapshot_cost"].update(cost)
+    return preset_name, preset, chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         return render(Path(args.render).resolve(), Path(args.out).resolve())
-    preset_name = args.preset or ("quick" if args.quick else "full")
-    preset = {k: dict(v) for k, v in PRESETS[preset_name].items()}
-    if args.sizes:
-        preset["snapshot_cost"]["sizes"] = [int(x) for x in args.sizes.split(",")]
-    chosen = [n for n in ORDER if not args.only or n in {s.strip() for s in args.only.split(",")}]
-    unknown = {s.strip() for s in args.only.split(",") if s.strip()} - set(ORDER) if args.only else set()
-    if unknown:
-        print(f"error: unknown measurement(s) {sorted(unknown)}; choose from {ORDER}", file=sys.stderr)
+    try:
+        preset_name, preset, chosen = plan(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "examples/bench_recovery.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(), "parameters": preset, "workdir": str(workdir),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": git_state(),
-        "variants": [{"label": v[0], "overrides": list(v[1:])} for v in args.variant or []],
+        "variants": [{"label": v[0], "overrides": list(v[1:])} for v in args.variant] if args.variant else
+        [{"label": label, "overrides": list(o)} for label, o in preset.get("snapshot_cost", {}).get("variants", [])],
     }
     meta["machine"]["fsync_4k_ms_workdir"] = round(fsync_latency_ms(workdir), 2)
     log(f"{preset_name} run of {', '.join(chosen)}; scratch in {workdir}; fsync of 4 KiB takes "
@@ -290,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             res["seconds"] = time.monotonic() - t0
             res["loadavg_1m"] = {"before": load_before[0], "after": os.getloadavg()[0]}
             results[name] = res
-            png = plot(name, res, out)
+            png = plot(name, res, out) if name in PLOTTERS else None
             print("\n" + module.TITLE + "\n\n" + module.table(res) + "\n", flush=True)
-            log(f"{name} done in {res['seconds']:.0f}s; plot {png}")
+            log(f"{name} done in {res['seconds']:.0f}s" + (f"; plot {png}" if png else ""))
             _write(out, results, meta, started)
     finally:
         if shared is not None:

@@ -2,6 +2,7 @@
 
     python examples/bench/bookkeeping.py                                   # 10 MB, 100 MB, 1 GB per step
     python examples/bench/bookkeeping.py --sizes-mb 10,100 --compare-full-verify --out /tmp/bookkeeping.json
+    python examples/bench_recovery.py --only bookkeeping      # the same, as a measurement of the benchmark
 
 For each step size, ``--saves`` trainer steps are saved into a fresh checkpoint
 directory with ``keep_top_k=--keep`` (3), as the controller saves them
@@ -31,6 +32,15 @@ each phase in this single-threaded process: it counts reads served from the
 page cache too, so it measures what the code reads, not what the disk did.
 Seconds are wall clock with a warm page cache (each step was just written), so
 they understate a cold restore. Writes a JSON of every save to ``--out``.
+
+Goals (issue 21), on the ``trust`` rows: a save's bookkeeping reads at most one
+pass over its own bytes, its prune reads no checkpoint bytes (never rereads kept
+steps), and a restore-point lookup reads at most one step (it hashes only the
+checkpoint it restores); ``PASS_SLACK`` of a step allows for manifests.
+
+As a measurement of ``examples/bench_recovery.py`` (``--only bookkeeping``):
+``measure(workdir=..., log=..., sizes_mb=..., saves=..., keep=..., compare_full_verify=...)``
+and ``table(result)``, like the other ``bench`` modules.
 """
 
 from __future__ import annotations
@@ -69,6 +79,9 @@ from nemo_rl.utils.snapshot_store import (  # noqa: E402
 
 MB = 1 << 20
 MODES = ("trust", "full_verify")
+NAME = "bookkeeping"
+TITLE = "8. Trainer-checkpoint bookkeeping: bytes read and seconds per save and per restore-point lookup"
+PASS_SLACK = 0.02  # of one step's bytes: manifests and small JSON read besides the checkpoint's files
 
 
 # ----- measuring ---------------------------------------------------------------------------------
@@ -149,8 +162,8 @@ def full_verify_restore_point(checkpoint_dir: Path) -> int | None:
 
 
 # ----- one size, one mode -----------------------------------------------------------------------
-def measure(size_mb: float, mode: str, *, saves: int, keep: int, workdir: Path,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+def measure_size(size_mb: float, mode: str, *, saves: int, keep: int, workdir: Path,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """``saves`` steps of about ``size_mb`` each, then a restore-point lookup; every phase timed and counted."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} must be one of {MODES}")
@@ -216,7 +229,7 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def table(results: list[dict[str, Any]]) -> str:
+def results_table(results: list[dict[str, Any]]) -> str:
     header = ["step", "mode", "bookkeeping read / save (median, max)", "bookkeeping s / save (median)",
               "save write s (median)", "checkpoint_s first → last", "restore lookup read", "restore lookup s"]
     rows = []
@@ -235,6 +248,59 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{res['restore']['s']:.3f}",
         ])
     return md_table(header, rows)
+
+
+# ----- as a measurement of bench_recovery.py ----------------------------------------------------
+def measure(*, workdir: Path, log: Callable[[str], None] = print,
+            sizes_mb: list[float] | tuple[float, ...] = (10, 100, 1024), saves: int = 6, keep: int = 3,
+            compare_full_verify: bool = False) -> dict[str, Any]:
+    """Every size (and, with ``compare_full_verify``, the behaviour before commit-marker trust),
+    in a fresh directory under ``workdir`` that is removed afterwards."""
+    sizes = [float(s) for s in sizes_mb]
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"bookkeeping sizes_mb={list(sizes_mb)!r} must list sizes above 0")
+    if saves < 1 or keep < 1:
+        raise ValueError(f"bookkeeping saves={saves} and keep={keep} must be >= 1")
+    if not Path("/proc/self/io").exists():
+        raise RuntimeError("bookkeeping: bytes read are taken from /proc/self/io (Linux only)")
+    modes = ["trust", "full_verify"] if compare_full_verify else ["trust"]
+    root = Path(workdir) / NAME
+    root.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for size in sizes:
+            for mode in modes:
+                results.append(measure_size(size, mode, saves=saves, keep=keep, workdir=root, log=log))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"name": NAME, "title": TITLE, "results": results, "goal": goal_of(results),
+            "config": {"sizes_mb": sizes, "saves": saves, "keep": keep, "modes": modes,
+                       "bytes_read": "rchar of /proc/self/io around each phase (reads served by the page cache count)"}}
+
+
+def goal_of(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 21's goals over the ``trust`` rows (None: no such row)."""
+    trust = [r for r in results if r["mode"] == "trust"]
+    if not trust:
+        return {"save_reads_own_bytes_at_most_once": None, "prune_rereads_no_kept_step": None,
+                "restore_hashes_only_the_restored_step": None, "pass_slack": PASS_SLACK}
+    save_passes = max(s["bookkeeping_passes"] for r in trust for s in r["saves"])
+    prune_passes = max(s["prune_read"] / s["step_bytes"] for r in trust for s in r["saves"])
+    restore_passes = max(r["restore"]["passes"] for r in trust)
+    return {"save_reads_own_bytes_at_most_once": save_passes <= 1 + PASS_SLACK,
+            "prune_rereads_no_kept_step": prune_passes <= PASS_SLACK,
+            "restore_hashes_only_the_restored_step": restore_passes <= 1 + PASS_SLACK,
+            "max_save_passes": save_passes, "max_prune_passes": round(prune_passes, 4),
+            "max_restore_passes": restore_passes, "pass_slack": PASS_SLACK}
+
+
+def table(res: dict[str, Any]) -> str:
+    """The rows of a ``measure`` result, with what a pass is."""
+    c = res["config"]
+    return (results_table(res["results"]) + "\n\n"
+            f"keep_top_k={c['keep']}, {c['saves']} saves per row. A pass = one step's bytes; bytes read = "
+            f"{c['bytes_read']}. *before (full verify)* rebuilds, from the store's own primitives, what listing "
+            "and sealing did before commit-marker trust (every kept step hashed on every prune and lookup).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,19 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--saves and --keep must be >= 1")
     if not Path("/proc/self/io").exists():
         p.error("bytes read are taken from /proc/self/io (Linux only)")
-    modes = ["trust", "full_verify"] if args.compare_full_verify else ["trust"]
-    results = []
     with tempfile.TemporaryDirectory(prefix="bookkeeping-", dir=args.workdir) as workdir:
-        for size in sizes:
-            for mode in modes:
-                results.append(measure(size, mode, saves=args.saves, keep=args.keep, workdir=Path(workdir)))
+        res = measure(workdir=Path(workdir), sizes_mb=sizes, saves=args.saves, keep=args.keep,
+                      compare_full_verify=args.compare_full_verify)
     print()
     print(f"Trainer-checkpoint bookkeeping, keep_top_k={args.keep}, {args.saves} saves per row "
           "(a pass = one step's bytes; bytes read = rchar of /proc/self/io)")
-    print(table(results))
-    record = {"keep": args.keep, "saves": args.saves, "sizes_mb": sizes,
-              "bytes_read": "rchar of /proc/self/io around each phase (reads served by the page cache count)",
-              "results": results}
+    print(results_table(res["results"]))
+    record = {"keep": args.keep, "saves": args.saves, "sizes_mb": sizes, "bytes_read": res["config"]["bytes_read"],
+              "results": res["results"], "goal": res["goal"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -9,6 +9,8 @@ One process, one asyncio loop, no HTTP (the control plane's HTTP cost is separat
 gate, their seeds, tool calls and verifies the real ``ResourcesParticipant`` (``exported``, the
 Workplace server's hooks and ``OfficeWorld``). Only generation is stood in: the bench hands out each
 reply (a Workplace tool call with token info, or a final answer), so it decides which sessions move.
+After one turn each, a capture holds about 8.0 KB per rollout from the agent, 1.2 KB from Workplace
+and 0.1 KB from the model (a real 8192-rollout run staged 6.8, 1.2 and 0.02 KB).
 
 At every prepare the sessions are where a busy replica has them: most waiting on the model, some in a
 tool call (it returns once admission has closed, as a real one would), a few new ``/run``s seeding.
@@ -21,10 +23,12 @@ Each participant then does what the control plane does for a ``capture`` prepare
   turn, or into a tool call still running at the prepare, or their episode ended and a new ``/run``
   took their place (seeding at the prepare). The state between two snapshots.
 
-Times are thread CPU ms (``time.thread_time``, GC frozen after setup): per participant its
-``close_admission``, its ``readiness`` calls (count and total) and its capture, and the whole window
+Times are thread CPU ms (``time.thread_time``, GC frozen during each prepare): per participant its
+``close_admission``, its ``readiness`` calls (count and total) and its capture (``take_capture``, and
+in brackets its own ``capture_records`` in it, timed again after the window), and the whole window
 from the first close to the last capture, which also holds the loop's work for the sessions that come
-to rest meanwhile (the three servers' work, run here in one thread).
+to rest meanwhile (the three servers' work, run here in one thread). ``reopen all``: the three
+``open_admission`` calls of the resume that follows (the loop's work for the released sessions is not in it).
 """
 
 from __future__ import annotations
@@ -207,7 +211,7 @@ class Timed:
     """Thread CPU spent in one participant's checkpoint calls during one prepare."""
 
     def __init__(self) -> None:
-        self.close = self.readiness = self.capture = 0.0
+        self.close = self.readiness = self.capture = self.own_capture = 0.0
         self.readiness_calls = 0
 
 
@@ -242,7 +246,12 @@ async def prepare(replica: Replica, checkpoint_id: str) -> tuple[float, dict[str
         staged = await take_capture(p, name, checkpoint_id, report.unsaved)
         timed[name].capture = time.thread_time() - t0
         captured[name] = len(staged.keys)
-    return time.thread_time() - start, timed, captured
+    window = time.thread_time() - start
+    for name, p in parts.items():  # outside the window: the participant's share of its capture
+        t0 = time.thread_time()
+        await p.capture_records()
+        timed[name].own_capture = time.thread_time() - t0
+    return window, timed, captured
 
 
 async def reopen(replica: Replica) -> None:
@@ -294,8 +303,9 @@ async def measure(n: int, repeats: int, fraction: float, in_tool: float, ended: 
             profiler.disable()
         assert captured["agent"] == n, f"agent captured {captured['agent']} of {n} sessions"
         assert captured["workplace"] == n, f"workplace captured {captured['workplace']} of {n} sessions"
-        rounds.append({"total": total, "timed": timed, "captured": captured})
+        t0 = time.thread_time()
         await reopen(replica)
+        rounds.append({"total": total, "timed": timed, "captured": captured, "reopen": time.thread_time() - t0})
         gc.unfreeze()
         await replica.settle(n, 0, 0)  # held tools finish their turn, new runs seed and call the model
         if r < repeats:
@@ -308,23 +318,25 @@ async def measure(n: int, repeats: int, fraction: float, in_tool: float, ended: 
 
 
 def row_of(n: int, label: str, rounds: list[dict[str, Any]]) -> list[Any]:
-    def med(get: Callable[[dict[str, Any]], float]) -> float:
-        return statistics.median(get(r) for r in rounds)
+    """One table row: medians over ``rounds`` of each participant's times."""
 
-    a = lambda r: r["timed"]["agent"]  # noqa: E731
-    w = lambda r: r["timed"]["workplace"]  # noqa: E731
-    m = lambda r: r["timed"]["model"]  # noqa: E731
-    return [n, label, len(rounds),
-            ms(med(lambda r: a(r).close)), f"{ms(med(lambda r: a(r).readiness))} ({med(lambda r: a(r).readiness_calls):.0f})",
-            ms(med(lambda r: a(r).capture)),
-            ms(med(lambda r: w(r).close)), f"{ms(med(lambda r: w(r).readiness))} ({med(lambda r: w(r).readiness_calls):.0f})",
-            ms(med(lambda r: w(r).capture)),
-            ms(med(lambda r: m(r).close + m(r).readiness + m(r).capture)),
-            ms(med(lambda r: r["total"]))]
+    def med(name: str, get: Callable[[Timed], float]) -> float:
+        return statistics.median(get(r["timed"][name]) for r in rounds)
+
+    def part(name: str) -> list[Any]:
+        return [ms(med(name, lambda t: t.close)),
+                f"{ms(med(name, lambda t: t.readiness))} ({med(name, lambda t: t.readiness_calls):.0f})",
+                f"{ms(med(name, lambda t: t.capture))} ({ms(med(name, lambda t: t.own_capture))})"]
+
+    model = ms(med("model", lambda t: t.close + t.readiness + t.capture))
+    window = ms(statistics.median(r["total"] for r in rounds))
+    reopened = ms(statistics.median(r["reopen"] for r in rounds))
+    return [n, label, len(rounds), *part("agent"), *part("workplace"), model, window, reopened]
 
 
-HEADER = ["N", "prepare", "runs", "agent close", "agent readiness (calls)", "agent capture",
-          "workplace close", "workplace readiness (calls)", "workplace capture", "model all", "window"]
+HEADER = ["N", "prepare", "runs", "agent close", "agent readiness (calls)", "agent capture (own)",
+          "workplace close", "workplace readiness (calls)", "workplace capture (own)", "model all", "window",
+          "reopen all"]
 
 
 def md_table(rows: list[list[Any]]) -> str:
@@ -353,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row_of(n, "first", [result["first"]]))
         rows.append(row_of(n, "steady", result["steady"]))
         print(f"N={n}: done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
-    print("thread CPU ms, median; readiness: total over its calls (median number of calls)")
+    print("thread CPU ms, median; readiness: total over its calls (median number of calls); capture: "
+          "take_capture (the participant's capture_records in it)")
     print(md_table(rows))
     if profiler is not None:
         out = _io.StringIO()

@@ -1,4 +1,4 @@
-"""Parameters of each measurement for the full run, ``--quick`` and the smoke test."""
+"""Parameters of each measurement for the full run, ``--quick``, the smoke test and ``--preset n8192``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ FULL: dict[str, dict[str, Any]] = {
     "overhead": {"repeats": 3},
     "setup_check": {"repeats": 3},
     "relaunch": {"repeats": 3},
+    "bookkeeping": {"sizes_mb": [10, 100, 1024], "saves": 6, "keep": 3, "compare_full_verify": True},
 }
 
 QUICK: dict[str, dict[str, Any]] = {
@@ -24,6 +25,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "overhead": {"repeats": 1, "steps": 4, "turns": (10,), "seconds": (1.0,)},
     "setup_check": {"repeats": 1},
     "relaunch": {"repeats": 1},
+    "bookkeeping": {"sizes_mb": [10], "saves": 4, "keep": 3, "compare_full_verify": True},
 }
 
 # The smoke test: the smallest configuration that still exercises every code path.
@@ -39,6 +41,22 @@ TINY: dict[str, dict[str, Any]] = {
                  "delay_s": 0.3},
     "setup_check": {"repeats": 1},
     "relaunch": {"repeats": 1, "prompts": 2, "generations": 2, "delay_s": 0.3, "interval_s": 0.3},
+    "bookkeeping": {"sizes_mb": [1], "saves": 4, "keep": 3, "compare_full_verify": True},
 }
 
-PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY}
+COMMIT_MODES = [("staged", ["rollout_checkpointing.commit_mode=staged"]),
+                ("blocking", ["rollout_checkpointing.commit_mode=blocking"])]
+
+# Issue 21's scale, 512 prompts x 16 generations = 8192 rollouts in flight, next to N = 2048 (128 x 16),
+# both on one Gym replica; idle and 0.5 s tools; both commit modes (``--variant`` replaces them); and
+# the trainer-checkpoint bookkeeping rows. 8 GRPO runs: about 15 minutes on 2 cores, under 25 even if
+# every run ran to its ``timeout_s`` (then it is stopped and reports what it had). A run stops once it
+# has ``repeats`` steady attempts; ``steps`` leaves room for more steps (each step at 8192 begins with
+# burst attempts).
+N8192: dict[str, dict[str, Any]] = {
+    "snapshot_cost": {"sizes": [2048, 8192], "repeats": 4, "generations": 16, "per_replica": 8192, "steps": 6,
+                      "timeout_s": {2048: 120.0, 8192: 220.0}, "variants": COMMIT_MODES},
+    "bookkeeping": {"sizes_mb": [10, 100, 1024], "saves": 6, "keep": 3, "compare_full_verify": True},
+}
+
+PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192}

@@ -111,7 +111,8 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
             tool_delay_s: float = 1.5, interval_s: float = 1.0, generations: int = 8, fill: float = 0.95, steps: int = 3,
             per_replica: int = 2048, tmpfs_sizes: list[int] | tuple[int, ...] = (), kinds: tuple[str, ...] = ("idle", "tool"),
             variants: list[Variant] | None = None, goal_n: int = GOAL_N, goal_ms: float = GOAL_EXCESS_MS,
-            timeout_s: float = 420.0, log: Log | None = None) -> dict[str, Any]:
+            timeout_s: float | dict[int, float] = 420.0, log: Log | None = None) -> dict[str, Any]:
+    """Every (variant, N, storage) row, idle and tool runs; ``timeout_s``: per run, or per N (a dict)."""
     log = log or make_log("snapshot-cost")
     variants = variants or DEFAULT_VARIANTS
     shm = tmpfs_root()
@@ -129,7 +130,7 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
                                      extra, repeats=repeats, steps=steps, tool_s=tool_s,
                                      delay_s=tool_delay_s if kind == "tool" else delay_s, interval_s=interval_s,
                                      generations=generations, fill=fill, per_replica=per_replica,
-                                     timeout_s=timeout_s, log=log)
+                                     timeout_s=_timeout(timeout_s, n), log=log)
                 rows.append(_row(row, kinds))
     fits = {}
     for label, _ in variants:
@@ -146,9 +147,18 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
                        "generations": generations, "fill": fill, "per_replica": per_replica,
                        "tmpfs_sizes": list(tmpfs_sizes), "kinds": list(kinds),
                        "variants": [{"label": v[0], "overrides": v[1]} for v in variants],
-                       "max_num_steps": steps, "timeout_s": timeout_s, "run_settings": list(RUN_SETTINGS),
+                       "max_num_steps": steps, "run_settings": list(RUN_SETTINGS),
+                       "timeout_s": {str(k): v for k, v in timeout_s.items()} if isinstance(timeout_s, dict)
+                       else timeout_s,
                        "setup": f"{CONFIG}, scripted backend, recording trainer, steps of N rollouts each "
                                 "(stopped once enough snapshots are in)"}}
+
+
+def _timeout(timeout_s: float | dict[int, float], n: int) -> float:
+    """A run's limit: ``timeout_s``, or its entry for N (an N it does not list gets the largest)."""
+    if not isinstance(timeout_s, dict):
+        return float(timeout_s)
+    return float(timeout_s.get(n, max(timeout_s.values())))
 
 
 def _shape(n: int, generations: int) -> tuple[int, int]:
@@ -188,12 +198,10 @@ def _one(root: Path, n: int, kind: str, storage: str, shm: Path | None, extra: l
         snaps = dirs.records("snapshots.jsonl")
         kept = [s for s, (c, _) in zip(snaps, attempt_classes(snaps))
                 if c == STEADY and s.get("committed") and in_flight(s) >= full]
-        if kind == "tool" and len(kept) >= repeats:
-            partial = _analyse_files(root, snaps, full, tool_s)
-            checked["done"] = sum(1 for a in partial
-                                  if a.get("excess_s") is not None and a["class"] == STEADY) >= repeats
-        else:
-            checked["done"] = len(kept) >= repeats
+        if len(kept) >= repeats:  # then also their timing lines (and, for tool runs, a tool call in flight)
+            timed = _analyse_files(root, snaps, full, tool_s, kind == "tool")
+            checked["done"] = sum(1 for a in timed if a["class"] == STEADY
+                                  and (kind != "tool" or a.get("excess_s") is not None)) >= repeats
         return checked["done"]
 
     log(f"N={n} ({prompts}x{gens}, {replicas} replica(s)) {kind} {storage}: run until {repeats} steady snapshots "
@@ -297,10 +305,11 @@ def attempt_counts(snapshots: list[dict[str, Any]], classes: list[tuple[str, str
     }
 
 
-def _analyse_files(root: Path, snapshots: list[dict[str, Any]], full: int, tool_s: float) -> list[dict[str, Any]]:
+def _analyse_files(root: Path, snapshots: list[dict[str, Any]], full: int, tool_s: float,
+                   tools: bool) -> list[dict[str, Any]]:
     """The same records from the files of a run still going (for its stop condition)."""
     return _attempt_records(snapshots, timed_attempts(read_jsonl(root / "snapshot-timing.jsonl")),
-                            read_jsonl(root / "tool-calls.jsonl"), full, tool_s, with_bytes=False)
+                            read_jsonl(root / "tool-calls.jsonl") if tools else None, full, tool_s, with_bytes=False)
 
 
 def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
@@ -321,7 +330,8 @@ def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
         by_server = s.get("captured_bytes_by_server")
         rec = {"checkpoint_id": s["checkpoint_id"], "in_flight": in_flight(s), "saved": s.get("saved", 0),
                "not_admitted": int(s.get("not_admitted") or 0), "step": s.get("step"), "class": cls,
-               "burst_reason": why, "started_at": a.get("start"), "pause_s": s["pause_s"], "persist_s": s.get("persist_s"), "commit_mode": s.get("commit_mode"),
+               "burst_reason": why, "started_at": a.get("start"), "pause_s": s["pause_s"],
+               "persist_s": s.get("persist_s"), "commit_mode": s.get("commit_mode"),
                "captured_bytes": s.get("captured_bytes"),
                "captured_bytes_by_server": {str(k): v for k, v in by_server.items() if isinstance(v, (int, float))}
                if isinstance(by_server, dict) else {},
@@ -340,28 +350,57 @@ def _attempt_records(snapshots, attempts, tool_calls, full: int, tool_s: float,
     return out
 
 
+def _idle_figures(a: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "in_flight": summary(x["in_flight"] for x in a),
+        "pause_s": summary(x["pause_s"] for x in a),
+        "persist_s": summary(x["persist_s"] for x in a if x.get("persist_s") is not None),
+        **{f"{p}_s": summary(x[f"{p}_s"] for x in a if x.get(f"{p}_s") is not None) for p in PHASES},
+        "bytes": summary(x["bytes"] for x in a if x.get("bytes")),
+        "bytes_per_rollout": summary(x["bytes"] / x["in_flight"] for x in a if x.get("bytes") and x["in_flight"]),
+    }
+
+
+def _tool_figures(with_tool: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"tool_pause_s": summary(x["pause_s"] for x in with_tool),
+            "tool_left_s": summary(x["tool_left_s"] for x in with_tool),
+            "excess_s": summary(x["excess_s"] for x in with_tool)}
+
+
+def _classified(runs: list[dict[str, Any]]) -> bool:
+    """Whether every kept attempt carries its class (rows stored before the classes existed do not)."""
+    return all("class" in x for r in runs for x in r["attempts"])
+
+
 def _row(row: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, Any]:
-    idle = row.get("idle")
+    """The row's figures over all kept attempts (top-level keys) and, where the attempts are
+    classified, the same figures over its ``steady`` and its ``burst`` attempts apart."""
+    idle, tool = row.get("idle"), row.get("tool")
+    runs = [r for r in (idle, tool) if r is not None]
     if idle is not None:
-        a = idle["attempts"]
-        row.update({
-            "in_flight": summary(x["in_flight"] for x in a),
-            "replicas": idle["replicas"],
-            "pause_s": summary(x["pause_s"] for x in a),
-            "persist_s": summary(x["persist_s"] for x in a if x.get("persist_s") is not None),
-            **{f"{p}_s": summary(x[f"{p}_s"] for x in a if x.get(f"{p}_s") is not None) for p in PHASES},
-            "bytes": summary(x["bytes"] for x in a if x.get("bytes")),
-            "bytes_per_rollout": summary(x["bytes"] / x["in_flight"] for x in a if x.get("bytes") and x["in_flight"]),
-        })
+        row.update(_idle_figures(idle["attempts"]), replicas=idle["replicas"])
+    if tool is not None:
+        row.update(_tool_figures(tool["with_tool"]))
+        row["replicas"] = row.get("replicas", tool["replicas"])
+    if runs and _classified(runs):
+        for cls in (STEADY, BURST):
+            part: dict[str, Any] = {}
+            if idle is not None:
+                part.update(_idle_figures([x for x in idle["attempts"] if x["class"] == cls]))
+            if tool is not None:
+                part.update(_tool_figures([x for x in tool["with_tool"] if x["class"] == cls]))
+            row[cls] = part
+    row["attempt_counts"] = {k: row[k]["counts"] for k in kinds if row.get(k) is not None and "counts" in row[k]}
     measured = [x for k in kinds if row.get(k) is not None for x in row[k]["attempts"]]
     row["staged_memory"] = staged_memory(measured)
-    tool = row.get("tool")
-    if tool is not None:
-        row["tool_pause_s"] = summary(x["pause_s"] for x in tool["with_tool"])
-        row["tool_left_s"] = summary(x["tool_left_s"] for x in tool["with_tool"])
-        row["excess_s"] = summary(x["excess_s"] for x in tool["with_tool"])
-        row["replicas"] = row.get("replicas", tool["replicas"])
     return row
+
+
+def basis(row: dict[str, Any]) -> dict[str, Any]:
+    """The figures the goals use: the row's steady attempts, or all kept ones for a row stored before
+    attempts were classified."""
+    steady = row.get(STEADY)
+    return steady if isinstance(steady, dict) else row
 
 
 def participant_of(key: str) -> str:
@@ -426,8 +465,25 @@ def commit_modes(variants: list[Any]) -> dict[str, str]:
 
 def _idle_pause(rows: list[dict[str, Any]], variant: str, n: int) -> float | None:
     r = next((r for r in rows if r["variant"] == variant and r["n"] == n and r["storage"] == "disk"
-              and (r.get("pause_s") or {}).get("n")), None)
-    return None if r is None else r["pause_s"]["median"]
+              and (basis(r).get("pause_s") or {}).get("n")), None)
+    return None if r is None else basis(r)["pause_s"]["median"]
+
+
+def _excess_goal(rows: list[dict[str, Any]], variant: str, n: int, goal_ms: float, storage: str) -> dict[str, Any]:
+    r = next((r for r in rows if r["variant"] == variant and r["n"] == n and r["storage"] == storage
+              and (basis(r).get("excess_s") or {}).get("n")), None)
+    if r is None:
+        return {"met": None, "note": f"N={n} not measured"}
+    e = basis(r)["excess_s"]
+    return {"excess_ms_median": e["median"] * 1e3, "excess_ms_max": e["max"] * 1e3, "attempts": e["n"],
+            "met": e["median"] * 1e3 <= goal_ms}
+
+
+def _growth_goal(rows: list[dict[str, Any]], variant: str, lo_n: int, hi_n: int, most: float) -> dict[str, Any]:
+    lo, hi = _idle_pause(rows, variant, lo_n), _idle_pause(rows, variant, hi_n)
+    ratio = hi / lo if lo and hi is not None else None
+    return {"pause_ms_from": None if lo is None else lo * 1e3, "pause_ms_to": None if hi is None else hi * 1e3,
+            "ratio": ratio, "met": None if ratio is None else ratio <= most}
 
 
 def goal_of(rows: list[dict[str, Any]], variants: list[Any], goal_n: int = GOAL_N,
@@ -437,33 +493,32 @@ def goal_of(rows: list[dict[str, Any]], variants: list[Any], goal_n: int = GOAL_
     (disk) grows at most ``GROWTH_MAX`` from N = ``GROWTH_FROM_N`` to ``GROWTH_TO_N`` (the log-log slope
     over all N and the per-step check are kept alongside). Staged versus blocking: at
     ``RATIO_AT_N`` the idle pause (disk) of the variant whose overrides set ``commit_mode=staged``
-    over that of the one setting ``blocking`` is at most ``STAGED_OVER_BLOCKING_MAX``."""
+    over that of the one setting ``blocking`` is at most ``STAGED_OVER_BLOCKING_MAX``. ``large``: the
+    same pause goal at ``LARGE_N`` within ``LARGE_EXCESS_MS`` (disk), and the growth from
+    ``LARGE_GROWTH_FROM_N`` to ``LARGE_N`` at most ``LARGE_GROWTH_MAX``. Every figure is a row's steady
+    attempts (``basis``)."""
     labels = [v["label"] if isinstance(v, dict) else v[0] for v in variants]
+    classified = any(isinstance(r.get(STEADY), dict) for r in rows)
     goal: dict[str, Any] = {"pause_within_ms_of_longest_tool": goal_ms, "at_n": goal_n,
                             "growth_from_n": GROWTH_FROM_N, "growth_to_n": GROWTH_TO_N, "growth_max": GROWTH_MAX,
+                            "large": {"at_n": LARGE_N, "pause_within_ms_of_longest_tool": LARGE_EXCESS_MS,
+                                      "growth_from_n": LARGE_GROWTH_FROM_N, "growth_to_n": LARGE_N,
+                                      "growth_max": LARGE_GROWTH_MAX},
+                            "basis": ("steady attempts (Gym had received every rollout the step dispatched)"
+                                      if classified else "all kept attempts (stored before attempts were classified)"),
                             "by_variant": {}}
     for v in labels:
-        g: dict[str, Any] = {}
-        for storage in ("disk", "tmpfs"):
-            r = next((r for r in rows if r["variant"] == v and r["n"] == goal_n and r["storage"] == storage
-                      and r.get("excess_s", {}).get("n")), None)
-            if r is None:
-                g[storage] = {"met": None, "note": f"N={goal_n} not measured"}
-                continue
-            med = r["excess_s"]["median"] * 1e3
-            g[storage] = {"excess_ms_median": med, "excess_ms_max": r["excess_s"]["max"] * 1e3,
-                          "met": med <= goal_ms}
-        idle = [r for r in rows if r["variant"] == v and r["storage"] == "disk" and r.get("pause_s", {}).get("n")]
-        fit = growth([r["n"] for r in idle], [r["pause_s"]["median"] for r in idle])
+        g: dict[str, Any] = {storage: _excess_goal(rows, v, goal_n, goal_ms, storage) for storage in ("disk", "tmpfs")}
+        idle = [r for r in rows if r["variant"] == v and r["storage"] == "disk"
+                and (basis(r).get("pause_s") or {}).get("n")]
+        fit = growth([r["n"] for r in idle], [basis(r)["pause_s"]["median"] for r in idle])
         slope = fit.get("loglog_slope")
         g["pause_loglog_slope"] = slope
         g["every_step_within_linear"] = fit.get("no_worse_than_linear")
         g["linear_met"] = None if slope is None else (slope <= 1.05 and fit.get("no_worse_than_linear") is not False)
-        lo, hi = _idle_pause(rows, v, GROWTH_FROM_N), _idle_pause(rows, v, GROWTH_TO_N)
-        ratio = hi / lo if lo and hi is not None else None
-        g["growth"] = {"pause_ms_from": None if lo is None else lo * 1e3,
-                       "pause_ms_to": None if hi is None else hi * 1e3,
-                       "ratio": ratio, "met": None if ratio is None else ratio <= GROWTH_MAX}
+        g["growth"] = _growth_goal(rows, v, GROWTH_FROM_N, GROWTH_TO_N, GROWTH_MAX)
+        g["large"] = {"disk": _excess_goal(rows, v, LARGE_N, LARGE_EXCESS_MS, "disk"),
+                      "growth": _growth_goal(rows, v, LARGE_GROWTH_FROM_N, LARGE_N, LARGE_GROWTH_MAX)}
         goal["by_variant"][v] = g
     modes = commit_modes(variants)
     staged = next((v for v in labels if modes.get(v) == "staged"), None)
@@ -484,16 +539,18 @@ def goal_of(rows: list[dict[str, Any]], variants: list[Any], goal_n: int = GOAL_
     goal["pause_met"] = first.get("disk", {}).get("met")
     goal["linear_met"] = first.get("linear_met")
     goal["growth_met"] = first.get("growth", {}).get("met")
+    goal["large_pause_met"] = first.get("large", {}).get("disk", {}).get("met")
+    goal["large_growth_met"] = first.get("large", {}).get("growth", {}).get("met")
     goal["linear_basis"] = ("idle pause on disk: log-log slope over all N at most 1 (+0.05) and every step at "
                             "most its N ratio (+10%)")
     return goal
 
 
 def rederive(res: dict[str, Any]) -> dict[str, Any]:
-    """Per-row memory figures and the verdicts again from the stored attempts, with today's goals."""
+    """Per-row figures (all, steady, burst), memory figures and the verdicts again from the stored
+    attempts, with today's goals."""
     for row in res["rows"]:
-        measured = [x for k in res["config"].get("kinds", ("idle", "tool")) if row.get(k) for x in row[k]["attempts"]]
-        row["staged_memory"] = staged_memory(measured)
+        _row(row, tuple(k for k in res["config"].get("kinds", ("idle", "tool")) if row.get(k)))
     res["goal"] = goal_of(res["rows"], res["config"]["variants"])
     return res
 
@@ -504,22 +561,48 @@ def _persist(row: dict[str, Any]) -> str:
     return "—" if not p or not p.get("n") or not p.get("max") else fmt(p, 1e3)
 
 
+def _counts_cell(row: dict[str, Any], kind: str) -> str:
+    """``steady / burst / failed`` attempts of one run (``—``: not run or not counted)."""
+    c = (row.get("attempt_counts") or {}).get(kind)
+    if not c:
+        return "—"
+    return f"{c['kept_steady']} / {c['kept_burst']} / {c['failed']}"
+
+
 def table(res: dict[str, Any]) -> str:
     tool_s = res["config"]["tool_s"]
     several = len(res["config"]["variants"]) > 1
+    classified = any(isinstance(r.get(STEADY), dict) for r in res["rows"])
+    goals = "steady: goals" if classified else "all kept: goals"
     head = (["variant"] if several else []) + [
-        "N", "replicas", "storage", "in flight", "pause ms", "prepare ms", "commit ms", "publish ms", "resume ms",
-        "persist after resume ms", "MB per snapshot", "KB/rollout", f"pause ms, {tool_s:g}s tools in flight",
-        "tool time left at prepare ms", "excess over tool ms"]
+        "N", "replicas", "storage", "in flight", "idle attempts steady / burst / failed", f"pause ms ({goals})",
+        "pause ms, burst", "pause ms, all kept", "prepare ms", "commit ms", "publish ms", "resume ms",
+        "persist after resume ms", "MB per snapshot", "KB/rollout", "tool attempts steady / burst / failed",
+        f"pause ms, {tool_s:g}s tools in flight", "tool time left at prepare ms", f"excess over tool ms ({goals})",
+        "excess over tool ms, all kept"]
     body = []
     for r in res["rows"]:
+        b, burst = basis(r), r.get(BURST) or {}
         body.append(([r["variant"]] if several else []) + [
-            r["n"], r.get("replicas", "—"), r["storage"], fmt(r.get("in_flight")), fmt(r.get("pause_s"), 1e3),
-            fmt(r.get("prepare_s"), 1e3), fmt(r.get("commit_s"), 1e3), fmt(r.get("publish_s"), 1e3),
-            fmt(r.get("resume_s"), 1e3), _persist(r), fmt(r.get("bytes"), 1e-6, 2),
-            fmt(r.get("bytes_per_rollout"), 1e-3, 1), fmt(r.get("tool_pause_s"), 1e3),
-            fmt(r.get("tool_left_s"), 1e3), fmt(r.get("excess_s"), 1e3)])
-    out = [md_table(head, body)]
+            r["n"], r.get("replicas", "—"), r["storage"], fmt(r.get("in_flight")), _counts_cell(r, "idle"),
+            fmt(b.get("pause_s"), 1e3), fmt(burst.get("pause_s"), 1e3), fmt(r.get("pause_s"), 1e3),
+            fmt(b.get("prepare_s"), 1e3), fmt(b.get("commit_s"), 1e3), fmt(b.get("publish_s"), 1e3),
+            fmt(b.get("resume_s"), 1e3), _persist(b), fmt(b.get("bytes"), 1e-6, 2),
+            fmt(b.get("bytes_per_rollout"), 1e-3, 1), _counts_cell(r, "tool"), fmt(b.get("tool_pause_s"), 1e3),
+            fmt(b.get("tool_left_s"), 1e3), fmt(b.get("excess_s"), 1e3), fmt(r.get("excess_s"), 1e3)])
+    per_replica = res["config"].get("per_replica")
+    settings = ", ".join(f"`{x}`" for x in res["config"].get("run_settings", RUN_SETTINGS))
+    out = [md_table(head, body), "",
+           ("**Goals are evaluated on steady attempts**; so are the phase, bytes and tool columns. " if classified
+            else "**Goals are evaluated on all kept attempts** (stored before attempts were classified). ")
+           + "An attempt is *burst* while Gym had not yet received every rollout the step dispatched: its cut "
+           "found `not_admitted > 0`, it failed `gym_unavailable`, or a later attempt of the same step still "
+           "found `not_admitted > 0`; every other attempt is *steady*. Kept = committed with at least "
+           f"{res['config'].get('fill', 0.95):.0%} of N in flight; failed attempts are counted apart (they held "
+           "rollouts too: their pauses are in the attempts table). Replicas: one Gym replica per "
+           + (f"{per_replica:,} rollouts" if per_replica else "`per_replica` rollouts")
+           + f" (`ceil(N / per_replica)`). Every run sets {settings}, "
+           "so a burst of failed attempts does not stop it."]
     grow = []
     for key, fits in res["fits"].items():
         for f, label in (("pause_s", "pause"), ("commit_s", "commit"), ("publish_s", "publish"), ("bytes", "bytes")):
@@ -533,10 +616,35 @@ def table(res: dict[str, Any]) -> str:
                          f"{lin['intercept'] * scale:,.1f} {unit} + {lin['per_rollout'] * scale * 1000:,.1f} "
                          f"{unit} per 1000 rollouts"])
     if grow:
-        out += ["", md_table(["variant/storage", "cost", "log-log slope", "growth per 8x in N, each step",
-                              "linear fit"], grow)]
-    out += ["", memory_table(res)]
+        out += ["", md_table([f"variant/storage ({'steady' if classified else 'all kept'} attempts)", "cost",
+                              "log-log slope", "growth per 8x in N, each step", "linear fit"], grow)]
+    out += ["", attempts_table(res), "", memory_table(res)]
     return "\n".join(out)
+
+
+def attempts_table(res: dict[str, Any]) -> str:
+    """Every attempt of every run, by what became of it (nothing dropped silently)."""
+    body = []
+    for r in res["rows"]:
+        for kind, c in (r.get("attempt_counts") or {}).items():
+            because = c.get("kept_burst_because") or {}
+            burst = (r.get(BURST) or {}).get("pause_s" if kind == "idle" else "tool_pause_s")
+            kept_burst = f"{c['kept_burst']} ({_reasons(because)})" if because else c["kept_burst"]
+            body.append([r["variant"], r["n"], r.get("replicas", "—"), r["storage"], kind, c["attempts"],
+                         c["kept_steady"], kept_burst,
+                         f"{c['committed_under_fill']} (most in flight {c['max_in_flight']:,})",
+                         c["failed"] if not c["failed"] else f"{c['failed']} ({_reasons(c['failed_by_reason'])})",
+                         c["failed_burst"], c["superseded"], fmt(c.get("failed_pause_s"), 1e3),
+                         fmt(burst, 1e3)])
+    if not body:
+        return "Attempts by class: not recorded (results stored before attempts were counted)."
+    head = ["variant", "N", "replicas", "storage", "run", "attempts", "kept steady", "kept burst (why)",
+            "committed under fill", "failed (reason)", "failed in burst", "superseded", "failed attempts' pause ms",
+            "kept burst pause ms"]
+    return ("Attempts by class, per run. *why*: `not_admitted` (the cut found rollouts Gym never saw), "
+            "`before_not_admitted` (a later attempt of the step still did), `gym_unavailable` (a replica could not "
+            "answer or be parked in time). For tool runs the burst pause counts attempts with a tool in flight.\n\n"
+            + md_table(head, body))
 
 
 def memory_table(res: dict[str, Any]) -> str:

@@ -175,8 +175,10 @@ class AgentSessionParticipant(CheckpointParticipant):
         # The listed sessions by phase, kept on every move, so readiness and a capture look only at
         # the few that block or changed instead of scanning every session while rollouts are held.
         self._by_phase: dict[str, set[_Session]] = {phase: set() for phase in get_args(SessionPhase)}
-        # Listed sessions at a boundary whose record is not made yet (came to rest before the first
-        # checkpoint, or serialising failed): what ``close_admission`` still has to serialise.
+        # Every listed session at a boundary is in exactly one of these: its record made since it came
+        # to rest (what a capture hands over as it is), or not made yet (it came to rest before the
+        # first checkpoint, or serialising failed: what ``close_admission`` and a capture still make).
+        self._records: dict[_Session, CapturedRecord] = {}
         self._uncaptured: set[_Session] = set()
 
     def status_extra(self) -> dict[str, Any]:
@@ -218,6 +220,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         del self._sessions[s.key]
         s.listed = False
         self._by_phase[s.phase].discard(s)
+        self._records.pop(s, None)
         self._uncaptured.discard(s)
 
     async def _drive(self, s: _Session, runner: Runner[T]) -> T:
@@ -240,12 +243,13 @@ class AgentSessionParticipant(CheckpointParticipant):
                 self._by_phase[old].discard(s)
                 self._by_phase[phase].add(s)
                 if phase in _MUTABLE:
+                    self._records.pop(s, None)
                     self._uncaptured.discard(s)
                 elif phase in _AT_BOUNDARY:
+                    if s not in self._records:
+                        self._uncaptured.add(s)
                     if self.capture_eagerly or not self.accepting:
                         self._precapture(s)
-                    if s.captured is None or s.captured[0] != s.version:
-                        self._uncaptured.add(s)
             self.notify_changed()
 
     def _captured(self, s: _Session) -> CapturedRecord:
@@ -258,7 +262,9 @@ class AgentSessionParticipant(CheckpointParticipant):
             if entry is None:  # cannot happen: an EpisodeId, strings and a fragment
                 raise CheckpointError(f"{self.name}: the record of session {s.episode} cannot be captured")
             s.captured = (s.version, entry)
-            self._uncaptured.discard(s)
+            if s.listed and s.phase in _AT_BOUNDARY:
+                self._records[s] = entry
+                self._uncaptured.discard(s)
         return s.captured[1]
 
     def _precapture(self, s: _Session) -> None:
@@ -310,6 +316,9 @@ class AgentSessionParticipant(CheckpointParticipant):
             self._ready_reported = True
         return report
 
+    def is_ready(self) -> bool:
+        return not (self._by_phase["seeding"] or self._by_phase["running"])
+
     # -- lifecycle ---------------------------------------------------------
     def _exportable(self, wanted: set[str] | None) -> list[_Session]:
         """The sessions a commit of ``wanted`` (None: all) exports, in key order; raises for one in
@@ -349,15 +358,11 @@ class AgentSessionParticipant(CheckpointParticipant):
         particular order: the capture keys them by capture key."""
         if self._by_phase["seeding"] or self._by_phase["running"]:
             self._exportable(None)  # raises, naming the first session (in key order) not at a boundary
-        out: list[Any] = []
-        for s in self._sessions.values():
-            captured = s.captured
-            if captured is not None and captured[0] == s.version:
-                out.append(captured[1])  # at a boundary: a record is made only there
-            elif s.phase != "admitting":
-                if s.state is None or s.boundary is None:
-                    self._exportable(None)  # raises for the first such session in key order
-                out.append(self._captured(s))
+        out: list[Any] = list(self._records.values())
+        for s in list(self._uncaptured):
+            if s.state is None or s.boundary is None:
+                self._exportable(None)  # raises for the first such session in key order
+            out.append(self._captured(s))
         return out + self._restored_records(None, ordered=False)
 
     async def install(self, records: list[Record]) -> list[str]:

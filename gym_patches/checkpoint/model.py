@@ -25,13 +25,14 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
+from gym_patches.checkpoint.records import CapturedRecord, capture_record
 from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
 
 T = TypeVar("T")
@@ -86,7 +87,11 @@ class PolicyModelParticipant(CheckpointParticipant):
         super().__init__()
         self._ids = itertools.count(1)
         self._tickets: dict[int, ModelTicket] = {}
+        # The admitted tickets by state, kept on every move, so readiness counts without a scan.
+        self._by_state: dict[str, dict[int, ModelTicket]] = {state: {} for state in get_args(TicketState)}
         self._delivered: dict[EpisodeId, int] = {}
+        # Each episode's record as a capture takes it, made again only once its count has changed.
+        self._capture_cache: dict[EpisodeId, CapturedRecord] = {}
 
     # -- the gate ----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -101,15 +106,24 @@ class PolicyModelParticipant(CheckpointParticipant):
             self.check_attempt(episode)
         ticket = ModelTicket(ticket_id=next(self._ids), episode=episode, admitted_at=time.time())
         self._tickets[ticket.ticket_id] = ticket
+        self._by_state[ticket.state][ticket.ticket_id] = ticket
         self.notify_changed()
         try:
             await self._wait_open(ticket)
-            ticket.state = "generating"
+            self._set_state(ticket, "generating")
             self.notify_changed()
             yield ticket
         finally:
-            self._tickets.pop(ticket.ticket_id, None)
+            if self._tickets.pop(ticket.ticket_id, None) is not None:
+                del self._by_state[ticket.state][ticket.ticket_id]
             self.notify_changed()
+
+    def _set_state(self, ticket: ModelTicket, state: TicketState) -> None:
+        if ticket.state != state:
+            by_state = self._by_state
+            if by_state[ticket.state].pop(ticket.ticket_id, None) is not None:
+                by_state[state][ticket.ticket_id] = ticket
+            ticket.state = state
 
     async def run(self, ticket: ModelTicket, work: Awaitable[T]) -> T:
         """Run the backend call; ``retire`` cancels it (-> ``StaleAttemptError``)."""
@@ -133,7 +147,7 @@ class PolicyModelParticipant(CheckpointParticipant):
     async def release_response(self, ticket: ModelTicket) -> None:
         """Hold a finished reply while admission is closed; then mark it writing."""
         await self._wait_open(ticket, state="held")
-        ticket.state = "writing"
+        self._set_state(ticket, "writing")
         self.notify_changed()
 
     def delivered(self, ticket: ModelTicket) -> None:
@@ -151,7 +165,7 @@ class PolicyModelParticipant(CheckpointParticipant):
                 return
             ticket.wake.clear()
             if state is not None and ticket.state != state:
-                ticket.state = state
+                self._set_state(ticket, state)
                 self.notify_changed()
             await ticket.wake.wait()
 
@@ -162,8 +176,10 @@ class PolicyModelParticipant(CheckpointParticipant):
             self.check_attempt(ticket.episode)
 
     def _wake_all(self) -> None:
-        for ticket in self._tickets.values():
-            ticket.wake.set()
+        """Wake every call waiting for reopen: those are exactly the waiting and held tickets."""
+        for state in ("waiting", "held"):
+            for ticket in self._by_state[state].values():
+                ticket.wake.set()
 
     # -- participant -------------------------------------------------------
     async def close_admission(self, policy: RestartOnlyPolicy) -> None:
@@ -179,13 +195,14 @@ class PolicyModelParticipant(CheckpointParticipant):
     def readiness(self) -> PrepareReport:
         """Ready unless a tracked reply is being written. Generating and held
         calls never block: their agents are still at their last boundary."""
-        counts = {"waiting": 0, "inflight": 0, "held": 0, "writing": 0}
-        blockers = []
-        for ticket in self._tickets.values():
-            counts["inflight" if ticket.state == "generating" else ticket.state] += 1
-            if ticket.state == "writing" and ticket.capture_key is not None:
-                blockers.append(ticket.capture_key)
+        by_state = self._by_state
+        counts = {"waiting": len(by_state["waiting"]), "inflight": len(by_state["generating"]),
+                  "held": len(by_state["held"]), "writing": len(by_state["writing"])}
+        blockers = [t.capture_key for t in by_state["writing"].values() if t.episode is not None]
         return PrepareReport.build(blockers, counts=counts)
+
+    def is_ready(self) -> bool:
+        return not any(t.episode is not None for t in self._by_state["writing"].values())
 
     def status_extra(self) -> dict[str, Any]:
         return {"accepting": self.accepting}
@@ -194,6 +211,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         gone = [e for e in self._delivered if e.rollout_id in rollout_ids]
         for episode in gone:
             del self._delivered[episode]
+            self._capture_cache.pop(episode, None)
         return len(gone) + super().forget(rollout_ids)
 
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
@@ -210,6 +228,21 @@ class PolicyModelParticipant(CheckpointParticipant):
                     self.check_attempt(episode)
                     chosen[episode] = self._delivered.get(episode, 0)
         return [_model_record(e, n) for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)]
+
+    async def capture_records(self) -> list[Any]:
+        """``export(None)`` as ``CapturedRecord``s, in no particular order (the capture keys them by
+        capture key); an episode's is made again only once its count has changed since the last."""
+        out: list[Any] = []
+        cache = self._capture_cache
+        for episode, calls in self._delivered.items():
+            if calls > 0:
+                entry = cache.get(episode)
+                if entry is None or entry.record["delivered_calls"] != calls:
+                    entry = capture_record(_model_record(episode, calls))
+                    assert entry is not None, f"the record of {episode} cannot be captured"
+                    cache[episode] = entry
+                out.append(entry)
+        return out
 
     def scope_fill(self) -> Callable[[EpisodeId], Record | None]:
         """An in-scope episode with no delivered reply (its agent parked at its first call) gets a
@@ -260,4 +293,5 @@ class PolicyModelParticipant(CheckpointParticipant):
                 ticket.wake.set()
         for key in [e for e in self._delivered if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
             del self._delivered[key]
+            self._capture_cache.pop(key, None)
         self.notify_changed()

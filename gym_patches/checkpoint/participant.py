@@ -48,6 +48,12 @@ class CheckpointParticipant(ABC):
     def readiness(self) -> PrepareReport:
         """Blockers (capture keys that prevent a safe cut) and unsaved keys."""
 
+    def is_ready(self) -> bool:
+        """``readiness().ready``, cheaply: the control plane polls it on every change while
+        preparing (hundreds of times at thousands of sessions) and builds the report once ready.
+        An override must agree with ``readiness``."""
+        return self.readiness().ready
+
     # -- lifecycle ---------------------------------------------------------
     @abstractmethod
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:

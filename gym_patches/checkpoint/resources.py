@@ -77,6 +77,10 @@ class LiveSession:
     calls: int = 0  # calls begun: a state changes only inside a call, so this versions it
     exported: tuple[int, Any] | None = None  # (calls, export) of the last capture, reused while unchanged
     captured: tuple[int, CapturedRecord] | None = None  # (calls, record) frozen for staged captures, likewise
+    key: str = field(init=False)  # the episode's capture key, made once
+
+    def __post_init__(self) -> None:
+        self.key = self.episode.capture_key
 
 
 @dataclass
@@ -105,9 +109,12 @@ class ResourcesParticipant(CheckpointParticipant):
         # session id -> capture key of sessions retired here (a later call gets stale_attempt)
         self._retired_sessions: OrderedDict[str, str] = OrderedDict()
         # Kept on every call, so readiness and a capture look only at what blocks or changed instead of
-        # scanning every session while rollouts are held: the live sessions with a call in flight, and
-        # the idle ones whose state is not exported yet (``close_admission`` exports those).
+        # scanning every session while rollouts are held: the live sessions with a call in flight; and
+        # (``exported``) every idle live session in exactly one of: its record frozen since its last
+        # call (what a capture hands over as it is), or not (``close_admission`` and a capture make those).
         self._busy: dict[str, LiveSession] = {}
+        self._busy_calls = 0  # their calls in flight
+        self._records: dict[str, CapturedRecord] = {}
         self._unexported: dict[str, LiveSession] = {}
 
     # -- admission ---------------------------------------------------------
@@ -134,9 +141,6 @@ class ResourcesParticipant(CheckpointParticipant):
                 self._captured(session)
             except Exception:
                 session.exported = session.captured = None
-            else:
-                if self._unexported.get(session.session_id) is session:
-                    del self._unexported[session.session_id]
 
     async def open_admission(self) -> None:
         self.accepting = True
@@ -153,15 +157,20 @@ class ResourcesParticipant(CheckpointParticipant):
 
     def readiness(self) -> PrepareReport:
         seeding = [s.episode.capture_key for s in self._seeding.values()]
-        inflight = sum(s.inflight for s in self._busy.values()) + len(seeding)
+        inflight = self._busy_calls + len(seeding)
         counts = {"inflight": inflight, "sessions": len(self.sessions), "waiting": self._waiting}
         if self.mode == "restart_only":
-            live = [s.episode.capture_key for s in self.sessions.values()] + seeding
+            live = [s.key for s in self.sessions.values()] + seeding
             if self.policy == "best_effort":
                 return PrepareReport.build([], unsaved=live, counts=counts)
             return PrepareReport.build(live, counts=counts)
-        busy = [s.episode.capture_key for s in self._busy.values()] + seeding
+        busy = [s.key for s in self._busy.values()] + seeding
         return PrepareReport.build(busy, counts=counts)
+
+    def is_ready(self) -> bool:
+        if self.mode == "restart_only":
+            return self.policy == "best_effort" or not (self.sessions or self._seeding)
+        return not (self._busy or self._seeding)
 
     def status_extra(self) -> dict[str, Any]:
         return {"mode": self.mode}
@@ -221,16 +230,20 @@ class ResourcesParticipant(CheckpointParticipant):
         session.inflight += 1
         session.calls += 1
         self._busy[session.session_id] = session  # lookup found it live
+        self._busy_calls += 1
+        self._records.pop(session.session_id, None)
         self._unexported.pop(session.session_id, None)
         self.notify_changed()
         try:
             yield session
         finally:
             session.inflight -= 1
-            if session.inflight == 0 and self._busy.get(session.session_id) is session:
-                del self._busy[session.session_id]
-                if self.mode == "exported":
-                    self._unexported[session.session_id] = session  # until exported below
+            if self._busy.get(session.session_id) is session:  # still live
+                self._busy_calls -= 1
+                if session.inflight == 0:
+                    del self._busy[session.session_id]
+                    if self.mode == "exported":
+                        self._unexported[session.session_id] = session  # until exported below
             if self.capture_eagerly or not self.accepting:
                 self._precapture(session)
             self.notify_changed()
@@ -241,7 +254,9 @@ class ResourcesParticipant(CheckpointParticipant):
         """Forget a session (after verify/close); its state is freed once no call uses it."""
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
-            self._busy.pop(session.session_id, None)
+            if self._busy.pop(session.session_id, None) is not None:
+                self._busy_calls -= session.inflight
+            self._records.pop(session.session_id, None)
             self._unexported.pop(session.session_id, None)
         session.ended = True
         self.notify_changed()
@@ -292,11 +307,10 @@ class ResourcesParticipant(CheckpointParticipant):
             session = next(s for s in self.sessions.values() if s.inflight)  # the first, as a scan finds it
             raise CheckpointError(f"{self.instance}: session {session.session_id!r} of "
                                   f"{session.episode.capture_key} has a call in flight")
-        out: list[Any] = []
-        for session in self.sessions.values():
-            cached = session.captured
-            out.append(cached[1] if cached is not None and cached[0] == session.calls else self._captured(session))
-        return out
+        if self.mode == "exported":
+            out: list[Any] = list(self._records.values())
+            return out + [self._captured(session) for session in list(self._unexported.values())]
+        return [self._captured(session) for session in self.sessions.values()]
 
     def _record(self, session: LiveSession) -> Record:
         state = None if self.mode == "stateless" else self._export_state(session)
@@ -312,6 +326,9 @@ class ResourcesParticipant(CheckpointParticipant):
         if entry is None:
             return record  # Python objects: the capture encodes it
         session.captured = (session.calls, entry)
+        if self.mode == "exported" and session.inflight == 0 and self.sessions.get(session.session_id) is session:
+            self._records[session.session_id] = entry
+            self._unexported.pop(session.session_id, None)
         return entry
 
     def _export_state(self, session: LiveSession) -> Any:

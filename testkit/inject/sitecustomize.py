@@ -14,46 +14,12 @@ down ``sys.path`` (the interpreter's own, or the benchmark's) still runs.
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class _InstallAfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``testkit.write_faults.install_from_env(side)`` once, right after the side's store module runs."""
-
-    def __init__(self, modules: dict[str, str]):
-        self.modules = dict(modules)  # module name -> side
-
-    def find_spec(self, fullname, path, target=None):
-        side = self.modules.pop(fullname, None)
-        if side is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run_module = loader.exec_module
-
-        def exec_module(module):
-            run_module(module)
-            from testkit.write_faults import install_from_env
-
-            install_from_env(side)
-
-        loader.exec_module = exec_module
-        return spec
 
 
 def _run_next_sitecustomize() -> None:
@@ -68,9 +34,11 @@ def _run_next_sitecustomize() -> None:
 def _install() -> None:
     if not os.environ.get("NEMO_TEST_ONLY_WRITE_FAULT"):
         return
-    from testkit.write_faults import STORE_MODULES
+    from testkit.after_import import AfterImport
+    from testkit.write_faults import STORE_MODULES, install_from_env
 
-    sys.meta_path.insert(0, _InstallAfterImport({module: side for side, module in STORE_MODULES.items()}))
+    AfterImport.install({module: (lambda _module, side=side: install_from_env(side))
+                         for side, module in STORE_MODULES.items()})
 
 
 try:

@@ -19,14 +19,24 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import alternative, overhead, relaunch, setup_check, snapshot_cost, stall, work_lost  # noqa: E402
+import bench_recovery  # noqa: E402
+from bench import (  # noqa: E402
+    alternative,
+    bookkeeping,
+    overhead,
+    relaunch,
+    setup_check,
+    snapshot_cost,
+    stall,
+    work_lost,
+)
 from bench.common import summary  # noqa: E402
-from bench.plots import plot  # noqa: E402
-from bench.presets import FULL, QUICK, TINY  # noqa: E402
+from bench.plots import PLOTTERS, plot  # noqa: E402
+from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
-MODULES = (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch)
+MODULES = (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch, bookkeeping)
 
 
 def _quiet(_: str) -> None:
@@ -49,11 +59,17 @@ def test_every_measurement_runs_and_keeps_its_invariants(tmp_path: Path) -> None
     check_overhead(results["overhead"])
     check_setup(results["setup_check"])
     check_relaunch(results["relaunch"])
+    check_bookkeeping(results["bookkeeping"])
     for module in MODULES:
         res = results[module.NAME]
         assert res["name"] == module.NAME
         assert module.table(res).startswith("|")
-        assert plot(module.NAME, res, tmp_path).stat().st_size > 1000
+        if module.NAME in PLOTTERS:
+            assert plot(module.NAME, res, tmp_path).stat().st_size > 1000
+    md = bench_recovery.render_markdown(results, {"preset": "tiny", "command": "test", "machine": {}, "seconds": 0,
+                                                  "git": {"head": None, "modified_tracked_files": []}})
+    assert "## " + bookkeeping.TITLE in md and "![bookkeeping]" not in md and "![snapshot_cost]" in md
+    assert any(line.startswith("8. trainer-checkpoint bookkeeping") for line in bench_recovery.goal_lines(results))
 
 
 def check_snapshot_cost(res: dict[str, Any]) -> None:
@@ -77,6 +93,20 @@ def check_snapshot_cost(res: dict[str, Any]) -> None:
     assert memory["attempts"] == len(idle["attempts"]) + len(tool["attempts"])
     assert memory["total_peak_bytes"] == max(s["captured_bytes"] for s in idle["attempts"] + tool["attempts"])
     assert snapshot_cost.memory_table(res).count("| default | ") >= 1
+    # every attempt of each run is counted by what became of it, and each kept one carries its class
+    for kind, run in (("idle", idle), ("tool", tool)):
+        c = row["attempt_counts"][kind]
+        assert c["kept"] == len(run["attempts"]) == c["kept_steady"] + c["kept_burst"]
+        assert c["attempts"] == run["all_attempts"] == c["committed"] + c["failed"] + c["superseded"]
+        assert c["committed"] >= c["kept"] + c["committed_under_fill"]
+        assert len(run["failed"]) == c["failed"] + c["superseded"]
+        assert all(a["class"] in ("steady", "burst") for a in run["attempts"])
+        assert all((a["class"] == "burst") == (a["burst_reason"] is not None) for a in run["attempts"])
+    assert row["steady"]["pause_s"]["n"] >= 1  # each run waited for steady attempts
+    assert row["steady"]["pause_s"]["n"] + row["burst"]["pause_s"]["n"] == row["pause_s"]["n"]
+    assert row["steady"]["excess_s"]["n"] >= 1
+    assert res["goal"]["basis"].startswith("steady")
+    assert "| idle |" in snapshot_cost.attempts_table(res) and "| tool |" in snapshot_cost.attempts_table(res)
     # the controller's pause waited for the tool call still running when prepare began
     tool_s = res["config"]["tool_s"]
     for snap in tool["with_tool"]:
@@ -186,10 +216,89 @@ def check_relaunch(res: dict[str, Any]) -> None:
     assert g["loadavg_1m_at_relaunch"]["median"] >= 0
 
 
+def check_bookkeeping(res: dict[str, Any]) -> None:
+    sizes = TINY["bookkeeping"]["sizes_mb"]
+    assert [(r["size_mb"], r["mode"]) for r in res["results"]] == [(s, m) for s in sizes
+                                                                    for m in ("trust", "full_verify")]
+    for r in res["results"]:
+        assert len(r["saves"]) == TINY["bookkeeping"]["saves"] and r["restore"]["step"] == len(r["saves"])
+        assert all(s["bookkeeping_read"] == s["seal_read"] + s["prune_read"] for s in r["saves"])
+    trust, full = res["results"][0]["saves"], res["results"][1]["saves"]
+    assert max(s["bookkeeping_read"] for s in trust) < max(s["bookkeeping_read"] for s in full)  # kept steps reread
+    assert res["goal"]["save_reads_own_bytes_at_most_once"] is True
+    assert res["goal"]["prune_rereads_no_kept_step"] is True
+    assert res["goal"]["restore_hashes_only_the_restored_step"] is True
+
+
 def test_presets_list_all_measurements() -> None:
     for preset in (FULL, QUICK, TINY):
         assert set(preset) == {m.NAME for m in MODULES}
     assert (FULL["relaunch"]["repeats"], QUICK["relaunch"]["repeats"], TINY["relaunch"]["repeats"]) == (3, 1, 1)
+    # issue 21's scale: both N on one replica, both commit modes, and the bookkeeping rows
+    assert set(N8192) == {"snapshot_cost", "bookkeeping"}
+    cost = N8192["snapshot_cost"]
+    assert cost["sizes"] == [2048, 8192] and cost["per_replica"] >= max(cost["sizes"])
+    assert set(snapshot_cost.commit_modes(cost["variants"]).values()) == {"staged", "blocking"}
+    assert N8192["bookkeeping"]["sizes_mb"] == [10, 100, 1024] and N8192["bookkeeping"]["keep"] == 3
+
+
+def test_plan_of_the_command_line() -> None:
+    name, preset, chosen = bench_recovery.plan(bench_recovery.parse_args(["--preset", "n8192"]))
+    assert (name, chosen) == ("n8192", ["snapshot_cost", "bookkeeping"])
+    _, preset, chosen = bench_recovery.plan(bench_recovery.parse_args(
+        ["--only", "snapshot_cost", "--sizes", "2048,8192", "--per-replica", "8192", "--repeats", "2"]))
+    assert chosen == ["snapshot_cost"]
+    assert {k: preset["snapshot_cost"][k] for k in ("sizes", "per_replica", "repeats")} == {
+        "sizes": [2048, 8192], "per_replica": 8192, "repeats": 2}
+    for argv, names in ((["--preset", "n8192", "--only", "stall"], "stall"), (["--per-replica", "0"], "--per-replica"),
+                        (["--only", "nope"], "nope"), (["--sizes", "8,x"], "--sizes")):
+        with pytest.raises(ValueError, match=names):
+            bench_recovery.plan(bench_recovery.parse_args(argv))
+
+
+def test_attempt_classes_burst_then_steady() -> None:
+    def snap(step: int, committed: bool, not_admitted: int = 0, reason: str = "committed") -> dict[str, Any]:
+        return {"step": step, "committed": committed, "not_admitted": not_admitted, "saved": 10,
+                "reason": reason if not committed else "committed"}
+
+    records = [snap(0, False, reason="gym_unavailable"), snap(0, True), snap(0, True, not_admitted=5),
+               snap(0, True), snap(0, False, reason="timeout"), snap(0, False, reason="gym_unavailable"), snap(0, True),
+               snap(1, True), snap(1, True, not_admitted=1), snap(2, True)]
+    assert snapshot_cost.attempt_classes(records) == [
+        ("burst", "gym_unavailable"),
+        ("burst", "before_not_admitted"),  # a later attempt of step 0 still found rollouts Gym never saw
+        ("burst", "not_admitted"),
+        ("steady", None), ("steady", None),
+        ("burst", "gym_unavailable"),  # a failure does not reclassify the attempts before it
+        ("steady", None),
+        ("burst", "before_not_admitted"), ("burst", "not_admitted"),
+        ("steady", None),  # another step: its own ramp
+    ]
+
+
+def test_goals_use_steady_attempts() -> None:
+    def row(n: int, steady_ms: float, all_ms: float, excess_ms: float | None = None) -> dict[str, Any]:
+        r = _cost_row("staged", n, all_ms, excess_ms=None if excess_ms is None else excess_ms * 10)
+        r["steady"] = {"pause_s": summary([steady_ms / 1e3])}
+        if excess_ms is not None:
+            r["steady"]["excess_s"] = summary([excess_ms / 1e3])
+        r["burst"] = {"pause_s": summary([all_ms / 1e3])}
+        return r
+
+    rows = [row(512, 20, 25, excess_ms=19), row(2048, 40, 3000), row(8192, 170, 1300, excess_ms=90)]
+    g = snapshot_cost.goal_of(rows, [("staged", [])])
+    assert g["basis"].startswith("steady")
+    assert g["pause_met"] is True and g["by_variant"]["staged"]["disk"]["excess_ms_median"] == 19
+    assert math.isclose(g["by_variant"]["staged"]["growth"]["ratio"], 2.0) and g["growth_met"] is True
+    large = g["by_variant"]["staged"]["large"]
+    assert math.isclose(large["growth"]["ratio"], 4.25) and g["large_growth_met"] is True
+    assert large["disk"]["excess_ms_median"] == 90 and g["large_pause_met"] is True
+    rows[2]["steady"]["pause_s"] = summary([200 / 1e3])
+    rows[2]["steady"]["excess_s"] = summary([120 / 1e3])
+    g = snapshot_cost.goal_of(rows, [("staged", [])])
+    assert g["large_growth_met"] is False and g["large_pause_met"] is False  # x5; 120 ms > 100 ms
+    rows[2]["steady"] = {"pause_s": summary([])}  # no steady attempt at 8192: not measured, not all kept
+    assert snapshot_cost.goal_of(rows, [("staged", [])])["large_growth_met"] is None
 
 
 def _cost_row(variant: str, n: int, pause_ms: float, excess_ms: float | None = None) -> dict[str, Any]:

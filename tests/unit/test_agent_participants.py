@@ -20,7 +20,7 @@ from gym_patches.checkpoint.agent import (
 )
 from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.records import fragment, plain
+from gym_patches.checkpoint.records import fragment, plain, record_key
 from gym_patches.responses_api_agents.loop import (
     TOKEN_INFO_KEYS,
     RunRequestError,
@@ -513,3 +513,130 @@ async def test_restart_only_install_and_retire():
     with pytest.raises(StaleAttemptError):
         p.admit(EpisodeId(rollout_id="r1"))
     p.admit(EpisodeId(rollout_id="r1", attempt=1))  # the next attempt is welcome
+
+
+# -- bookkeeping kept on phase moves (no scan of every session while rollouts are held) --------
+
+
+def scanned_readiness(p: AgentSessionParticipant) -> tuple[bool, list[str], list[str], dict[str, int]]:
+    """What readiness must say, worked out by a scan of every session (the rule DESIGN §4.5 states)."""
+    blockers, unsaved, counts = [], [], {"sessions": 0, "at_boundary": 0, "awaiting_model": 0}
+    for key, s in p._sessions.items():
+        if s.phase == "admitting":
+            if key not in p._restored:
+                unsaved.append(key)
+            continue
+        counts["sessions"] += 1
+        if s.phase == "parked":
+            counts["at_boundary"] += 1
+        elif s.phase in ("awaiting_model", "holding_reply"):
+            counts["awaiting_model"] += 1
+        else:
+            blockers.append(key)
+    counts["sessions"] += len(p._restored)
+    counts["at_boundary"] += len(p._restored)
+    return not blockers, sorted(blockers), sorted(unsaved), counts
+
+
+def assert_readiness_matches_a_scan(p: AgentSessionParticipant) -> None:
+    """Also: every session at a boundary has its current record kept, or is left for the capture."""
+    report = p.readiness()
+    assert (report.ready, report.blockers, report.unsaved, report.counts) == scanned_readiness(p)
+    assert p.is_ready() is report.ready  # the cheap check the control plane polls agrees
+    resting = {s for s in p._sessions.values() if s.phase in ("parked", "awaiting_model", "holding_reply")}
+    assert set(p._records) | p._uncaptured == resting and not set(p._records) & p._uncaptured
+    assert all(s.captured is not None and s.captured == (s.version, entry) for s, entry in p._records.items())
+
+
+async def test_readiness_kept_on_phase_moves_matches_a_scan_through_a_checkpoint_cycle():
+    keys = ["m1", "m2", "t1", "s1", "f1"]
+    script = {k: [call_reply("lookup", rid=f"{k}1"), final_reply(rid=f"{k}2")] for k in keys + ["late"]}
+    p = AgentSessionParticipant()
+    io = FakeLoopIO(script)
+    for k in ("m1", "m2", "f1"):
+        io.gate_model(k, 1)  # they wait on the model; t1 runs its tool, s1 seeds
+    tool = io.gate_tool("lookup")
+    seed = io.gate_seed("s1")
+    runs = {k: start(p, io, k) for k in keys}
+    await until(lambda: phase(p, "t1") == "running" and len(io.tool_calls) == 1 and phase(p, "s1") == "seeding"
+                and all(phase(p, k) == "awaiting_model" for k in ("m1", "m2", "f1")))
+    assert_readiness_matches_a_scan(p)
+    assert await p.install([make_record(EpisodeId(rollout_id="gone"), "B0", _state())]) == ["gone-a1"]
+    await p.close_admission("block")
+    late = start(p, io, "late")  # arrives while closed: admitting, unsaved
+    await until(lambda: phase(p, "late") == "admitting")
+    assert_readiness_matches_a_scan(p)
+    assert not p.readiness().ready and p.readiness().blockers == ["s1", "t1"]
+    seed.set()
+    tool.set()  # t1's tool returns: it parks at P2; s1 parks at B0
+    await until(lambda: phase(p, "t1") == "parked" and phase(p, "s1") == "parked")
+    assert_readiness_matches_a_scan(p)
+    report = p.readiness()
+    assert report.ready and report.unsaved == ["late"]
+    captured = {record_key(c) if type(c) is dict else c.key for c in await p.capture_records()}
+    assert captured == {"m1", "m2", "t1", "s1", "f1", "gone-a1"}  # the restored one as a plain record
+    await p.open_admission()
+    io.gate_model("f1", 1).set()
+    assert (await runs["f1"]).reward == 1.0
+    assert_readiness_matches_a_scan(p)
+    await p.retire([EpisodeId(rollout_id="m2"), EpisodeId(rollout_id="gone", attempt=1)])
+    with pytest.raises(StaleAttemptError):
+        await runs["m2"]
+    assert_readiness_matches_a_scan(p)
+    io.gate_model("m1", 1).set()
+    for run in (late, runs["t1"], runs["s1"], runs["m1"]):
+        assert (await run).reward == 1.0
+    assert p._sessions == {} and all(not s for s in p._by_phase.values()) and not p._uncaptured
+    assert_readiness_matches_a_scan(p)
+
+
+async def test_close_serialises_only_sessions_that_came_to_rest_unserialised():
+    """Before the first checkpoint sessions come to rest unserialised: the first close serialises
+    those. After it they are serialised as they come to rest, so a later close has nothing left."""
+    script = {k: [call_reply("lookup", rid=f"{k}1"), call_reply("lookup", rid=f"{k}2"), final_reply()]
+              for k in ("r1", "r2")}
+    p = AgentSessionParticipant()
+    io = FakeLoopIO(script)
+    second = {k: io.gate_model(k, 2) for k in script}
+    io.gate_model("r1", 3)
+    io.gate_model("r2", 3)
+    runs = {k: start(p, io, k) for k in script}
+    await until(lambda: all(len(io.model_bodies.get(k, [])) == 2 for k in script))
+    assert {s.key for s in p._uncaptured} == {"r1", "r2"} and p._sessions["r1"].captured is None
+    await p.close_admission("block")
+    assert not p._uncaptured and all(s.captured is not None for s in p._sessions.values())
+    await p.open_admission()
+    second["r1"].set()  # r1 moves while open and comes to rest again: serialised on the way
+    await until(lambda: len(io.model_bodies["r1"]) == 3)
+    s1, s2 = p._sessions["r1"], p._sessions["r2"]
+    assert not p._uncaptured and s1.captured is not None and s1.captured[0] == s1.version
+    kept = s2.captured
+    await p.close_admission("block")
+    assert s2.captured is kept, "an unmoved session is not serialised again"
+    by_key = {c.key: c for c in await p.capture_records()}
+    assert by_key["r1"] is s1.captured[1] and by_key["r2"] is kept[1]
+    await p.open_admission()
+    await p.retire([EpisodeId(rollout_id=k) for k in script])
+    for run in runs.values():
+        with pytest.raises(StaleAttemptError):
+            await run
+
+
+async def test_capture_refuses_a_session_off_its_boundary_naming_the_first_in_key_order():
+    script = {k: [call_reply("lookup", rid=k), final_reply()] for k in ("rb", "ra", "rc")}
+    p = AgentSessionParticipant()
+    io = FakeLoopIO(script)
+    tool = io.gate_tool("lookup")
+    io.gate_model("rc", 1)
+    runs = {k: start(p, io, k) for k in script}
+    await until(lambda: len(io.tool_calls) == 2 and phase(p, "rc") == "awaiting_model")
+    await p.close_admission("block")
+    with pytest.raises(CheckpointError, match=r"session ra is running, not parked at a boundary"):
+        await p.capture_records()
+    tool.set()
+    await until(lambda: p.readiness().ready)
+    assert sorted(c.key for c in await p.capture_records()) == ["ra", "rb", "rc"]
+    await p.open_admission()
+    io.gate_model("rc", 1).set()
+    for run in runs.values():
+        assert (await run).reward == 1.0

@@ -195,3 +195,85 @@ async def test_retired_episodes_are_not_exported(gate):
     await gate.retire([EpisodeId(rollout_id="r5")])
     assert await gate.export(None) == []
     assert await gate.export([EpisodeId(rollout_id="r5")]) == []
+
+
+# -- bookkeeping kept on ticket moves, captures reused while a count is unchanged ---------------------
+
+
+def scanned_counts(gate: PolicyModelParticipant) -> tuple[dict[str, int], list[str]]:
+    """Readiness counts and blockers worked out by a scan of every admitted ticket."""
+    counts = {"waiting": 0, "inflight": 0, "held": 0, "writing": 0}
+    blockers = []
+    for ticket in gate._tickets.values():
+        counts["inflight" if ticket.state == "generating" else ticket.state] += 1
+        if ticket.state == "writing" and ticket.episode is not None:
+            blockers.append(ticket.capture_key)
+    return counts, sorted(blockers)
+
+
+def assert_readiness_matches_a_scan(gate: PolicyModelParticipant) -> None:
+    report = gate.readiness()
+    assert (report.counts, report.blockers) == scanned_counts(gate)
+    assert gate.is_ready() is report.ready  # the cheap check the control plane polls agrees
+
+
+async def test_readiness_kept_on_ticket_moves_matches_a_scan(gate):
+    server = FakeServer(gate)
+    writing = asyncio.Event()
+
+    async def slow_writer(key: str) -> None:  # holds its reply while "writing" it
+        async with gate.call(key) as ticket:
+            await gate.run(ticket, server.backend(key))
+            await gate.release_response(ticket)
+            await writing.wait()
+            gate.delivered(ticket)
+
+    tasks = [asyncio.create_task(server.call(k)) for k in ("r1", "r2", None)]
+    writer = asyncio.create_task(slow_writer("r3"))
+    server.finish("r3")
+    await wait_until(lambda: gate.readiness().counts["writing"] == 1)
+    assert_readiness_matches_a_scan(gate)
+    await gate.close_admission("block")
+    late = asyncio.create_task(server.call("r4"))  # waits for reopen
+    server.finish("r1")  # finishes while closed: held
+    server.finish(None)
+    await wait_until(lambda: gate.readiness().counts["held"] == 2 and gate.readiness().counts["waiting"] == 1)
+    assert_readiness_matches_a_scan(gate)
+    assert gate.readiness().blockers == ["r3"]
+    writing.set()
+    await writer
+    await gate.retire([EpisodeId(rollout_id="r2")])
+    with pytest.raises(StaleAttemptError):
+        await tasks[1]
+    assert_readiness_matches_a_scan(gate)
+    await gate.open_admission()  # wakes the held and the waiting calls
+    server.finish("r4")
+    await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2], late), 1)
+    assert gate.readiness().counts == {"waiting": 0, "inflight": 0, "held": 0, "writing": 0}
+    assert_readiness_matches_a_scan(gate)
+    assert all(not tickets for tickets in gate._by_state.values())
+
+
+async def test_capture_records_equal_the_export_and_are_reused_while_a_count_is_unchanged(gate):
+    from gym_patches.checkpoint.records import CapturedRecord
+
+    server = FakeServer(gate)
+    for key in ("r2", "r1", "r1", "r3"):
+        server.finish(key)
+        await server.call(key)
+    gate._delivered[EpisodeId(rollout_id="r0")] = 0  # restored, no reply yet: no record
+    first = await gate.capture_records()
+    assert all(type(c) is CapturedRecord for c in first)
+    assert sorted((c.key, c.record) for c in first) == [
+        (r["episode_id"]["rollout_id"], r) for r in await gate.export(None)]
+    by_key = {c.key: c for c in first}
+    server.finish("r2")
+    await server.call("r2")  # r2 moved; r1 and r3 did not
+    again = {c.key: c for c in await gate.capture_records()}
+    assert again["r1"] is by_key["r1"] and again["r3"] is by_key["r3"]
+    assert again["r2"] is not by_key["r2"] and again["r2"].record["delivered_calls"] == 2
+    assert by_key["r2"].record["delivered_calls"] == 1, "a capture already taken never changes"
+    await gate.retire([EpisodeId(rollout_id="r3")])
+    assert gate.forget({"r1"}) >= 1
+    assert sorted(c.key for c in await gate.capture_records()) == ["r2"]
+    assert set(gate._capture_cache) == {EpisodeId(rollout_id="r2")}

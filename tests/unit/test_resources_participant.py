@@ -10,6 +10,7 @@ import pytest
 
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.records import Fragment
 from gym_patches.checkpoint.resources import ResourcesParticipant, SessionStateHooks, UnknownSessionError
 
 
@@ -127,6 +128,7 @@ async def test_restart_only_block_and_best_effort(hooks: CounterHooks) -> None:
     await p.close_admission("block")
     report = p.readiness()
     assert not report.ready and report.blockers == ["r1", "r2-a1"] and report.unsaved == []
+    assert p.is_ready() is False
     # tool calls are not held: the state never leaves the process anyway
     async with p.session_call("s1") as s:
         s.state["count"] += 1
@@ -136,6 +138,7 @@ async def test_restart_only_block_and_best_effort(hooks: CounterHooks) -> None:
     await p.close_admission("best_effort")
     report = p.readiness()
     assert report.ready and report.blockers == [] and report.unsaved == ["r1", "r2-a1"]
+    assert p.is_ready() is True
     assert await p.export(None) == []
     with pytest.raises(CheckpointError, match="restart_only"):
         await p.install([{"episode_id": {"rollout_id": "r1", "attempt": 0}, "session_id": "x", "state": None}])
@@ -263,7 +266,7 @@ def count_exports(hooks: CounterHooks) -> list[Any]:
     exports: list[Any] = []
     real = hooks.export_session_state
 
-    def counting(state: Any) -> dict[str, Any]:
+    def counting(state: Any) -> Any:
         exports.append(state["count"])
         return real(state)
 
@@ -339,3 +342,135 @@ async def test_a_state_that_is_not_plain_json_fails_the_export_naming_it(hooks: 
     with pytest.raises(CheckpointError, match=r"counter: session 's1' of r1 exported a state that is not plain JSON") as info:
         await p.export(None)
     assert named in str(info.value)
+
+
+# -- bookkeeping kept on every call (no scan of every session while rollouts are held) -------------
+
+
+def scanned_readiness(p: ResourcesParticipant) -> tuple[bool, list[str], dict[str, int]]:
+    """What readiness must say in a saving mode, worked out by a scan of the live sessions."""
+    seeding = [s.episode.capture_key for s in p._seeding.values()]
+    busy = sorted({s.episode.capture_key for s in p.sessions.values() if s.inflight} | set(seeding))
+    counts = {"inflight": sum(s.inflight for s in p.sessions.values()) + len(seeding),
+              "sessions": len(p.sessions), "waiting": p._waiting}
+    return not busy, busy, counts
+
+
+def assert_readiness_matches_a_scan(p: ResourcesParticipant) -> None:
+    """Also: every idle live session has its current record kept, or is left for the capture."""
+    report = p.readiness()
+    assert (report.ready, report.blockers, report.counts) == scanned_readiness(p)
+    assert p.is_ready() is report.ready  # the cheap check the control plane polls agrees
+    idle = {sid for sid, s in p.sessions.items() if not s.inflight}
+    assert set(p._records) | set(p._unexported) == idle and not set(p._records) & set(p._unexported)
+    assert all(p.sessions[sid].captured == (p.sessions[sid].calls, entry) for sid, entry in p._records.items())
+
+
+class FragmentHooks(CounterHooks):
+    """States exported as JSON fragments (the Workplace server's way), so records are frozen and kept."""
+
+    def export_session_state(self, state: Any) -> Any:
+        return Fragment(b'{"count":%d}' % state["count"])
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["python-states", "fragment-states"])
+async def test_readiness_kept_on_calls_matches_a_scan(fragments: bool) -> None:
+    """Two calls on one session, a session ended and one retired with calls in flight, a seed in
+    flight, an install: the kept counts equal a scan at every step."""
+    hooks = FragmentHooks() if fragments else CounterHooks()
+    p = ResourcesParticipant("exported", hooks)
+    for i in range(4):
+        await seed(p, f"r{i}", f"s{i}")
+    gates = {name: asyncio.Event() for name in ("a", "b", "c", "d")}
+    entered: list[str] = []
+
+    async def call(sid: str, gate: str) -> None:
+        async with p.session_call(sid):
+            entered.append(gate)
+            await gates[gate].wait()
+
+    tasks = [asyncio.create_task(call("s0", "a")), asyncio.create_task(call("s0", "b")),
+             asyncio.create_task(call("s1", "c")), asyncio.create_task(call("s2", "d"))]
+    seed_gate = asyncio.Event()
+
+    async def slow_seed() -> None:
+        async with p.seeding(ep("r9")):
+            await seed_gate.wait()
+            p.add_session("s9", ep("r9"), {"count": 0})
+
+    seeding = asyncio.create_task(slow_seed())
+    await settle()
+    assert sorted(entered) == ["a", "b", "c", "d"]
+    assert_readiness_matches_a_scan(p)
+    assert p.readiness().counts["inflight"] == 5
+    await p.end_session(p.sessions["s1"])  # ended with its call in flight: no longer live, not counted
+    await p.retire([ep("r2")])
+    assert_readiness_matches_a_scan(p)
+    assert p.readiness().blockers == ["r0", "r9"]
+    gates["a"].set()
+    await settle()
+    assert_readiness_matches_a_scan(p)
+    assert p.readiness().counts["inflight"] == 2
+    await p.close_admission("block")
+    gates["b"].set()
+    gates["c"].set()
+    gates["d"].set()
+    seed_gate.set()
+    await asyncio.gather(*tasks, seeding, return_exceptions=True)
+    assert_readiness_matches_a_scan(p)
+    assert p.readiness().ready
+    records = await p.export(None)
+    await p.open_admission()
+    fresh = ResourcesParticipant("exported", hooks)
+    await fresh.install(copy.deepcopy(records))
+    assert_readiness_matches_a_scan(fresh)
+    assert fresh.readiness().counts == {"inflight": 0, "sessions": 3, "waiting": 0}
+    await p.shutdown()
+    assert p._busy == {} and p._busy_calls == 0 and p._unexported == {}
+    assert_readiness_matches_a_scan(p)
+
+
+async def test_close_exports_only_sessions_not_exported_since_their_last_call() -> None:
+    hooks = FragmentHooks()
+    exports: list[int] = []
+    export = hooks.export_session_state
+
+    def counting(state: Any) -> Any:
+        exports.append(state["count"])
+        return export(state)
+
+    hooks.export_session_state = counting  # type: ignore[method-assign]
+    p = ResourcesParticipant("exported", hooks)
+    await seed(p, "r1", "s1", count=1)
+    await seed(p, "r2", "s2", count=2)
+    await p.close_admission("block")
+    assert sorted(exports) == [1, 2] and p._unexported == {}, "the first close exports every idle session"
+    await p.open_admission()
+    await seed(p, "r3", "s3", count=3)  # new since: exported by the next close
+    async with p.session_call("s1") as session:
+        session.state["count"] = 10  # its call ends while open: exported as it ends
+    assert sorted(exports) == [1, 2, 10] and set(p._unexported) == {"s3"}
+    await p.close_admission("block")
+    assert sorted(exports) == [1, 2, 3, 10], "s2 has not moved: not exported again"
+    entries = {e.key: bytes(e.record["state"]) for e in await p.capture_records()}
+    assert entries == {"r1": b'{"count":10}', "r2": b'{"count":2}', "r3": b'{"count":3}'}
+    assert sorted(exports) == [1, 2, 3, 10], "the capture made nothing again"
+
+
+async def test_capture_refuses_a_call_in_flight_naming_the_first_live_session(hooks: CounterHooks) -> None:
+    p = ResourcesParticipant("exported", hooks, instance="counter")
+    for sid in ("s1", "s2", "s3"):
+        await seed(p, f"r{sid[1]}", sid)
+    leave = asyncio.Event()
+
+    async def call(sid: str) -> None:
+        async with p.session_call(sid):
+            await leave.wait()
+
+    tasks = [asyncio.create_task(call("s3")), asyncio.create_task(call("s2"))]
+    await settle()
+    with pytest.raises(CheckpointError, match=r"counter: session 's2' of r2 has a call in flight"):
+        await p.capture_records()
+    leave.set()
+    await asyncio.gather(*tasks)
+    assert len(await p.capture_records()) == 3

@@ -30,7 +30,6 @@ Patches are applied right after the target module is first imported (a
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import json
 import os
 import sys
@@ -39,39 +38,14 @@ import time
 _STARTED = time.time()
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``hooks[name](module)`` once, right after ``name`` is executed."""
-
-    def __init__(self, hooks):
-        self.hooks = dict(hooks)
-
-    def find_spec(self, fullname, path, target=None):
-        hook = self.hooks.get(fullname)
-        if hook is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return None
-        del self.hooks[fullname]
-        original = loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            try:
-                hook(module)
-            except Exception as exc:  # instrumentation must never break the process
-                print(f"bench instrumentation: hook for {fullname} failed: {exc!r}", file=sys.stderr)
-
-        loader.exec_module = exec_module
-        return spec
+def _safe(name, hook):
+    """A hook that never breaks the process it instruments."""
+    def run(module):
+        try:
+            hook(module)
+        except Exception as exc:
+            print(f"bench instrumentation: hook for {name} failed: {exc!r}", file=sys.stderr)
+    return run
 
 
 def _append(path, record):
@@ -239,7 +213,9 @@ def _install():
             _append(timing, {"event": "process_start", "start": _STARTED, "end": _STARTED, "pid": os.getpid(),
                              "ok": True})
     if hooks:
-        sys.meta_path.insert(0, _AfterImport(hooks))
+        from testkit.after_import import AfterImport  # the repository is on PYTHONPATH (testkit.run_harness)
+
+        AfterImport.install({name: _safe(name, hook) for name, hook in hooks.items()})
 
 
 try:

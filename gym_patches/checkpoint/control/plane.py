@@ -220,7 +220,7 @@ class ParticipantControlPlane:
 
     async def _wait_ready(self, checkpoint_id: str, deadline_ts: float) -> None:
         while self._phases.is_at(checkpoint_id, "preparing"):
-            if self.participant.readiness().ready:
+            if self.participant.is_ready():  # cheap; the report is built once, under the lock
                 return
             remaining = deadline_ts - self._lease.clock()
             if remaining <= 0:

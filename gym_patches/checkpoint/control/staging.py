@@ -129,7 +129,13 @@ async def take_capture(participant: CheckpointParticipant, instance: str, checkp
     record without a valid episode_id fails the prepare."""
     records: list[Any] = await participant.capture_records()
     fill = participant.scope_fill()
-    entries: dict[str, list[Record | bytes]] = {}
+    if all(type(record) is CapturedRecord for record in records):
+        # the common case (every saving participant): one record per key, already checked and copied
+        entries: dict[str, list[Record | bytes]] = {c.key: [c.record] for c in records}
+        if len(entries) == len(records):
+            return StagedCapture(instance, checkpoint_id, entries, sum(c.size for c in records), fill,
+                                 frozenset(unsaved))
+    entries = {}
     nbytes = 0
     for index, record in enumerate(records):
         if type(record) is CapturedRecord:  # checked and frozen by the participant, maybe long ago

@@ -268,3 +268,59 @@ async def test_resume_with_a_call_timeout_reopens_the_others_past_a_hung_server(
     assert time.monotonic() - t0 < 3.0  # not the 300 s deadline
     assert "'hung'" in str(err.value) and "resume took over 0.5s" in str(err.value)
     assert seen == ["hung resume", "ok resume"]  # resources first, then the agent: it still reopened
+
+
+class SlowReplicaShardSet:
+    """A fake of ``NemoGymShardSet``'s checkpoint side (isolates the coordinator's prepare loop from
+    Ray and the servers): one replica whose prepare takes ``prepare_s`` while every server answers
+    each status probe at once; it records every request the coordinator sends."""
+
+    def __init__(self, prepare_s: float):
+        self.prepare_s = prepare_s
+        self.sent: list[object] = []
+        self.restart_only_servers: dict[str, list[str]] = {}
+        self.prepare_policy_overrides: dict[str, dict] = {}
+        self.unhealthy: dict[str, str] = {}
+
+    @property
+    def instance_ids(self) -> list[str]:
+        return ["nemo_gym/replica-0"]
+
+    def mark_unhealthy(self, iid: str, why: str) -> None:
+        self.unhealthy[iid] = why
+
+    def send_checkpoint(self, iid: str, request):
+        from gym_patches.checkpoint.calls import PrepareCall, ProbeCall
+        from gym_patches.checkpoint.coordination import PrepareResult
+        from nemo_rl.environments.gym_checkpoint_adapter import GymServerProbe
+
+        self.sent.append(request)
+
+        async def answer():
+            if isinstance(request, PrepareCall):
+                await asyncio.sleep(self.prepare_s)
+                return PrepareResult(prepared=True)
+            assert isinstance(request, ProbeCall), f"not a checkpoint request: {request!r}"
+            return {"agent": GymServerProbe(True, "phase preparing, 3 blocking", 3, ["r1", "r2", "r3"])}
+
+        return answer()
+
+
+async def test_a_slow_replica_that_answers_every_probe_is_probed_again_and_stays_in(monkeypatch):
+    """A replica busy for several probe periods (a burst of /run calls) is probed every
+    ``PROBE_EVERY_S`` with the same typed request, and its prepare counts when it answers."""
+    from gym_patches.checkpoint.calls import ProbeCall
+    from nemo_rl.algorithms.single_controller_utils import gym_coordinator as gc
+
+    monkeypatch.setattr(gc, "PROBE_AFTER_S", 0.1)
+    monkeypatch.setattr(gc, "PROBE_EVERY_S", 0.3)
+    shards = SlowReplicaShardSet(prepare_s=1.2)
+    coordinator = gc.GymCheckpointCoordinator(shards, prepare_timeout_s=10.0, restart_only_policy="block")
+    left_out: dict[str, str] = {}
+    leavers: dict[str, asyncio.Task] = {}
+    results = await coordinator._prepare_replicas("c1", ["nemo_gym/replica-0"], time.time() + 10.0, False,
+                                                  left_out, leavers)
+    probes = [r for r in shards.sent if not hasattr(r, "restart_only_policy")]
+    assert len(probes) >= 2 and all(type(p) is ProbeCall and p.timeout_s == 1.5 for p in probes)
+    assert results["nemo_gym/replica-0"].prepared and left_out == {} and leavers == {}
+    assert shards.unhealthy == {}

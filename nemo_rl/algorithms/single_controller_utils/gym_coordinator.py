@@ -290,7 +290,7 @@ class GymCheckpointCoordinator:
             iid: self._send(iid, request.replace(policy_overrides=overrides[iid]) if overrides.get(iid) else request)
             for iid in asked
         }
-        probe = ProbeCall(timeout_s=self.park_grace_s)
+        probe_call = ProbeCall(timeout_s=self.park_grace_s)
         tasks = {iid: asyncio.ensure_future(ref) for iid, ref in refs.items()}
         probes: dict[str, asyncio.Future] = {}
         last_probe: dict[str, dict[str, GymServerProbe]] = {}
@@ -352,7 +352,7 @@ class GymCheckpointCoordinator:
                     if iid not in probes and (others_ready or now - started >= PROBE_AFTER_S) \
                             and now - probed_at.get(iid, float("-inf")) >= PROBE_EVERY_S:
                         probed_at[iid] = now
-                        probes[iid] = asyncio.ensure_future(self._send(iid, probe))
+                        probes[iid] = asyncio.ensure_future(self._send(iid, probe_call))
                 if others_ready and now - others_prepared_at >= self.park_grace_s:
                     for iid in waiting:
                         # A probe under way answers within its own timeout (the grace): wait for it, so the

@@ -175,3 +175,26 @@ async def test_the_ledger_taken_unvalidated_in_the_pause_is_checked_before_the_s
     assert [r["reason"] for r in run.rows()] == ["invariant_error"]
     assert not (anchor_dir(run.checkpoint_dir, 0) / "rollout_snapshots").exists() or not any(
         (anchor_dir(run.checkpoint_dir, 0) / "rollout_snapshots").iterdir())
+
+
+def test_rollouts_of_an_agent_on_a_restart_only_server_are_never_in_a_commit_scope():
+    """A /run that reached a restart-only agent after it answered prepare is missing from Gym's
+    unsaved report; the plan still keeps it out of every scope (a blocking commit would refuse the
+    scope with restart_in_scope), as it does for the ones Gym reported."""
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import plan_cut, server_scopes
+
+    iid = "nemo_gym/replica-0"
+    ledger = RolloutRecoveryLedger()
+    ledger.reserve_group("g1", "p0", 0, None, "simple", "turn", 1, 1, position=0)
+    ledger.reserve_group("g2", "p1", 1, None, "plain", "turn", 2, 1, position=1)
+    ids = {req.rollout_id: req for req in ledger.reserved_attempts()}
+    for rid in ids:
+        ledger.mark_dispatched(rid, iid)
+    saved = ledger.groups["g1"].rollout_id(0)
+    reported, late = ledger.groups["g2"].rollout_id(0), ledger.groups["g2"].rollout_id(1)
+    plan = plan_cut(ledger, [iid], {iid: {reported}}, unsavable_agents={iid: {"plain"}})
+    assert set(plan.scope[iid]) == {saved} and plan.unsaved[iid] == {reported, late}
+    servers = {iid: {"simple": ["simple", "model", "tools"], "plain": ["plain", "model", "sandbox"]}}
+    assert server_scopes(plan, servers)[iid] == {"simple": [saved], "model": [saved], "tools": [saved]}
+    without = plan_cut(ledger, [iid], {iid: {reported}})  # what Gym's report alone would give
+    assert late in without.scope[iid]

@@ -19,7 +19,7 @@ very same code:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.experience.rollout_recovery import LedgerError, RolloutRecoveryLedger
@@ -95,13 +95,23 @@ def plan_cut(
     instance_ids: Iterable[str],
     gym_unsaved: Mapping[str, Iterable[str]],
     left_out: Iterable[str] = (),
+    unsavable_agents: Mapping[str, Collection[str]] | None = None,
 ) -> CutPlan:
     """The commit scope of every instance, from one pass over the whole ledger (``left_out``:
-    instances not in this snapshot; they get no scope)."""
+    instances not in this snapshot; they get no scope).
+
+    ``unsavable_agents[instance]``: agents whose rollouts touch a restart-only server there. Their
+    rollouts are unsaved whatever Gym reported at prepare: a ``/run`` that reached a restart-only
+    server after it answered prepare is not in its report, and must not be in a commit scope."""
     iids = tuple(sorted(instance_ids))
     out = tuple(sorted(set(left_out) - set(iids)))
-    unsaved = {iid: frozenset(gym_unsaved.get(iid, ())) for iid in iids}
     owned = gym_checkpoint_agents(ledger, iids + out)
+    unsavable = unsavable_agents or {}
+    unsaved = {}
+    for iid in iids:
+        agents = unsavable.get(iid, ())
+        late = {k for k, agent in owned[iid].items() if agent in agents} if agents else set()
+        unsaved[iid] = frozenset(gym_unsaved.get(iid, ())) | late
     scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} for iid in iids}
     return CutPlan(iids, scope, unsaved, out)
 

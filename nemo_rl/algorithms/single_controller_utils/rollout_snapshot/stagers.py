@@ -160,6 +160,11 @@ class _GymStager(Stager):
     def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
                   outcome: SnapshotOutcome, capture: ControllerStateCapture) -> Any: ...
 
+    def _unsavable_agents(self, restart_only: dict[str, list[str]]) -> dict[str, set[str]]:
+        """Per instance, the agents whose rollouts touch one of its restart-only servers."""
+        return {iid: {agent for agent, servers in agents.items() if set(servers) & set(restart_only.get(iid, ()))}
+                for iid, agents in self.inputs.agent_servers.items()}
+
     def _still_at(self, step: int, while_: str) -> None:
         # The step's last rollouts finished and training moved on: this cut would straddle two
         # trainer steps (and its directory an anchor not yet published). Skip it.
@@ -172,8 +177,9 @@ class _GymStager(Stager):
         self._still_at(step, "prepared")
         self.hooks.reached("prepare", step)
         iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
-        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out)
         restart_only = self.coordinator.shard_set.restart_only_servers
+        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out,
+                        unsavable_agents=self._unsavable_agents(restart_only))
         # A saving server reports as unsaved only runs that reached it after it closed: not started.
         not_started = {
             iid: {k for server, keys in prepared.results[iid].unsaved.items()

@@ -51,6 +51,7 @@ from bench.common import (
     shared_gym,
     summary,
 )
+from gym_patches.checkpoint.calls import CommitCall, PrepareCall, ResumeCall, RetireCall
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import GymCheckpointIndex
 from nemo_rl.utils.snapshot_store import commit_snapshot, prepare_snapshot_paths
 
@@ -229,23 +230,29 @@ async def _retire_and_retry(parts: co.Participants, load: ClosedLoop, cid: str, 
     current = f"{cid}-r0"
     committed = False
     try:
-        prep = await co.prepare(parts, current, time.time() + first_prepare_s, "block")
+        prep = await co.call(parts, PrepareCall(checkpoint_id=current, deadline_ts=time.time() + first_prepare_s,
+                                                restart_only_policy="block"))
         rounds = 0
         while not prep.prepared and rounds < max_rounds:
             rounds += 1
-            await co.resume(parts, current, time.time() + 30)
+            await co.call(parts, ResumeCall(checkpoint_id=current, deadline_ts=time.time() + 30))
             blockers = {k for keys in prep.blockers.values() for k in keys}
             for name, reply in prep.replies.items():  # reports cap their blocker lists
                 if reply.report.blocker_count > len(reply.report.blockers):
                     blockers |= set(load.keys_on(name))
             current = f"{cid}-r{rounds}"
             if blockers:
-                await co.retire(parts, current, time.time() + 30,
-                                [EpisodeId.from_capture_key(k) for k in sorted(blockers)], best_effort=True)
-            prep = await co.prepare(parts, current, time.time() + first_prepare_s, "block")
+                await co.call(parts, RetireCall(
+                    checkpoint_id=current, deadline_ts=time.time() + 30,
+                    episode_ids=[EpisodeId.from_capture_key(k) for k in sorted(blockers)], best_effort=True))
+            prep = await co.call(parts, PrepareCall(checkpoint_id=current,
+                                                    deadline_ts=time.time() + first_prepare_s,
+                                                    restart_only_policy="block"))
         if prep.prepared:
             tmp, final = prepare_snapshot_paths(anchor)
-            commits = await co.commit(parts, current, time.time() + 30, str(tmp), prep.continued(load.scope()))
+            commits = await co.call(parts, CommitCall(checkpoint_id=current, deadline_ts=time.time() + 30,
+                                                      checkpoint_dir=str(tmp),
+                                                      episode_ids=prep.continued(load.scope())))
             agents = {p.name for p in parts.by_kind("agent")}
             exported = {name: sorted(c.episode_ids) for name, c in commits.items()}
             GymCheckpointIndex(
@@ -256,7 +263,7 @@ async def _retire_and_retry(parts: co.Participants, load: ClosedLoop, cid: str, 
             commit_snapshot(tmp, final, 2, metadata={"checkpoint_id": current})
             committed = True
     finally:
-        await co.resume(parts, current, time.time() + 30)
+        await co.call(parts, ResumeCall(checkpoint_id=current, deadline_ts=time.time() + 30))
     return committed, time.perf_counter() - t0
 
 

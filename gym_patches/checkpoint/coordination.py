@@ -32,20 +32,14 @@ from gym_patches.checkpoint.calls import (
     RestoreCall,
     ResumeCall,
     RetireCall,
-    Scope,
 )
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ROUTE_PREFIX,
     PREPARE_ORDER,
     CheckpointRequest,
-    CommitReply,
-    ForgetReply,
     ParticipantKind,
-    PersistReply,
     PrepareReply,
-    RenewReply,
-    RestartOnlyPolicy,
     RestoreReply,
     ResumeReply,
     RetireReply,
@@ -396,57 +390,6 @@ _RUNNERS: dict[type, Callable[[Participants, Any], Awaitable[Any]]] = {
     ProbeCall: _probe,
     RetireCall: _retire,
 }
-
-
-# -- one line per verb, for scripts and tests: the keywords are the call's fields -----------
-async def prepare(participants: Participants, checkpoint_id: str, deadline_ts: float,
-                  restart_only_policy: RestartOnlyPolicy = "block", **fields: Any) -> PrepareResult:
-    return await call(participants, PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
-                                                restart_only_policy=restart_only_policy, **fields))
-
-
-async def renew(participants: Participants, checkpoint_id: str, deadline_ts: float) -> dict[str, RenewReply]:
-    return await call(participants, RenewCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts))
-
-
-async def retire(participants: Participants, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId],
-                 **fields: Any) -> dict[str, RetireReply]:
-    return await call(participants, RetireCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
-                                               episode_ids=episode_ids, **fields))
-
-
-async def forget(participants: Participants, checkpoint_id: str, deadline_ts: float,
-                 rollout_ids: list[str]) -> dict[str, ForgetReply]:
-    return await call(participants, ForgetCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
-                                               rollout_ids=rollout_ids))
-
-
-async def commit(participants: Participants, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
-                 episode_ids: Scope | None, **fields: Any) -> dict[str, CommitReply]:
-    return await call(participants, CommitCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
-                                               checkpoint_dir=checkpoint_dir, episode_ids=episode_ids, **fields))
-
-
-async def persist(participants: Participants, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
-                  episode_ids: Scope, **fields: Any) -> dict[str, PersistReply]:
-    return await call(participants, PersistCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts,
-                                                checkpoint_dir=checkpoint_dir, episode_ids=episode_ids, **fields))
-
-
-async def restore(participants: Participants, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
-                  episode_ids: Scope, source_checkpoint_id: str, **fields: Any) -> dict[str, RestoreReply]:
-    return await call(participants, RestoreCall(
-        checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir,
-        episode_ids=episode_ids, source_checkpoint_id=source_checkpoint_id, **fields))
-
-
-async def resume(participants: Participants, checkpoint_id: str, deadline_ts: float,
-                 **fields: Any) -> dict[str, ResumeReply]:
-    return await call(participants, ResumeCall(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, **fields))
-
-
-async def probe(participants: Participants, timeout_s: float) -> dict[str, StatusReply | CoordinationError]:
-    return await call(participants, ProbeCall(timeout_s=timeout_s))
 
 
 # -- helpers -----------------------------------------------------------------

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gym_patches.checkpoint import coordination as co
+from gym_patches.checkpoint.calls import CommitCall, PrepareCall, ResumeCall
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import CHECKPOINT_ROUTE_PREFIX, MAX_EPISODES_PER_REQUEST, RetireRequest
 from gym_patches.config import parse_gym_config
@@ -84,16 +85,19 @@ def _small_gym(backend_url: str, lease_grace_s: float) -> dict[str, Any]:
 CONTROLLER = textwrap.dedent("""
     import asyncio, sys, time
     from gym_patches.checkpoint import coordination as co
+    from gym_patches.checkpoint.calls import PrepareCall, RenewCall
     from gym_patches.server_utils import ServerClient
 
     async def main(head, token, deadline_s):
         client = await ServerClient.load_from_global_config(head)
         parts = await co.discover(client, token, timeout_s=10)
-        result = await co.prepare(parts, "dead-controller", time.time() + deadline_s, "block")
+        result = await co.call(parts, PrepareCall(checkpoint_id="dead-controller",
+                                                  deadline_ts=time.time() + deadline_s,
+                                                  restart_only_policy="block"))
         print("PREPARED" if result.prepared else f"NOT PREPARED {result.blockers}", flush=True)
         while True:  # renew until killed, as the RL coordinator does
             await asyncio.sleep(deadline_s / 3)
-            await co.renew(parts, "dead-controller", time.time() + deadline_s)
+            await co.call(parts, RenewCall(checkpoint_id="dead-controller", deadline_ts=time.time() + deadline_s))
 
     asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
 """)
@@ -157,12 +161,14 @@ async def test_sigkilled_controller_leaves_gym_prepared_until_the_lease_reopens_
                 backend.hold(first_user_text(row2), 1)
                 second = asyncio.create_task(run(row2, "lease-run-1"))
                 await asyncio.to_thread(backend.wait_for_held, first_user_text(row2), 1)
-                result = await co.prepare(parts, "after-lease", time.time() + 10, "block")
+                result = await co.call(parts, PrepareCall(checkpoint_id="after-lease", deadline_ts=time.time() + 10,
+                                                          restart_only_policy="block"))
                 assert result.prepared, result
-                commits = await co.commit(parts, "after-lease", time.time() + 10, str(tmp_path / "ckpt"),
-                                          [EpisodeId.from_capture_key("lease-run-1")])
+                commits = await co.call(parts, CommitCall(checkpoint_id="after-lease", deadline_ts=time.time() + 10,
+                                                          checkpoint_dir=str(tmp_path / "ckpt"),
+                                                          episode_ids=[EpisodeId.from_capture_key("lease-run-1")]))
                 assert commits["agent"].episode_ids == ["lease-run-1"]
-                await co.resume(parts, "after-lease", time.time() + 10)
+                await co.call(parts, ResumeCall(checkpoint_id="after-lease", deadline_ts=time.time() + 10))
                 backend.release(first_user_text(row2), 1)
                 status, reply = await asyncio.wait_for(second, 15)
                 assert status == 200 and reply["reward"] == 1.0, reply

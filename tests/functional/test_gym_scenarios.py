@@ -28,6 +28,7 @@ import aiohttp
 import pytest
 
 from gym_patches.checkpoint import coordination as co
+from gym_patches.checkpoint.calls import CommitCall, PrepareCall, RestoreCall, ResumeCall
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.store import read_participant_state
 from gym_patches.launch import GymDeployment
@@ -239,18 +240,23 @@ class Gym:
                       parts: co.Participants | None = None) -> tuple[co.PrepareResult, float]:
         self._track(cid)
         started = time.monotonic()
-        result = await co.prepare(parts or self.parts, cid, time.time() + deadline_s, policy)  # type: ignore[arg-type]
+        result = await co.call(parts or self.parts, PrepareCall(
+            checkpoint_id=cid, deadline_ts=time.time() + deadline_s,
+            restart_only_policy=policy))  # type: ignore[arg-type]
         return result, time.monotonic() - started
 
     async def commit(self, cid: str, checkpoint_dir: Path, scope: list[EpisodeId] | None) -> dict[str, Any]:
-        return await co.commit(self.parts, cid, time.time() + 15, str(checkpoint_dir), scope)
+        return await co.call(self.parts, CommitCall(checkpoint_id=cid, deadline_ts=time.time() + 15,
+                                                    checkpoint_dir=str(checkpoint_dir), episode_ids=scope))
 
     async def restore(self, cid: str, checkpoint_dir: Path, scope: Any, source: str) -> dict[str, Any]:
         self._track(cid)
-        return await co.restore(self.parts, cid, time.time() + 15, str(checkpoint_dir), scope, source)
+        return await co.call(self.parts, RestoreCall(checkpoint_id=cid, deadline_ts=time.time() + 15,
+                                                     checkpoint_dir=str(checkpoint_dir), episode_ids=scope,
+                                                     source_checkpoint_id=source))
 
     async def resume(self, cid: str) -> None:
-        await co.resume(self.parts, cid, time.time() + 15)
+        await co.call(self.parts, ResumeCall(checkpoint_id=cid, deadline_ts=time.time() + 15))
         if cid in self.checkpoints:
             self.checkpoints.remove(cid)
 
@@ -709,7 +715,8 @@ async def test_expired_lease_reopens_a_prepared_deployment(backend: ScriptedBack
             run = gym.start_run(SIMPLE, row, key)
             await gym.wait_for_held(row, 1)
             deadline = time.time() + 0.5
-            result = await co.prepare(gym.parts, "lease-1", deadline, "block")  # then the controller "dies"
+            result = await co.call(gym.parts, PrepareCall(checkpoint_id="lease-1", deadline_ts=deadline,
+                                                          restart_only_policy="block"))  # then the controller "dies"
             assert result.prepared, result
             for p in gym.parts:
                 _, body = await gym.status(p.name)

@@ -196,17 +196,18 @@ def test_call_timeout_follows_deadline():
 async def test_prepare_commit_resume_cycle(dep, tmp_path):
     parts = await co.discover(dep.client(), TOKEN)
     dep.fakes["b_agent"].saved["r1"] = {"episode_id": ep("r1").model_dump(), "turn": 3}
-    result = await co.prepare(parts, "c1", deadline())
+    result = await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline()))
     assert result.prepared and result.blockers == {} and result.unsaved == {}
     assert set(result.replies) == {"policy", "a_agent", "b_agent", "tools"}
     assert dep.log.index("prepare:policy") < dep.log.index("prepare:a_agent") < dep.log.index("prepare:tools")
-    replies = await co.commit(parts, "c1", deadline(), str(tmp_path), [ep("r1")])
+    replies = await co.call(parts, calls.CommitCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                                    checkpoint_dir=str(tmp_path), episode_ids=[ep("r1")]))
     assert replies["b_agent"].episode_ids == ["r1"] and replies["policy"].episode_ids == []
     assert all((tmp_path / "gym" / p.kind / p.name / "manifest.json").exists() for p in parts)
-    renewed = await co.renew(parts, "c1", deadline(20))
+    renewed = await co.call(parts, calls.RenewCall(checkpoint_id="c1", deadline_ts=deadline(20)))
     assert all(r.lease_expires_at is not None for r in renewed.values())
     dep.log.clear()
-    resumed = await co.resume(parts, "c1", deadline())
+    resumed = await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline()))
     assert all(not r.idempotent for r in resumed.values())
     assert dep.log.index("resume:tools") < dep.log.index("resume:b_agent") < dep.log.index("resume:policy")
     assert all(f.accepting for f in dep.fakes.values())
@@ -215,17 +216,17 @@ async def test_prepare_commit_resume_cycle(dep, tmp_path):
 async def test_prepare_stops_at_first_unprepared_stage(dep):
     parts = await co.discover(dep.client(), TOKEN)
     dep.fakes["a_agent"].live = {"r7", "r8"}
-    result = await co.prepare(parts, "c1", deadline(0.3))
+    result = await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline(0.3)))
     assert not result.prepared
     assert result.blockers == {"a_agent": ["r7", "r8"]}
     assert set(result.replies) == {"policy", "a_agent", "b_agent"}
     assert dep.fakes["tools"].closes == 0 and dep.planes["tools"].phase == "idle"
     assert "prepare:tools" not in dep.log
-    await co.resume(parts, "c1", deadline())
+    await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline()))
     assert all(f.accepting for f in dep.fakes.values())
     assert all(p.phase == "idle" for p in dep.planes.values())
     with pytest.raises(co.CoordinationError, match="stale_checkpoint"):
-        await co.prepare(parts, "c1", deadline())
+        await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline()))
 
 
 async def test_best_effort_reports_unsaved(dep, tmp_path):
@@ -233,21 +234,25 @@ async def test_best_effort_reports_unsaved(dep, tmp_path):
     dep.fakes["a_agent"].live = {"r1"}
     dep.fakes["tools"].live = {"r1", "r3"}
     dep.fakes["b_agent"].saved["r2"] = {"episode_id": ep("r2").model_dump()}
-    result = await co.prepare(parts, "c1", deadline(), restart_only_policy="best_effort")
+    result = await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                                    restart_only_policy="best_effort"))
     assert result.prepared
     assert result.unsaved == {"a_agent": ["r1"], "tools": ["r1", "r3"]}
     assert result.unsaved_keys() == {"r1", "r3"}
     scope = result.continued([ep("r1"), ep("r2"), ep("r3")])
     assert [e.capture_key for e in scope] == ["r2"]
-    replies = await co.commit(parts, "c1", deadline(), str(tmp_path), scope)
+    replies = await co.call(parts, calls.CommitCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                                    checkpoint_dir=str(tmp_path), episode_ids=scope))
     assert replies["b_agent"].episode_ids == ["r2"]
-    await co.resume(parts, "c1", deadline())
+    await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline()))
     # committing an unsaved rollout is refused by every server that reported it
-    assert (await co.prepare(parts, "c2", deadline(), restart_only_policy="best_effort")).prepared
+    assert (await co.call(parts, calls.PrepareCall(checkpoint_id="c2", deadline_ts=deadline(),
+                                                   restart_only_policy="best_effort"))).prepared
     with pytest.raises(co.CoordinationFailures, match="restart_in_scope") as info:
-        await co.commit(parts, "c2", deadline(), str(tmp_path / "c2"), [ep("r1"), ep("r2")])
+        await co.call(parts, calls.CommitCall(checkpoint_id="c2", deadline_ts=deadline(),
+                                              checkpoint_dir=str(tmp_path / "c2"), episode_ids=[ep("r1"), ep("r2")]))
     assert set(info.value.failures) == {"a_agent", "tools"}
-    await co.resume(parts, "c2", deadline())
+    await co.call(parts, calls.ResumeCall(checkpoint_id="c2", deadline_ts=deadline()))
 
 
 # -- restore --------------------------------------------------------------------
@@ -255,22 +260,26 @@ async def _checkpoint(dep, parts, tmp_path) -> None:
     for name in ("policy", "b_agent", "tools"):
         for key in ("r1", "r2"):
             dep.fakes[name].saved[key] = {"episode_id": ep(key).model_dump(), "by": name}
-    assert (await co.prepare(parts, "c1", deadline())).prepared
-    await co.commit(parts, "c1", deadline(), str(tmp_path), None)
-    await co.resume(parts, "c1", deadline())
+    assert (await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline()))).prepared
+    await co.call(parts, calls.CommitCall(checkpoint_id="c1", deadline_ts=deadline(), checkpoint_dir=str(tmp_path),
+                                          episode_ids=None))
+    await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline()))
 
 
 async def test_restore_with_per_server_scope(dep, tmp_path):
     parts = await co.discover(dep.client(), TOKEN)
     await _checkpoint(dep, parts, tmp_path)
     scope = {"policy": [ep("r1"), ep("r2")], "b_agent": [ep("r1"), ep("r2")], "tools": [ep("r2")]}
-    replies = await co.restore(parts, "c2", deadline(), str(tmp_path), scope, "c1")
+    replies = await co.call(parts, calls.RestoreCall(checkpoint_id="c2", deadline_ts=deadline(),
+                                                     checkpoint_dir=str(tmp_path), episode_ids=scope,
+                                                     source_checkpoint_id="c1"))
     assert replies["policy"].restored == ["r1-a1", "r2-a1"]
     assert replies["tools"].restored == ["r2-a1"] and replies["a_agent"].restored == []
     assert all(dep.planes[n].phase == "restored" for n in replies)
-    await co.resume(parts, "c2", deadline())
+    await co.call(parts, calls.ResumeCall(checkpoint_id="c2", deadline_ts=deadline()))
     with pytest.raises(ValueError, match="nobody"):
-        await co.restore(parts, "c3", deadline(), str(tmp_path), {"nobody": []}, "c1")
+        await co.call(parts, calls.RestoreCall(checkpoint_id="c3", deadline_ts=deadline(), checkpoint_dir=str(tmp_path),
+                                               episode_ids={"nobody": []}, source_checkpoint_id="c1"))
 
 
 async def test_restore_failure_retires_next_attempts_and_resumes(dep, tmp_path):
@@ -280,20 +289,23 @@ async def test_restore_failure_retires_next_attempts_and_resumes(dep, tmp_path):
     dep.log.clear()
     scope = {"policy": [ep("r1")], "b_agent": [ep("r1")], "tools": [ep("r1")]}
     with pytest.raises(co.CoordinationError, match="fake install refused") as info:
-        await co.restore(parts, "c2", deadline(), str(tmp_path), scope, "c1")
+        await co.call(parts, calls.RestoreCall(checkpoint_id="c2", deadline_ts=deadline(), checkpoint_dir=str(tmp_path),
+                                               episode_ids=scope, source_checkpoint_id="c1"))
     assert info.value.server == "tools"
     for fake in dep.fakes.values():
         assert fake.retired == {"r1": 1}, fake.name  # next attempt of r1, everywhere
     assert all(p.phase == "idle" for p in dep.planes.values())
     assert dep.log.index("retire:b_agent") < dep.log.index("retire:policy")
     with pytest.raises(co.CoordinationError, match="stale_checkpoint"):  # the failed id is spent
-        await co.restore(parts, "c2", deadline(), str(tmp_path), scope, "c1")
+        await co.call(parts, calls.RestoreCall(checkpoint_id="c2", deadline_ts=deadline(), checkpoint_dir=str(tmp_path),
+                                               episode_ids=scope, source_checkpoint_id="c1"))
 
 
 async def test_restore_of_missing_checkpoint_cleans_up(dep, tmp_path):
     parts = await co.discover(dep.client(), TOKEN)
     with pytest.raises(co.CoordinationFailures) as info:
-        await co.restore(parts, "c2", deadline(), str(tmp_path), [ep("r1")], "c-none")
+        await co.call(parts, calls.RestoreCall(checkpoint_id="c2", deadline_ts=deadline(), checkpoint_dir=str(tmp_path),
+                                               episode_ids=[ep("r1")], source_checkpoint_id="c-none"))
     assert set(info.value.failures) == {"policy", "a_agent", "b_agent", "tools"}
     assert "manifest.json is missing" in str(info.value)
     assert all(f.retired == {"r1": 1} for f in dep.fakes.values())
@@ -302,10 +314,10 @@ async def test_restore_of_missing_checkpoint_cleans_up(dep, tmp_path):
 # -- resume / retire ------------------------------------------------------------
 async def test_resume_continues_past_a_dead_server(dep):
     parts = await co.discover(dep.client(), TOKEN)
-    assert (await co.prepare(parts, "c1", deadline())).prepared
+    assert (await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline()))).prepared
     await dep.servers["b_agent"].close()
     with pytest.raises(co.CoordinationFailures) as info:
-        await co.resume(parts, "c1", deadline())
+        await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline()))
     assert list(info.value.failures) == ["b_agent"] and "b_agent" in str(info.value)
     for name in ("policy", "a_agent", "tools"):
         assert dep.fakes[name].accepting and dep.planes[name].phase == "idle"
@@ -313,7 +325,8 @@ async def test_resume_continues_past_a_dead_server(dep):
 
 async def test_retire_callers_first(dep):
     parts = await co.discover(dep.client(), TOKEN)
-    replies = await co.retire(parts, "c1", deadline(), [ep("r4-a2")])
+    replies = await co.call(parts, calls.RetireCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                                    episode_ids=[ep("r4-a2")]))
     assert all(r.retired == ["r4-a2"] for r in replies.values())
     agent_calls = [i for i, e in enumerate(dep.log) if e in ("retire:a_agent", "retire:b_agent")]
     callee_calls = [i for i, e in enumerate(dep.log) if e in ("retire:policy", "retire:tools")]
@@ -324,10 +337,11 @@ async def test_retire_stops_at_failing_stage(dep):
     parts = await co.discover(dep.client(), TOKEN)
     await dep.servers["b_agent"].close()
     with pytest.raises(co.CoordinationError, match="b_agent"):
-        await co.retire(parts, "c1", deadline(), [ep("r1")])
+        await co.call(parts, calls.RetireCall(checkpoint_id="c1", deadline_ts=deadline(), episode_ids=[ep("r1")]))
     assert dep.log == ["retire:a_agent"]  # models and resources were never asked
     with pytest.raises(co.CoordinationFailures) as info:
-        await co.retire(parts, "c2", deadline(), [ep("r2")], best_effort=True)
+        await co.call(parts, calls.RetireCall(checkpoint_id="c2", deadline_ts=deadline(), episode_ids=[ep("r2")],
+                                              best_effort=True))
     assert list(info.value.failures) == ["b_agent"]
     assert dep.fakes["tools"].retired == {"r2": 0} and dep.fakes["policy"].retired == {"r2": 0}
 

@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, nargs="+", help="Gym YAML file(s)")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args(argv)
+    # SIGINT stops the deployment even when this process was started with it ignored (a background
+    # job of a non-interactive shell inherits SIG_IGN, and Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         dep = GymDeployment.start(args.config, log_dir=args.log_dir)
     except (GymConfigError, GymStartupError) as exc:

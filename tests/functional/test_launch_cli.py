@@ -75,13 +75,20 @@ def test_launch_prints_servers_and_ctrl_c_stops_them(tmp_path):
             proc.wait()
 
 
-def test_ctrl_c_right_after_start_still_stops_cleanly(tmp_path):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_right_after_start_still_stops_cleanly(tmp_path, inherited):
     """A Ctrl-C that lands while the server table is being printed (the first line is out) is a clean
-    stop too: exit 0 and no server left, never a KeyboardInterrupt traceback."""
+    stop too: exit 0 and no server left, never a KeyboardInterrupt traceback. Also when the launcher
+    was started with SIGINT ignored, as a background job of a non-interactive shell is."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed.yaml",
          "--log-dir", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_ignore_sigint if inherited == "ignored" else None,
     )
     try:
         deadline = time.monotonic() + 150

@@ -24,14 +24,13 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import 
     StagedStager,
     make_stager,
 )
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import select_snapshot
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import SnapshotStoreError, anchor_dir, ensure_bootstrap_anchor
+from nemo_rl.utils.snapshot_store import SnapshotStoreError, anchor_dir, ensure_bootstrap_anchor, resolve_latest_snapshot
 
 ROWS = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
 
@@ -137,7 +136,7 @@ async def test_a_failure_at_the_publish_leaves_the_previous_snapshot_the_newest(
     assert failing.consecutive_failures == 1
     snapshots = anchor_dir(run.checkpoint_dir, 0) / "rollout_snapshots"
     assert [p.name for p in snapshots.iterdir()] == [Path(first.path).name]  # no tmp dir left
-    assert select_snapshot(anchor_dir(run.checkpoint_dir, 0), turn_level=False).path == Path(first.path)
+    assert resolve_latest_snapshot(anchor_dir(run.checkpoint_dir, 0)).path == Path(first.path)
     assert [r["reason"] for r in run.rows()] == ["committed", "io_error"]
 
 

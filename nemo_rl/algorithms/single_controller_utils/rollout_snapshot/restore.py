@@ -1,6 +1,6 @@
 """Restore: the newest durable trainer step, its newest usable rollout snapshot, Gym's saved episodes.
 
-``RunRestorer.restore`` selects once (``store.select_snapshot``), reads and
+``RunRestorer.restore`` selects once (``find_restore_point``), reads and
 validates once (``store.read_snapshot``), asks Gym to install what it saved,
 applies the restart rules of the ledger (docs/design.md §5.5) and returns a
 ``RestoredState``; the controller only assigns it.

@@ -9,8 +9,8 @@ A snapshot directory (``<anchor>/rollout_snapshots/snapshot_<seq>``) holds:
   episodes each Gym instance saved, under ``gym/<instance>/`` beside it;
 - the manifest, written last (``nemo_rl.utils.snapshot_store``).
 
-``select_snapshot`` is the one scan that picks a snapshot to restore;
-``publish_snapshot`` writes a staged cut's files and seals the directory.
+``required_snapshot_files`` is what the one scan that picks a snapshot to restore
+(``snapshot_store.resolve_restore_point``) asks of it; ``publish_snapshot`` writes a staged cut's files and seals the directory.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from nemo_rl.experience.data_plane import DataPlaneCapture, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.snapshot_store import (
-    SnapshotSelection,
     SnapshotStoreError,
     commit_snapshot,
     recording_digests,
-    resolve_latest_snapshot,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -166,15 +164,6 @@ class ControllerStateCapture:
 def required_snapshot_files(turn_level: bool) -> tuple[str, ...]:
     """What every usable snapshot holds: the controller state, plus Gym's index when turns are saved."""
     return (CONTROLLER_STATE_FILE, GYM_CHECKPOINT_FILE) if turn_level else (CONTROLLER_STATE_FILE,)
-
-
-def select_snapshot(anchor: Path, turn_level: bool) -> SnapshotSelection:
-    """The newest snapshot under ``anchor`` that verifies and holds every file this run needs.
-
-    A snapshot sealed without ``gym_checkpoint.json`` would otherwise restore every saved
-    rollout from its prompt without a word: it is skipped, with why, for an older one.
-    """
-    return resolve_latest_snapshot(anchor, required=required_snapshot_files(turn_level))
 
 
 @dataclass(frozen=True)

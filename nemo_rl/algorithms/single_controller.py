@@ -1,13 +1,19 @@
 """The single controller: prompts in, trained steps out, rollouts snapshotted on the way.
 
-Read top to bottom: ``run`` restores (if a checkpoint exists), then for each
-step reserves prompt groups, dispatches their rollouts to Gym, seals what
-comes back, trains on complete groups, refits generation and saves a trainer
-checkpoint. A pump takes rollout snapshots meanwhile (docs/design.md §5.4);
-restore follows §5.5. Every task (rollouts, the pump) belongs to one
-``asyncio.TaskGroup`` owned by ``run``: an error in any of them stops the run
-and is raised from ``run``; nothing polls. Training, refit and file writes run
-off the event loop, so lease renewals and rollouts keep going meanwhile.
+Read top to bottom: ``run`` restores (if a checkpoint exists), then each step
+waits for its prompt groups to be complete, trains on them, refits generation
+and saves a trainer checkpoint. Meanwhile a dispatcher reserves groups and sends
+their rollouts to Gym as upstream's ``in_order`` sampler admits them
+(``admission.py``): with ``async_rl.sampler.max_lookahead_versions`` L > 0 the
+groups of the next L steps generate while a step trains, refits and checkpoints.
+A pump takes rollout snapshots at any moment (docs/design.md §5.4): each belongs
+to the newest durable trainer step (its anchor), and the groups trained after
+that anchor stay complete in the ledger, with their samples, until the next
+checkpoint is published, so a restore (§5.5) trains them again. Every task
+(rollouts, the dispatcher, the pump) belongs to one ``asyncio.TaskGroup`` owned
+by ``run``: an error in any of them stops the run and is raised from ``run``;
+nothing polls. Training, refit and file writes run off the event loop, so lease
+renewals and rollouts keep going meanwhile.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import Any, Callable
 
 import ray
 
+from nemo_rl.algorithms.single_controller_utils.admission import InOrderAdmission
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
+from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointCoordinator,
@@ -112,10 +120,15 @@ class SingleController:
         self.ledger = RolloutRecoveryLedger(config.async_rl.rollout_failure.max_infra_attempts_per_prompt)
         self.data_plane = DataPlaneStore()
         self.dataloader = PromptDataloader(rows, seed=config.data.seed, shuffle=config.data.shuffle)
-        self.step = 0
+        self.step = 0  # trained steps: the weights of this step are what generation serves
         self.anchor_step = 0  # newest published trainer step; snapshots hang under it
+        self.admission = InOrderAdmission.from_config(config)
+        # Groups the trainer took after the anchor, per step: complete in the ledger, samples kept,
+        # until their step's checkpoint is published (a snapshot meanwhile must let a restore redo them).
+        self._trained_pending: dict[int, list[str]] = {}
         self.changes = LedgerChanges()
         self._rollouts: dict[str, asyncio.Task] = {}
+        self.coverage = SnapshotCoverage(config.rollout_checkpointing.snapshot_attempt_interval_s)
         self.snapshot_counts = {"committed": 0, "failed": 0}
         recovery = config.rollout_recovery
         self.coordinator = (
@@ -146,7 +159,8 @@ class SingleController:
         if self.config.checkpointing.enabled:
             self.snapshotter = RolloutSnapshotter(
                 SnapshotInputs(
-                    self.ledger, self.data_plane, self.dataloader, lambda: self.step, self.anchor_dir,
+                    self.ledger, self.data_plane, self.dataloader, lambda: self.step, lambda: self.anchor_step,
+                    self.anchor_dir,
                     agent_servers={iid: self.shard_set.agent_servers.get(inst.shard_name, {})
                                    for iid, inst in self.shard_set.instances.items()},
                 ),
@@ -169,57 +183,124 @@ class SingleController:
             if self.coordinator is not None:
                 await self.coordinator.aclose()
         return {"step": self.step, "trained_groups": self.ledger.trained_count,
-                "trained_positions": [list(r) for r in self.ledger.trained_positions]}
+                "trained_positions": [list(r) for r in self.ledger.trained_positions],
+                "snapshot_coverage": self.coverage.share()}
 
     async def _train(self, tasks: asyncio.TaskGroup) -> None:
         grpo = self.config.grpo
         if grpo.val_at_start and self.step == 0 and self.val_rows:
             self.records.metrics({"step": 0, **await self._validate(tasks)})
-        while self.step < self.config.grpo.max_num_steps:
-            target = self.step + 1
-            self._reserve_groups(target)
-            t0 = time.monotonic()
-            groups = await self._generate(tasks, target)
-            gen_s = time.monotonic() - t0
-            samples = [s for g in groups for s in self.data_plane.group_samples(g)]
+        dispatcher = tasks.create_task(self._dispatch_loop(tasks), name="rollout-dispatch")
+        try:
+            while self.step < grpo.max_num_steps:
+                await self._train_step(tasks)
+        finally:
+            dispatcher.cancel()
+
+    async def _train_step(self, tasks: asyncio.TaskGroup) -> None:
+        """One step: wait for its groups (training as they complete when streaming), refit, checkpoint."""
+        grpo, target = self.config.grpo, self.step + 1
+        t0 = time.monotonic()
+        groups, samples, metrics, wait_s, train_s = await self._consume_step(target)
+        self.hooks.reached("train")  # batch consumed, step not checkpointed
+        self._took(target, groups)
+        refit_s = 0.0
+        if self.generation is not None:
+            self.hooks.reached("refit")  # the new weights go to generation, rollouts of later steps in flight
             t1 = time.monotonic()
-            metrics = await asyncio.to_thread(self.trainer.train_step, samples)
-            self.hooks.reached("train")  # batch consumed, step not checkpointed
-            train_s = time.monotonic() - t1
-            for g in groups:
-                self.ledger.mark_group_trained(g)
-                self.data_plane.discard(s.rollout_id for s in self.data_plane.group_samples(g))
-            if self.generation is not None:
-                await asyncio.to_thread(self.generation.refit, self.trainer)
-            self.step = target
-            record = {
-                "step": self.step,
-                "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
-                "weight_version": self.trainer.weight_version,
-                "generation_s": round(gen_s, 3),
-                "training_s": round(train_s, 3),
-                "groups": groups,
-                "snapshots_committed": self.snapshot_counts["committed"],
-                "snapshots_failed": self.snapshot_counts["failed"],
-                **{k: v for k, v in metrics.items() if k not in ("step",)},
-            }
-            if grpo.val_period and self.step % grpo.val_period == 0 and self.val_rows:
-                record.update(await self._validate(tasks))
-            last = self.step == self.config.grpo.max_num_steps
-            if self.config.checkpointing.enabled and (self.step % self.config.checkpointing.save_period == 0 or last):
-                try:
-                    record["checkpoint_s"] = round(await self.save_trainer_checkpoint(dict(record)), 3)
-                except Exception:
-                    with contextlib.suppress(Exception):  # the step trained: its row stays, the checkpoint error is raised
-                        self.records.metrics(record)
-                    raise
-                self.records.metrics(record)  # after the checkpoint, so the row carries checkpoint_s
-                await self._forget_trained()
-            else:
-                if not self.config.checkpointing.enabled:
-                    self.anchor_step = self.step
-                self.records.metrics(record)
-            self.on_progress(record)
+            await asyncio.to_thread(self.generation.refit, self.trainer)
+            refit_s = time.monotonic() - t1
+        self.step = target
+        await self.changes.notify(transition=False)  # the admission window moved on
+        record = {
+            "step": self.step,
+            "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+            "weight_version": self.trainer.weight_version,
+            "generation_s": round(wait_s, 3),  # waiting for the step's groups (not training meanwhile)
+            "training_s": round(train_s, 3),
+            "refit_s": round(refit_s, 3),
+            "inflight_rollouts": len(self._rollouts),  # of later steps, generating across this step's end
+            "groups": groups,
+            "snapshots_committed": self.snapshot_counts["committed"],
+            "snapshots_failed": self.snapshot_counts["failed"],
+            **{k: v for k, v in metrics.items() if k not in ("step",)},
+        }
+        if grpo.val_period and self.step % grpo.val_period == 0 and self.val_rows:
+            record.update(await self._validate(tasks))
+        last = self.step == grpo.max_num_steps
+        if self.config.checkpointing.enabled and (self.step % self.config.checkpointing.save_period == 0 or last):
+            try:
+                record["checkpoint_s"] = round(await self.save_trainer_checkpoint(dict(record)), 3)
+            except Exception:
+                with contextlib.suppress(Exception):  # the step trained: its row stays, the checkpoint error is raised
+                    self.records.metrics(record)
+                raise
+            self.hooks.reached("checkpointed")  # step durable, no snapshot under it yet
+            record["step_s"] = round(time.monotonic() - t0, 3)
+            record["snapshot_coverage"] = self.coverage.share()
+            self.records.metrics(record)  # after the checkpoint, so the row carries checkpoint_s
+            await self._forget_trained()
+        else:
+            record["step_s"] = round(time.monotonic() - t0, 3)
+            record["snapshot_coverage"] = self.coverage.share()
+            self.records.metrics(record)
+        self.on_progress(record)
+
+    async def _consume_step(self, target: int) -> tuple[list[str], list, dict[str, Any], float, float]:
+        """Train step ``target`` on its groups: in one call once all are complete or, with
+        ``async_rl.min_groups_for_streaming_train`` below the step's group count, group by group into
+        one optimizer step, starting once that many are complete. Returns the groups (in dataloader
+        order), their samples, the metrics, and the seconds spent waiting and training."""
+        per_step = self.config.grpo.num_prompts_per_step
+        first = self.config.async_rl.min_groups_for_streaming_train or per_step
+        taken: list[str] = []
+        waited = trained = 0.0
+
+        def complete() -> list[str]:
+            ready = [g for g in self.ledger.groups.values() if g.target_step == target
+                     and g.status is PromptGroupStatus.COMPLETE and g.group_id not in taken]
+            return [g.group_id for g in sorted(ready, key=lambda g: g.position)]
+
+        async def wait_for(count: int) -> list[str]:
+            nonlocal waited
+            t0 = time.monotonic()
+            await self.changes.wait_for(lambda: len(complete()) >= count)
+            waited += time.monotonic() - t0
+            return complete()[: per_step - len(taken)]
+
+        async def off_loop(fn, *args):
+            nonlocal trained
+            t0 = time.monotonic()
+            try:
+                return await asyncio.to_thread(fn, *args)
+            finally:
+                trained += time.monotonic() - t0
+
+        def samples_of(groups: list[str]) -> list:
+            return [s for g in groups for s in self.data_plane.group_samples(g)]
+
+        if first >= per_step:
+            taken = await wait_for(per_step)
+            metrics = await off_loop(self.trainer.train_step, samples_of(taken))
+        else:
+            streaming = self.trainer.open_step()
+            while len(taken) < per_step:
+                batch = await wait_for(first if not taken else 1)
+                await off_loop(streaming.add, samples_of(batch))
+                taken += batch
+            metrics = await off_loop(streaming.finish)
+        return taken, samples_of(taken), metrics, waited, trained
+
+    def _took(self, step: int, groups: list[str]) -> None:
+        """The trainer consumed these groups. Without checkpoints nothing can redo them: trained now.
+        Otherwise they stay complete, samples kept, until ``step``'s checkpoint is published."""
+        if self.config.checkpointing.enabled:
+            self._trained_pending[step] = list(groups)
+            return
+        for g in groups:
+            self.ledger.mark_group_trained(g)
+            self.data_plane.discard(s.rollout_id for s in self.data_plane.group_samples(g))
+        self.anchor_step = step
 
     # ------------------------------------------------------------ validation
     async def _validate(self, tasks: asyncio.TaskGroup) -> dict[str, Any]:
@@ -256,11 +337,35 @@ class SingleController:
         }
 
     # ------------------------------------------------------------ generation
-    def _reserve_groups(self, target_step: int) -> None:
-        """Reserve groups until ``num_prompts_per_step`` are generating for ``target_step``."""
-        have = sum(1 for g in self.ledger.groups.values() if g.target_step == target_step)
+    async def _dispatch_loop(self, tasks: asyncio.TaskGroup) -> None:
+        """Reserve what the sampler admits and dispatch what may generate, whenever the ledger, the
+        gate or the served step changes; runs for the whole run (``_train`` owns and cancels it)."""
+        while True:
+            self._reserve_groups()
+            if self.dispatch_open:
+                for req in self._dispatchable():
+                    self._dispatch(tasks, req)
+            await self.changes.wait_for(self._dispatch_work)
+
+    def _dispatchable(self) -> list:
+        groups, step = self.ledger.groups, self.step
+        return [req for req in self.ledger.reserved_attempts()
+                if self.admission.may_generate(groups[req.group_id], step)]
+
+    def _dispatch_work(self) -> bool:
+        if self.dispatch_open and self._dispatchable():
+            return True
+        return bool(self.admission.reservations(self.ledger, self.step, self._consumed()))
+
+    def _consumed(self) -> set[str]:
+        return {g for groups in self._trained_pending.values() for g in groups}
+
+    def _reserve_groups(self) -> None:
+        """Reserve the groups the sampler admits now (targets in order), at positions not yet trained or held."""
         recovery = self.config.rollout_recovery
-        for _ in range(self.config.grpo.num_prompts_per_step - have):
+        for target_step in self.admission.reservations(self.ledger, self.step, self._consumed()):
+            while self.ledger.is_held_position(self.dataloader.position):
+                self.dataloader.next_index()  # after a restore: trained by a newer step, or restored from a snapshot
             position = self.dataloader.position  # monotonic over the run (across epochs): the group's key
             index = self.dataloader.next_index()
             row = self.rows[index]
@@ -279,30 +384,13 @@ class SingleController:
                 position=position,
             )
 
-    async def _generate(self, tasks: asyncio.TaskGroup, target_step: int) -> list[str]:
-        """Dispatch every reserved attempt while the gate is open; return when this step's groups are complete."""
-        wanted = [g.group_id for g in self.ledger.groups.values() if g.target_step == target_step]
-
-        def complete() -> bool:
-            return all(self.ledger.groups[g].status is PromptGroupStatus.COMPLETE for g in wanted)
-
-        def work() -> bool:
-            return complete() or (self.dispatch_open and bool(self.ledger.reserved_attempts()))
-
-        while True:
-            if self.dispatch_open:
-                for req in self.ledger.reserved_attempts():
-                    self._dispatch(tasks, req)
-            if complete():
-                return wanted
-            await self.changes.wait_for(work)
-
     def _dispatch(self, tasks: asyncio.TaskGroup, req) -> None:
         group = self.ledger.groups[req.group_id]
         row = self.rows[group.prompt_index]
         instance = req.gym_instance_id or self.shard_set.pick_instance(group.agent_name or "")
-        self.ledger.mark_dispatched(req.rollout_id, instance)
+        self.ledger.mark_dispatched(req.rollout_id, instance, weight_version=self.step)
         self.startup.mark("first_dispatch")
+        self.coverage.in_flight(len(self._rollouts) + 1)
         self._rollouts[req.rollout_id] = tasks.create_task(
             self._run_rollout(req.rollout_id, req.group_id, req.generation_index, instance, row),
             name=f"rollout:{req.rollout_id}",
@@ -354,11 +442,14 @@ class SingleController:
                 self.ledger.mark_sealed(rollout_id, sample.reward)
         finally:
             self._rollouts.pop(rollout_id, None)
+            self.coverage.in_flight(len(self._rollouts))
         await self.changes.notify()
 
     # -------------------------------------------------------------- snapshots
     async def _snapshot_pump(self) -> None:
-        """Every ``snapshot_attempt_interval_s`` while groups generate; an error here stops the run."""
+        """Every ``snapshot_attempt_interval_s`` while groups generate, whatever the trainer is doing
+        (training, refit, checkpoint write): a snapshot belongs to the newest durable trainer step.
+        An error here stops the run."""
         interval = self.config.rollout_checkpointing.snapshot_attempt_interval_s
         if self.snapshotter is None or interval is None:
             return
@@ -366,13 +457,13 @@ class SingleController:
             await asyncio.sleep(interval)  # the schedule, not a poll
             if not any(g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()):
                 continue
-            if self.anchor_step != self.step:
-                continue  # step_N not durable yet: a snapshot would outlive its trainer state
             outcome = await self.snapshotter.attempt()
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
+            if outcome.committed:
+                self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
 
     def anchor_dir(self) -> Path:
-        return anchor_dir(self.checkpoint_dir, self.step)
+        return anchor_dir(self.checkpoint_dir, self.anchor_step)
 
     async def _gym_activity(self) -> dict[str, dict[str, Any]]:
         """Every replica's agents: what each run in flight is doing (the stall watchdog reads it)."""
@@ -397,10 +488,17 @@ class SingleController:
         checkpoint is read back.
         """
         step = self.step
+        taken = [g for s in sorted(self._trained_pending) if s <= step for g in self._trained_pending[s]]
+        # Trained positions only (ranges, no growing list). What is in flight is not kept: without a
+        # snapshot it restarts from its prompt, the dataloader resuming at the first untrained position.
+        ledger_state, resume_at = self.ledger.checkpoint_state(taken)
+        dataloader = self.dataloader.state_dict()
+        if resume_at is not None:
+            dataloader["position"] = min(dataloader["position"], resume_at)
         extra = {
             "step": step,
-            "dataloader": self.dataloader.state_dict(),
-            "ledger": self.ledger.state_dict(),  # trained groups as position ranges: no growing list
+            "dataloader": dataloader,
+            "ledger": ledger_state,
             "metrics_row": metrics_row,  # written to metrics.jsonl after the save; restore rewrites it if lost
         }
 
@@ -423,6 +521,13 @@ class SingleController:
                 raise
             raise named from exc
         checkpoint_s = time.monotonic() - t0
+        # Published: in one step without awaits, these groups become trained and the anchor moves, so
+        # a snapshot cut sees them either complete under the old anchor or trained under the new one.
+        for g in taken:
+            self.ledger.mark_group_trained(g)
+            self.data_plane.discard(s.rollout_id for s in self.data_plane.group_samples(g))
+        for s in [s for s in self._trained_pending if s <= step]:
+            del self._trained_pending[s]
         self.anchor_step = step
         # Older anchors go, but not under a snapshot that is still being persisted.
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
@@ -432,6 +537,7 @@ class SingleController:
                                         self.config.checkpointing.keep_top_k, step)
             except OSError as exc:  # a read-only or failing disk: name what could not be removed
                 raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
+            self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())
             return checkpoint_s + (time.monotonic() - t1)
 
     async def _forget_trained(self) -> None:

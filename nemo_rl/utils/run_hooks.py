@@ -17,6 +17,8 @@ PHASES: dict[str, str] = {
     "publish": "the snapshot's temporary directory is fully written, before it is sealed and renamed into place",
     "restore": "Gym has restored the snapshot's episodes, before the ledger is applied",
     "train": "inside a training step: the trainer has consumed the batch, the step is not checkpointed yet",
+    "refit": "the trained weights are about to go to generation (rollouts of later steps in flight in async mode)",
+    "checkpointed": "a trainer checkpoint was just published, before any snapshot under it",
 }
 
 

@@ -589,23 +589,36 @@ class RestorePoint(NamedTuple):
 def resolve_restore_point(
     checkpoint_dir: str | Path, required: tuple[str, ...] = (), *, read_snapshots: bool = True
 ) -> RestorePoint | None:
-    """The newest intact trainer anchor and its newest valid snapshot listing ``required`` (may be none;
+    """The newest intact trainer anchor and the newest valid snapshot listing ``required`` (may be none;
     none either with ``read_snapshots=False``: the snapshots then stay unread).
 
     Anchors are tried newest first; only the one chosen is hashed (``verify_directory``), plus any
     newer one whose digests then fail: that one is in ``skipped`` with the bad file named, and the
     next older is tried. None when no anchor is intact.
+
+    The snapshot is the newest under the chosen anchor or, when it has none yet (a crash between a
+    trainer checkpoint and the next snapshot), the newest under an older anchor still on disk: a
+    snapshot belongs to the anchor it was taken under, and restore drops from it what the newer
+    trainer step trained (``RolloutRecoveryLedger.adopt_trained``).
     """
     skipped: list[tuple[Path, str]] = []
-    for step, kind, path in _anchor_dirs(Path(checkpoint_dir)):
+    anchors = _anchor_dirs(Path(checkpoint_dir))
+    for i, (step, kind, path) in enumerate(anchors):
         try:
             _trusted_anchor(step, kind, path)  # stat first: a torn step costs no read
             verify_directory(path, kind)
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
-        snapshot = resolve_latest_snapshot(path, required) if read_snapshots else SnapshotSelection(None, [])
-        return RestorePoint(step, path, snapshot, tuple(skipped))
+        if not read_snapshots:
+            return RestorePoint(step, path, SnapshotSelection(None, []), tuple(skipped))
+        tried: list[tuple[Path, str]] = []
+        for _, _, under in [(step, kind, path), *anchors[i + 1:]]:
+            snapshot = resolve_latest_snapshot(under, required)
+            tried += snapshot.skipped
+            if snapshot.path is not None:
+                break
+        return RestorePoint(step, path, SnapshotSelection(snapshot.path, tried, snapshot.manifest), tuple(skipped))
     return None
 
 

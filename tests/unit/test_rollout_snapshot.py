@@ -67,7 +67,7 @@ class Run:
         self.records = RunRecords(root / "logs")
 
     def inputs(self) -> SnapshotInputs:
-        return SnapshotInputs(self.ledger, self.data_plane, self.dataloader, lambda: 0,
+        return SnapshotInputs(self.ledger, self.data_plane, self.dataloader, lambda: 0, lambda: 0,
                               lambda: anchor_dir(self.checkpoint_dir, 0))
 
     def snapshotter(self, hooks: RunHooks | None = None, **settings) -> RolloutSnapshotter:
@@ -87,7 +87,7 @@ class Run:
 
 def test_one_stager_per_mode_is_chosen_once():
     inputs = SnapshotInputs(RolloutRecoveryLedger(), DataPlaneStore(), PromptDataloader(ROWS, seed=0),
-                            lambda: 0, lambda: Path("/nonexistent"))
+                            lambda: 0, lambda: 0, lambda: Path("/nonexistent"))
     changes = LedgerChanges()
     gate = DispatchGate(changes)
     assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes), LedgerOnlyStager)

@@ -137,7 +137,8 @@ class RolloutRecoveryLedger:
                     )
         return out
 
-    def mark_dispatched(self, rollout_id: str, gym_instance_id: str) -> None:
+    def mark_dispatched(self, rollout_id: str, gym_instance_id: str, weight_version: int | None = None) -> None:
+        """``weight_version``: the version serving now; the group's first dispatch records it."""
         group, sibling, attempt = self._current(rollout_id)
         if attempt.status is not RolloutAttemptStatus.RESERVED:
             raise LedgerError(
@@ -156,6 +157,8 @@ class RolloutRecoveryLedger:
                 update={"status": RolloutAttemptStatus.DISPATCHED, "gym_instance_id": gym_instance_id}
             ),
         )
+        if group.start_weight_version is None and weight_version is not None:
+            group.start_weight_version = int(weight_version)
 
     def mark_refused(self, rollout_id: str, max_refusals: int) -> int:
         """Gym refused a dispatched attempt (closed for a checkpoint): it is reserved again.
@@ -240,17 +243,65 @@ class RolloutRecoveryLedger:
         group.status = PromptGroupStatus.TRAINED
         self.trained_positions = with_position(self.trained_positions, group.position)
 
+    def checkpoint_state(self, trained_now: list[str]) -> tuple[dict, int | None]:
+        """What a trainer checkpoint keeps of the ledger, without changing it.
+
+        The positions trained so far plus ``trained_now`` (groups the step being saved trained, not
+        yet marked: until the checkpoint is published a snapshot must still see them complete), and
+        no group record: without a rollout snapshot, whatever was in flight restarts from its prompt.
+        Also returns the lowest position still untrained, where a trainer-only restore resumes the
+        dataloader (None: nothing in flight).
+        """
+        positions = list(self.trained_positions)
+        now = set(trained_now)
+        for group_id in trained_now:
+            group = self._group(group_id)
+            if group.status is not PromptGroupStatus.COMPLETE:
+                raise LedgerError(f"group {group_id} is {group.status.value}, not complete: it cannot be trained")
+            positions = with_position(positions, group.position)
+        untrained = [g.position for gid, g in self.groups.items()
+                     if gid not in now and g.status is not PromptGroupStatus.TRAINED]
+        state = LedgerState(max_attempts_per_sibling=self.max_attempts_per_sibling, groups=[],
+                            trained_positions=positions, trained_count=sum(hi - lo for lo, hi in positions))
+        return state.model_dump(mode="json"), min(untrained, default=None)
+
+    def adopt_trained(self, positions: list[PositionRange]) -> tuple[list[str], list[str]]:
+        """Take ``positions`` (a newer trainer checkpoint's) as trained: the groups at them leave the
+        ledger whatever their state; returns their ids and their Gym rollout ids (every attempt).
+
+        A rollout snapshot may be older than the trainer step it is restored with (taken under an
+        earlier anchor): what that step trained is done, the rest of the snapshot continues.
+        """
+        merged: list[PositionRange] = []
+        for lo, hi in sorted([*self.trained_positions, *(tuple(r) for r in positions)]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        dropped = [gid for gid, g in self.groups.items() if position_in(merged, g.position)]
+        self.trained_positions = merged
+        return dropped, self._drop_records(dropped)
+
+    def is_held_position(self, position: int) -> bool:
+        """Whether ``position`` is trained or reserved by a group in the ledger (not to be reserved again)."""
+        return position in self._by_position or self.is_trained_position(position)
+
     def compact_trained(self, group_ids) -> list[str]:
         """Drop the records of trained groups (their positions stay in ``trained_positions``).
 
         Returns the Gym rollout ids of every attempt they had, for Gym to forget.
         Keeps the ledger, and every snapshot of it, as large as the work in flight.
         """
-        rollout_ids = []
         for group_id in group_ids:
             group = self._group(group_id)
             if group.status is not PromptGroupStatus.TRAINED:
                 raise LedgerError(f"group {group_id} is {group.status.value}; only trained groups are compacted")
+        return self._drop_records(group_ids)
+
+    def _drop_records(self, group_ids) -> list[str]:
+        rollout_ids = []
+        for group_id in group_ids:
+            group = self._group(group_id)
             for sibling in group.siblings:
                 for attempt in sibling.attempts:
                     base = attempt.base_rollout_id(group_id, sibling.generation_index)

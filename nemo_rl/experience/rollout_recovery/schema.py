@@ -157,6 +157,9 @@ class PromptGroupRecoveryRecord(_Record):
     position: int = Field(ge=0)
     siblings: list[RolloutSiblingRecord]
     status: PromptGroupStatus = PromptGroupStatus.GENERATING
+    # The weight version serving when its first rollout was dispatched (upstream's name): the oldest
+    # weights that generated any of it, so ``target_step - 1 - start_weight_version`` bounds its lag.
+    start_weight_version: int | None = Field(default=None, ge=0)
 
     @field_validator("group_id")
     @classmethod

@@ -18,6 +18,7 @@ class SnapshotInputs:
     ledger: RolloutRecoveryLedger
     data_plane: DataPlaneStore
     dataloader: PromptDataloader
-    step: Callable[[], int]
-    anchor_dir: Callable[[], Path]
+    step: Callable[[], int]  # the controller's step (trained, possibly not durable yet)
+    anchor_step: Callable[[], int]  # the newest durable trainer step: the snapshot belongs to it
+    anchor_dir: Callable[[], Path]  # that step's directory
     agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # instance -> agent -> servers

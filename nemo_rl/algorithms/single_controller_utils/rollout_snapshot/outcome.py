@@ -16,7 +16,8 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 
 
 class SnapshotSuperseded(RuntimeError):
-    """Training moved to the next step while this snapshot was being taken: it is dropped, not failed."""
+    """A trainer checkpoint was published while this snapshot was being taken under the one before:
+    it is dropped, not failed (the next attempt goes under the new anchor)."""
 
 
 @dataclass
@@ -30,7 +31,8 @@ class SnapshotOutcome:
 
     checkpoint_id: str
     mode: str  # the stager's: staged | blocking | ledger_only
-    step: int  # the trainer step the attempt belongs to (training may have moved on since)
+    step: int  # the controller's step when the attempt began (training may have moved on since)
+    anchor_step: int = 0  # the durable trainer step it belongs to (restore re-trains any step after it)
     committed: bool = False
     reason: str = ""
     saved: int = 0
@@ -82,6 +84,7 @@ class SnapshotOutcome:
             captured_bytes=self.captured_bytes,
             captured_bytes_by_server=self.captured_bytes_by_server,
             step=self.step,
+            anchor_step=self.anchor_step,
             path=self.path,
             blocking_servers=sorted({s for v in self.blockers.values() for s in v}),
             **({"left_out": self.left_out, "left_out_rollouts": self.left_out_rollouts} if self.left_out else {}),

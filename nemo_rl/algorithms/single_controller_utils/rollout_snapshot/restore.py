@@ -74,6 +74,15 @@ class RestoredState:
     metrics_row: dict[str, Any] | None = None  # the restored step's metrics row (see TrainerBookkeeping)
 
 
+def _without(exported: dict[str, dict[str, list[str]]], rollout_ids: set[str]) -> dict[str, dict[str, list[str]]]:
+    """Gym's saved episodes, less those of ``rollout_ids`` (groups a newer trainer step trained)."""
+    if not rollout_ids:
+        return exported
+    kept = {iid: {server: [k for k in keys if EpisodeId.from_capture_key(k).rollout_id not in rollout_ids]
+                  for server, keys in by_server.items()} for iid, by_server in exported.items()}
+    return {iid: by_server for iid, by_server in kept.items() if any(by_server.values())}
+
+
 class RunRestorer:
     """Restores one run directory; ``load_trainer(anchor)`` loads the trainer and returns its bookkeeping."""
 
@@ -146,13 +155,17 @@ class RunRestorer:
             return RestoredState(step, ledger, dataloader, DataPlaneStore(), record,
                                  f"Resuming from trainer checkpoint step {point.step} ({why}).", metrics_row)
         snap = read_snapshot(selection.path, turn_level)
-        if snap.state.step != step:
-            raise SnapshotStoreError(f"{snap.path / CONTROLLER_STATE_FILE}: snapshot is for step {snap.state.step}, "
-                                     f"anchor is step {step}")
+        if snap.state.anchor > step:
+            raise SnapshotStoreError(f"{snap.path / CONTROLLER_STATE_FILE}: snapshot belongs to trainer step "
+                                     f"{snap.state.anchor}, newer than the restored step {step}")
+        trained = ledger.trained_positions  # the trainer step's: what it trained is done
         ledger, dataloader = self._ledger(snap.state.ledger), snap.state.dataloader
+        # A snapshot under an older anchor: the groups the restored step trained since leave it.
+        dropped_groups, dropped = ledger.adopt_trained(trained)
+        snap.data_plane.discard(s.rollout_id for g in dropped_groups for s in snap.data_plane.group_samples(g))
         restored: set[tuple[str, str, int]] = set()  # (instance, rollout id, the attempt Gym restored it as)
         restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
-        exported = snap.gym.exported() if snap.gym is not None else {}
+        exported = _without(snap.gym.exported() if snap.gym is not None else {}, set(dropped))
         if exported:
             assert self.coordinator is not None
             new_keys = await self.coordinator.restore(
@@ -167,6 +180,10 @@ class RunRestorer:
         snap.data_plane.discard(summary.discarded_rollout_ids)
         record.update(
             snapshot=str(snap.path),
+            snapshot_anchor_step=snap.state.anchor,
+            snapshot_step=snap.state.step,
+            dropped_trained_groups=len(dropped_groups),  # the restored step trained them after the snapshot
+            retrained_groups=len(ledger.complete_groups()),  # taken by the trainer after the anchor: trained again
             restored_turn=len(summary.restored_turn),
             restarted_from_prompt=len(summary.restarted_from_prompt),
             kept_siblings=len(summary.kept_siblings),
@@ -176,7 +193,8 @@ class RunRestorer:
             restarted_rollout_ids=summary.restarted_from_prompt,
             kept_rollout_ids=summary.kept_siblings,
         )
-        message = (f"Restored rollout snapshot {snap.path.name} at step {step}: {record['restored_turn']} continue at "
+        message = (f"Restored rollout snapshot {snap.path.name} (under step {snap.state.anchor}) at step {step}: "
+                   f"{record['retrained_groups']} complete groups to train, {record['restored_turn']} continue at "
                    f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
                    f"{record['kept_siblings']} sealed kept.")
         return RestoredState(step, ledger, dataloader, snap.data_plane, record, message, metrics_row)

@@ -52,7 +52,8 @@ class RolloutSnapshotter:
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
         The pump awaits this, so at most one snapshot is ever being written."""
         async with self.busy:
-            outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}", self.stager.mode, self.inputs.step())
+            outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}", self.stager.mode, self.inputs.step(),
+                                      anchor_step=self.inputs.anchor_step())
             try:
                 async with self.stager.hold(outcome.checkpoint_id) as prepared:  # gate closed, Gym prepared
                     outcome.mark("prepare")

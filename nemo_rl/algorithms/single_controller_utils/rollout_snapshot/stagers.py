@@ -94,11 +94,13 @@ class Stager(ABC):
     @abstractmethod
     async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex | None: ...
 
-    def _capture(self, step: int) -> ControllerStateCapture:
-        """The controller's state, serialised (no awaits: a consistent cut of ledger and data plane)."""
+    def _capture(self, outcome: SnapshotOutcome) -> ControllerStateCapture:
+        """The controller's state, serialised (no awaits: a consistent cut of ledger and data plane).
+        Groups the trainer took after the anchor are still complete in the ledger, with their samples:
+        a restore re-trains them."""
         inputs = self.inputs
-        return ControllerStateCapture.take(step, inputs.ledger.state_json(), inputs.dataloader.state_dict(),
-                                           inputs.data_plane)
+        return ControllerStateCapture.take(inputs.step(), outcome.anchor_step, inputs.ledger.state_json(),
+                                           inputs.dataloader.state_dict(), inputs.data_plane)
 
 
 class LedgerOnlyStager(Stager):
@@ -111,8 +113,8 @@ class LedgerOnlyStager(Stager):
         yield None
 
     async def stage(self, prepared: None, outcome: SnapshotOutcome) -> StagedCut:
-        tmp, final = prepare_snapshot_paths(self.inputs.anchor_dir())
-        capture = self._capture(outcome.step)
+        tmp, final = prepare_snapshot_paths(self.inputs.anchor_dir())  # no await up to the capture
+        capture = self._capture(outcome)
         outcome.captured_bytes = capture.data_plane.nbytes
         return StagedCut(outcome.checkpoint_id, outcome.step, tmp, final, capture)
 
@@ -165,16 +167,16 @@ class _GymStager(Stager):
         return {iid: {agent for agent, servers in agents.items() if set(servers) & set(restart_only.get(iid, ()))}
                 for iid, agents in self.inputs.agent_servers.items()}
 
-    def _still_at(self, step: int, while_: str) -> None:
-        # The step's last rollouts finished and training moved on: this cut would straddle two
-        # trainer steps (and its directory an anchor not yet published). Skip it.
-        if self.inputs.step() != step:
-            raise SnapshotSuperseded(f"training reached step {self.inputs.step()} while the snapshot of step "
-                                     f"{step} was being {while_}")
+    def _still_at(self, anchor: int, while_: str) -> None:
+        # A trainer checkpoint was published meanwhile: the ledger may have compacted groups this
+        # snapshot's anchor has not trained. Skip it; the next one goes under the new anchor.
+        if self.inputs.anchor_step() != anchor:
+            raise SnapshotSuperseded(f"trainer step {self.inputs.anchor_step()} was published while the snapshot "
+                                     f"under step {anchor} was being {while_}")
 
     async def stage(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> StagedCut:
         inputs, step = self.inputs, outcome.step
-        self._still_at(step, "prepared")
+        self._still_at(outcome.anchor_step, "prepared")
         self.hooks.reached("prepare", step)
         iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
         restart_only = self.coordinator.shard_set.restart_only_servers
@@ -194,14 +196,14 @@ class _GymStager(Stager):
             for iid, keys in (await self._drain(plan.scope, share.exported, prepared.deadline_ts)).items():
                 not_started[iid] |= keys
             outcome.mark("drain")
-            self._still_at(step, "committed")
+            self._still_at(outcome.anchor_step, "committed")
             # Exclusive cut: no awaits until the state is captured in memory.
             owned = check_cut(inputs.ledger, plan, share.exported, not_started)
             if plan.left_out:
                 outcome.left_out = dict(prepared.left_out)
                 outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
             counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned)
-            capture = self._capture(step)
+            capture = self._capture(outcome)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

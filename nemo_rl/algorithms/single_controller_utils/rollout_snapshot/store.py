@@ -116,10 +116,15 @@ class ControllerState(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    step: int = Field(ge=0)
+    step: int = Field(ge=0)  # the controller's step at the cut
+    anchor_step: int | None = Field(default=None, ge=0)  # the trainer step it belongs to (None: older files, = step)
     ledger: dict[str, Any]
     dataloader: dict[str, Any]
     data_plane: DataPlaneDigest
+
+    @property
+    def anchor(self) -> int:
+        return self.step if self.anchor_step is None else self.anchor_step
 
     @classmethod
     def read(cls, directory: Path) -> "ControllerState":
@@ -140,14 +145,15 @@ class ControllerStateCapture:
     """
 
     step: int
+    anchor_step: int
     ledger_json: bytes
     dataloader: dict[str, Any]
     data_plane: DataPlaneCapture
 
     @classmethod
-    def take(cls, step: int, ledger_json: bytes, dataloader: dict[str, Any], data_plane: DataPlaneStore
-             ) -> "ControllerStateCapture":
-        return cls(step, ledger_json, dataloader, data_plane.capture())
+    def take(cls, step: int, anchor_step: int, ledger_json: bytes, dataloader: dict[str, Any],
+             data_plane: DataPlaneStore) -> "ControllerStateCapture":
+        return cls(step, anchor_step, ledger_json, dataloader, data_plane.capture())
 
     def write(self, directory: Path) -> None:
         # The ledger was serialised unvalidated in the pause; it is checked here, after resume and
@@ -155,8 +161,8 @@ class ControllerStateCapture:
         RolloutRecoveryLedger.check_state_json(self.ledger_json)
         data, meta = self.data_plane.encode()
         DataPlaneStore.write_dump(directory, data)
-        state = {"step": self.step, "ledger": msgspec.Raw(self.ledger_json), "dataloader": self.dataloader,
-                 "data_plane": meta}
+        state = {"step": self.step, "anchor_step": self.anchor_step, "ledger": msgspec.Raw(self.ledger_json),
+                 "dataloader": self.dataloader, "data_plane": meta}
         encoded = msgspec.json.encode(state, order="sorted")
         write_bytes_atomic(directory / CONTROLLER_STATE_FILE, msgspec.json.format(encoded, indent=2) + b"\n")
 
@@ -196,5 +202,6 @@ def publish_snapshot(
             gym.write(tmp)
         capture.write(tmp)
     before_seal()
-    commit_snapshot(tmp, final, keep_latest_k, metadata={"checkpoint_id": checkpoint_id, "step": capture.step},
+    commit_snapshot(tmp, final, keep_latest_k, metadata={"checkpoint_id": checkpoint_id, "step": capture.step,
+                                                          "anchor_step": capture.anchor_step},
                     digests=digests)

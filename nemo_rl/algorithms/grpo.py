@@ -5,7 +5,9 @@ group. Every model call of the rollout is a training sequence (its own
 prompt + generated tokens, exactly as the generation worker produced them), the
 prompt masked and the generated tokens trained with that advantage. One call
 to ``train_step`` is one optimizer step and bumps ``weight_version`` by one;
-the caller ships ``state_dict_for_refit()`` to the generation workers.
+the caller ships ``state_dict_for_refit()`` to the generation workers. A step
+can also be fed group by group as groups complete (``open_step``: see
+``GRPOStreamingStep``); ``train_step`` is that with a single add.
 
 The policy is a Hugging Face causal LM (``nemo_rl.models.policy.HFPolicy``);
 the logprobs of the loss come from the same model class the generation worker
@@ -23,6 +25,7 @@ import io
 import json
 import math
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,6 +36,7 @@ import torch
 
 from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
 from nemo_rl.algorithms.loss_functions import clipped_pg_loss
+from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, already_open
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.models.policy import HFPolicy
 from nemo_rl.utils.snapshot_store import write_bytes_atomic
@@ -43,6 +47,8 @@ _MAX_SHARD_SIZE = "50GB"  # transformers 5's default, given explicitly so a fail
 # config.json fields that must agree between a checkpoint and the model it is loaded into.
 _ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "intermediate_size")
+# Per-token loss metrics: summed weighted by each micro-batch's tokens, reported as the mean over trained tokens.
+_TOKEN_METRICS = ("pg_clip_frac", "ratio_mean", "kl_ref", "approx_kl_old")
 
 
 def compute_group_advantages(
@@ -128,6 +134,9 @@ class GRPOTrainer:
         self.step = 0
         self.weight_version = 0
         self.dataloader_state: dict = {}
+        # Guards the open step and the weights' update against save/load from another thread.
+        self._lock = threading.RLock()
+        self._open: GRPOStreamingStep | None = None
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.policy_cfg
@@ -151,7 +160,8 @@ class GRPOTrainer:
         self.reference = HFPolicy(model, self.policy.tokenizer, self.policy.max_seq_len)
 
     # ----- batching ------------------------------------------------------
-    def _sequences(self, samples: list[RolloutSample]) -> tuple[list[_Seq], dict[str, float]]:
+    def _build(self, samples: list[RolloutSample]) -> tuple[list[_Seq], list[list[float]]]:
+        """The training sequences of ``samples`` and each prompt group's advantages (first-seen order)."""
         groups: "OrderedDict[str, list[RolloutSample]]" = OrderedDict()
         for s in samples:
             groups.setdefault(s.group_id, []).append(s)
@@ -175,19 +185,27 @@ class GRPOTrainer:
                     if max(ids) >= self.policy.vocab_size or min(ids) < 0:
                         raise ValueError(f"rollout {s.rollout_id!r} call {ci}: token id outside the vocabulary")
                     seqs.append(_Seq(ids, len(call.prompt_token_ids), a, call.generation_log_probs, call.weight_version))
+        return seqs, advs
+
+    @staticmethod
+    def _reward_stats(samples: list[RolloutSample], advs: list[list[float]]) -> dict[str, float]:
         all_adv = [a for g in advs for a in g]
         rewards = [s.reward for s in samples]
         mean_r = sum(rewards) / len(rewards)
-        stats = {
+        return {
             "reward_mean": mean_r,
             "reward_std": math.sqrt(sum((r - mean_r) ** 2 for r in rewards) / len(rewards)),
             "reward_max": max(rewards),
             "advantage_abs_mean": sum(abs(a) for a in all_adv) / len(all_adv),
             "num_rollouts": float(len(samples)),
-            "num_groups": float(len(groups)),
+            "num_groups": float(len(advs)),
             "groups_with_signal": float(sum(any(a != 0 for a in g) for g in advs)),
         }
-        return seqs, stats
+
+    def _sequences(self, samples: list[RolloutSample]) -> tuple[list[_Seq], dict[str, float]]:
+        """The training sequences of ``samples`` and their reward statistics."""
+        seqs, advs = self._build(samples)
+        return seqs, self._reward_stats(samples, advs)
 
     def _pad(self, batch: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         T = max(len(s.ids) for s in batch)
@@ -204,76 +222,28 @@ class GRPOTrainer:
         return ids.to(dev), mask.to(dev), gen_lp.to(dev), adv.to(dev)
 
     # ----- training ------------------------------------------------------
+    def open_step(self) -> "GRPOStreamingStep":
+        """Start one optimizer step fed whole prompt groups as they complete; one open at a time."""
+        with self._lock:
+            if self._open is not None:
+                raise already_open("GRPOTrainer", self._open)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._open = GRPOStreamingStep(self)
+            return self._open
+
+    def _release(self, step: "GRPOStreamingStep") -> None:
+        with self._lock:
+            if self._open is step:
+                self._open = None
+
     def train_step(self, samples: list[RolloutSample]) -> dict[str, float]:
-        """One optimizer step on a batch of sealed rollouts; returns metrics."""
-        t0 = time.perf_counter()
-        if not samples:
-            raise ValueError("train_step needs at least one RolloutSample")
-        samples = [s if isinstance(s, RolloutSample) else RolloutSample.model_validate(s) for s in samples]
-        seqs, stats = self._sequences(samples)
-        kl_coef = self.loss_cfg.reference_policy_kl_penalty
-        if kl_coef > 0 and self.reference is None:
-            self.reset_reference()
-        total_tokens = sum(len(s.ids) - s.n_prompt for s in seqs)
-        # Zero-advantage sequences add exactly nothing without KL; they still count in the token mean.
-        active = [s for s in seqs if s.adv != 0.0 or kl_coef > 0]
-        active.sort(key=lambda s: len(s.ids))
-        mb = self.policy_cfg.train_micro_batch_size
-        batches = [active[i : i + mb] for i in range(0, len(active), mb)]
-        temp = self.temperature
-        self.policy.train()
-
-        old_lps, ref_lps, lp_err, lp_err_n = [], [], 0.0, 0.0
-        with torch.no_grad():
-            for b in batches:
-                ids, mask, gen_lp, _ = self._pad(b)
-                prev = self.policy.sequence_logprobs(ids, temp)
-                lp_err += float(((prev - gen_lp).abs() * mask).sum())
-                lp_err_n += float(mask.sum())
-                old_lps.append(gen_lp if self.grpo_cfg.use_generation_logprobs else prev)
-                ref_lps.append(self.reference.sequence_logprobs(ids, temp) if kl_coef > 0 else None)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        agg = dict.fromkeys(("pg_clip_frac", "ratio_mean", "kl_ref", "approx_kl_old"), 0.0)
-        for b, old, ref in zip(batches, old_lps, ref_lps):
-            ids, mask, _, adv = self._pad(b)
-            lp = self.policy.sequence_logprobs(ids, temp)
-            loss, m = clipped_pg_loss(
-                lp, old, adv, mask, self.loss_cfg.ratio_clip_min, self.loss_cfg.ratio_clip_max,
-                ref_logprobs=ref, kl_coef=kl_coef, normalizer=max(total_tokens, 1),
-            )
-            loss.backward()
-            loss_sum += loss.item()
-            for k in ("pg_clip_frac", "ratio_mean", "kl_ref", "approx_kl_old"):
-                agg[k] += m[k] * m["num_tokens"]
-        n_active_tok = sum(len(s.ids) - s.n_prompt for s in active)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.policy_cfg.max_grad_norm))
-        if batches:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.weight_version += 1
-
-        versions = [s.version for s in seqs]
-        metrics = {
-            "step": float(self.step),
-            "weight_version": float(self.weight_version),
-            "loss": loss_sum,
-            **stats,
-            "num_sequences": float(len(seqs)),
-            "num_trained_sequences": float(len(active)),
-            "num_gen_tokens": float(total_tokens),
-            "mean_gen_tokens": total_tokens / max(len(seqs), 1),
-            "calls_per_rollout": len(seqs) / len(samples),
-            **{k: v / max(n_active_tok, 1) for k, v in agg.items()},
-            "gen_logprob_abs_err": lp_err / max(lp_err_n, 1.0),
-            "max_weight_version_lag": float(self.weight_version - 1 - min(versions)) if versions else 0.0,
-            "grad_norm": grad_norm,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "train_s": time.perf_counter() - t0,
-        }
-        return metrics
+        """One optimizer step on a batch of sealed rollouts; returns metrics (a streaming step with one add)."""
+        step = self.open_step()
+        try:
+            step.add(samples)
+            return step.finish()
+        finally:
+            step.abort()  # no-op once finished; a rejected batch must not keep the trainer's step open
 
     # ----- weights out ---------------------------------------------------
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
@@ -290,7 +260,10 @@ class GRPOTrainer:
         A file that cannot be written (disk full, I/O error) raises ``RunWriteError`` naming it, so
         the run ends with one line instead of a library traceback.
         """
-        d = Path(directory)
+        with self._lock:  # never between a step's optimizer update and its counter bump
+            return self._save(Path(directory), dataloader_state)
+
+    def _save(self, d: Path, dataloader_state: dict | None) -> Path:
         with naming_write(d):
             d.mkdir(parents=True, exist_ok=True)
         if dataloader_state is not None:
@@ -324,9 +297,15 @@ class GRPOTrainer:
 
     def load(self, directory: str | os.PathLike) -> dict:
         """Restore a ``save``d directory into this trainer; returns the saved ``dataloader_state``."""
+        with self._lock:
+            if self._open is not None:
+                raise RuntimeError(f"GRPOTrainer.load({str(directory)!r}): a streaming step is open; "
+                                   "finish() or abort() it before loading a checkpoint")
+            return self._load(Path(directory))
+
+    def _load(self, d: Path) -> dict:
         from transformers import AutoConfig
 
-        d = Path(directory)
         state_path = d / "trainer_state.json"
         if not state_path.exists():
             raise FileNotFoundError(f"{state_path} is missing: not a complete trainer checkpoint")
@@ -367,3 +346,145 @@ class GRPOTrainer:
         self.weight_version = int(state["weight_version"])
         self.dataloader_state = state.get("dataloader_state") or {}
         return copy.deepcopy(self.dataloader_state)
+
+
+class GRPOStreamingStep:
+    """One optimizer step fed whole prompt groups as they complete (``GRPOTrainer.open_step``).
+
+    Each ``add`` computes its groups' advantages, old / reference logprobs and
+    forward + backward at once, so training overlaps the step's remaining
+    generation. The loss is a mean over the step's generated tokens, a count
+    known only once the last group is in: each add backpropagates the
+    un-normalised sum (normalizer 1) and ``finish`` divides every gradient by
+    the total before clipping and the optimizer step. The weights do not move
+    until ``finish``, so this is the same update, and the same metrics, as one
+    ``train_step`` over everything added. Adds may come from any thread; they
+    run one at a time.
+    """
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+        self.ledger = StepLedger("GRPOStreamingStep")
+        self._lock = threading.Lock()
+        self._samples: list[RolloutSample] = []
+        self._advs: list[list[float]] = []
+        self._n_adds = self._n_seqs = self._n_active = self._tokens = self._active_tokens = self._micro_batches = 0
+        self._loss_sum = self._lp_err = self._lp_err_n = self._busy_s = 0.0
+        self._agg = dict.fromkeys(_TOKEN_METRICS, 0.0)
+        self._min_version: int | None = None
+
+    def add(self, samples: list[RolloutSample]) -> None:
+        """Train on whole prompt groups (gradients accumulate); a group already in this step is a ValueError."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self.ledger.check_open("add")
+            samples = [s if isinstance(s, RolloutSample) else RolloutSample.model_validate(s) for s in samples]
+            group_ids = self.ledger.new_groups(samples)
+            seqs, advs = self.trainer._build(samples)  # every rejection happens before any gradient exists
+            try:
+                self._accumulate(seqs)
+            except BaseException as exc:
+                self._fail("add", exc)
+                raise
+            self.ledger.commit(group_ids)
+            self._samples.extend(samples)
+            self._advs.extend(advs)
+            self._n_adds += 1
+            self._n_seqs += len(seqs)
+            self._tokens += sum(len(s.ids) - s.n_prompt for s in seqs)
+            if seqs:
+                low = min(s.version for s in seqs)
+                self._min_version = low if self._min_version is None else min(self._min_version, low)
+            self._busy_s += time.perf_counter() - t0
+
+    def _accumulate(self, seqs: list[_Seq]) -> None:
+        t = self.trainer
+        kl_coef = t.loss_cfg.reference_policy_kl_penalty
+        if kl_coef > 0 and t.reference is None:
+            t.reset_reference()
+        # Zero-advantage sequences add exactly nothing without KL; they still count in the token mean.
+        active = sorted((s for s in seqs if s.adv != 0.0 or kl_coef > 0), key=lambda s: len(s.ids))
+        mb = t.policy_cfg.train_micro_batch_size
+        batches = [t._pad(active[i: i + mb]) for i in range(0, len(active), mb)]
+        temp = t.temperature
+        t.policy.train()
+        old_lps, ref_lps = [], []
+        with torch.no_grad():
+            for ids, mask, gen_lp, _ in batches:
+                prev = t.policy.sequence_logprobs(ids, temp)
+                self._lp_err += float(((prev - gen_lp).abs() * mask).sum())
+                self._lp_err_n += float(mask.sum())
+                old_lps.append(gen_lp if t.grpo_cfg.use_generation_logprobs else prev)
+                ref_lps.append(t.reference.sequence_logprobs(ids, temp) if kl_coef > 0 else None)
+        for (ids, mask, _, adv), old, ref in zip(batches, old_lps, ref_lps):
+            lp = t.policy.sequence_logprobs(ids, temp)
+            loss, m = clipped_pg_loss(
+                lp, old, adv, mask, t.loss_cfg.ratio_clip_min, t.loss_cfg.ratio_clip_max,
+                ref_logprobs=ref, kl_coef=kl_coef, normalizer=1.0,
+            )
+            loss.backward()
+            self._loss_sum += loss.item()
+            for k in _TOKEN_METRICS:
+                self._agg[k] += m[k] * m["num_tokens"]
+        self._micro_batches += len(batches)
+        self._n_active += len(active)
+        self._active_tokens += sum(len(s.ids) - s.n_prompt for s in active)
+
+    def finish(self) -> dict[str, float]:
+        """Normalise the gradients by the step's token count, clip, step the optimizer; returns the metrics."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self.ledger.check_finish()
+            t = self.trainer
+            n = max(self._tokens, 1)
+            try:
+                with t._lock:
+                    for p in t.policy.parameters():
+                        if p.grad is not None:
+                            p.grad.div_(n)
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(t.policy.parameters(), t.policy_cfg.max_grad_norm))
+                    if self._micro_batches:
+                        t.optimizer.step()
+                    t.optimizer.zero_grad(set_to_none=True)
+                    t.step += 1
+                    t.weight_version += 1
+            except BaseException as exc:
+                self._fail("finish", exc)
+                raise
+            self.ledger.close("finished")
+            t._release(self)
+            lag = float(t.weight_version - 1 - self._min_version) if self._min_version is not None else 0.0
+            return {
+                "step": float(t.step),
+                "weight_version": float(t.weight_version),
+                "loss": self._loss_sum / n,
+                **t._reward_stats(self._samples, self._advs),
+                "num_sequences": float(self._n_seqs),
+                "num_trained_sequences": float(self._n_active),
+                "num_gen_tokens": float(self._tokens),
+                "mean_gen_tokens": self._tokens / max(self._n_seqs, 1),
+                "calls_per_rollout": self._n_seqs / len(self._samples),
+                **{k: v / max(self._active_tokens, 1) for k, v in self._agg.items()},
+                "gen_logprob_abs_err": self._lp_err / max(self._lp_err_n, 1.0),
+                "max_weight_version_lag": lag,
+                "grad_norm": grad_norm,
+                "lr": t.optimizer.param_groups[0]["lr"],
+                "num_adds": float(self._n_adds),
+                # Time the trainer worked on this step (adds and finish), not the wait for groups between adds.
+                "train_s": self._busy_s + time.perf_counter() - t0,
+            }
+
+    def abort(self) -> None:
+        """Drop what was added: gradients cleared, weights, optimizer and counters untouched. No-op once closed."""
+        with self._lock:
+            if self.ledger.closed is None:
+                self._close("aborted")
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self._close(f"failed in {where} ({type(exc).__name__}: {exc})")
+
+    def _close(self, why: str) -> None:
+        # Partial gradient sums must not leak into the next step.
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        self.ledger.close(why)
+        self.trainer._release(self)

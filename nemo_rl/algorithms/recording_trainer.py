@@ -3,21 +3,61 @@
 RL-level tests plug it in to check that each prompt group is trained exactly
 once across crashes: its checkpoint holds the batches of its lineage, and
 ``trained_batches.jsonl`` in the log dir keeps every call, including ones a
-crash later rolled back.
+crash later rolled back. A step can be fed group by group (``open_step``) under
+the same rules as the real trainer's; its batch is the concatenation of the adds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, already_open
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.utils.snapshot_store import write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 STATE_FILE = "recording_trainer.json"
+
+
+class RecordingStep:
+    """A ``StreamingStep`` that only collects samples; ``finish`` records them as one batch."""
+
+    def __init__(self, trainer: "RecordingTrainer"):
+        self.trainer = trainer
+        self.ledger = StepLedger("RecordingStep")
+        self._lock = threading.Lock()
+        self._samples: list[RolloutSample] = []
+
+    def add(self, samples: list[RolloutSample]) -> None:
+        with self._lock:
+            self.ledger.check_open("add")
+            samples = [s if isinstance(s, RolloutSample) else RolloutSample.model_validate(s) for s in samples]
+            self.ledger.commit(self.ledger.new_groups(samples))
+            self._samples.extend(samples)
+
+    def finish(self) -> dict[str, float]:
+        with self._lock:
+            self.ledger.check_finish()
+            try:
+                metrics = self.trainer._record(self._samples)
+            except BaseException as exc:
+                self._close(f"failed in finish ({type(exc).__name__}: {exc})")
+                raise
+            self._close("finished")
+            return metrics
+
+    def abort(self) -> None:
+        with self._lock:
+            if self.ledger.closed is None:
+                self._close("aborted")
+
+    def _close(self, why: str) -> None:
+        self.ledger.close(why)
+        self.trainer._release(self)
 
 
 class RecordingTrainer:
@@ -26,8 +66,30 @@ class RecordingTrainer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.weight_version = 0
         self.batches: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._open: RecordingStep | None = None
+
+    def open_step(self) -> RecordingStep:
+        with self._lock:
+            if self._open is not None:
+                raise already_open("RecordingTrainer", self._open)
+            self._open = RecordingStep(self)
+            return self._open
+
+    def _release(self, step: RecordingStep) -> None:
+        with self._lock:
+            if self._open is step:
+                self._open = None
 
     def train_step(self, samples: list[RolloutSample]) -> dict[str, float]:
+        step = self.open_step()
+        try:
+            step.add(samples)
+            return step.finish()
+        finally:
+            step.abort()  # no-op once finished
+
+    def _record(self, samples: list[RolloutSample]) -> dict[str, float]:
         batch = {
             "weight_version": self.weight_version + 1,
             "groups": sorted({s.group_id for s in samples}),
@@ -53,6 +115,9 @@ class RecordingTrainer:
             )
 
     def load(self, directory: Path) -> dict[str, Any]:
+        if self._open is not None:
+            raise RuntimeError(
+                f"RecordingTrainer.load({str(directory)!r}): a step is open; finish() or abort() it first")
         state = json.loads((Path(directory) / STATE_FILE).read_text())
         self.weight_version = int(state["weight_version"])
         self.batches = list(state["batches"])

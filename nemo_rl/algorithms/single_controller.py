@@ -202,11 +202,13 @@ class SingleController:
         grpo, target = self.config.grpo, self.step + 1
         t0 = time.monotonic()
         groups, samples, metrics, wait_s, train_s = await self._consume_step(target)
+        # Versions behind the weights this step trains from, by when each group began (the sampler bounds it).
+        lags = [target - 1 - v for g in groups if (v := self.ledger.groups[g].start_weight_version) is not None]
         self.hooks.reached("train")  # batch consumed, step not checkpointed
         self._took(target, groups)
         refit_s = 0.0
+        self.hooks.reached("refit")  # the new weights go to generation, rollouts of later steps in flight
         if self.generation is not None:
-            self.hooks.reached("refit")  # the new weights go to generation, rollouts of later steps in flight
             t1 = time.monotonic()
             await asyncio.to_thread(self.generation.refit, self.trainer)
             refit_s = time.monotonic() - t1
@@ -220,6 +222,7 @@ class SingleController:
             "training_s": round(train_s, 3),
             "refit_s": round(refit_s, 3),
             "inflight_rollouts": len(self._rollouts),  # of later steps, generating across this step's end
+            "max_group_version_lag": max(lags, default=0),
             "groups": groups,
             "snapshots_committed": self.snapshot_counts["committed"],
             "snapshots_failed": self.snapshot_counts["failed"],
@@ -284,11 +287,16 @@ class SingleController:
             metrics = await off_loop(self.trainer.train_step, samples_of(taken))
         else:
             streaming = self.trainer.open_step()
-            while len(taken) < per_step:
-                batch = await wait_for(first if not taken else 1)
-                await off_loop(streaming.add, samples_of(batch))
-                taken += batch
-            metrics = await off_loop(streaming.finish)
+            try:
+                while len(taken) < per_step:
+                    batch = await wait_for(first if not taken else 1)
+                    await off_loop(streaming.add, samples_of(batch))
+                    taken += batch
+                metrics = await off_loop(streaming.finish)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the run is stopping; free the trainer, keep the error
+                    streaming.abort()
+                raise
         return taken, samples_of(taken), metrics, waited, trained
 
     def _took(self, step: int, groups: list[str]) -> None:

@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -189,13 +189,19 @@ class HFPolicy:
     @torch.no_grad()
     def sample_batch(self, prompts: list[list[int]], max_new_tokens: list[int], temperatures: list[float],
                      generator: torch.Generator | None = None,
-                     top_k: list[int] | None = None) -> list[SampleOutput]:
+                     top_k: list[int] | None = None,
+                     between_steps: Callable[[], None] | None = None) -> list[SampleOutput]:
         """Decode several prompts at once (left padding, KV cache).
 
         A temperature <= 0 means greedy, scored at temperature 1. A row stops at
         a stop token (kept in its output) or at its own ``max_new_tokens``,
         capped so prompt + generation fits ``max_seq_len``. ``top_k[i]`` > 0 also
         records row i's most likely tokens at every step (same distribution).
+
+        ``between_steps`` runs on this thread after each step that another
+        forward follows (every active row has its new token, the next forward
+        has not started): the one point where the weights may change in place
+        (a refit) without touching the batch's KV cache or its outputs so far.
         """
         from transformers import DynamicCache
 
@@ -253,6 +259,8 @@ class HFPolicy:
                     active[i] = False
             if not any(active):
                 break
+            if between_steps is not None:
+                between_steps()
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                              cache=cache, use_cache=True)

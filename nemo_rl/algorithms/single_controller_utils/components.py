@@ -94,14 +94,14 @@ class GRPOTrainerAdapter:
         return self.inner.weight_version
 
     def train_step(self, samples):
-        check = self.generation_logprob_check(samples)
-        metrics = self.inner.train_step(samples)
-        # The trainer's own figure covers only the sequences it trains on (nonzero advantage);
-        # keep it, and report the check over every on-policy generated token as gen_logprob_abs_err.
-        if "gen_logprob_abs_err" in metrics:
-            metrics["gen_logprob_abs_err_trained"] = metrics["gen_logprob_abs_err"]
-        metrics.update(check)
-        return metrics
+        step = self.open_step()
+        step.add(samples)
+        return step.finish()
+
+    def open_step(self) -> "_CheckedStep":
+        """A streaming step whose every add is checked against the generation backend's logprobs
+        first (the weights do not change until ``finish``)."""
+        return _CheckedStep(self, self.inner.open_step())
 
     def generation_logprob_check(self, samples) -> dict[str, float]:
         """Verify the refit: the generation backend's logprob of every token it sampled with the
@@ -134,6 +134,34 @@ class GRPOTrainerAdapter:
 
     def load(self, directory: Path) -> dict[str, Any]:
         return self.inner.load(directory)
+
+
+class _CheckedStep:
+    """``GRPOTrainer``'s streaming step plus the refit check over every add."""
+
+    def __init__(self, adapter: GRPOTrainerAdapter, inner: Any):
+        self.adapter, self.inner = adapter, inner
+        self.total = self.worst = self.tokens = 0.0
+
+    def add(self, samples) -> None:
+        check = self.adapter.generation_logprob_check(samples)
+        self.inner.add(samples)
+        self.total += check["gen_logprob_abs_err"] * check["gen_logprob_tokens"]
+        self.worst = max(self.worst, check["gen_logprob_abs_err_max"])
+        self.tokens += check["gen_logprob_tokens"]
+
+    def finish(self) -> dict[str, float]:
+        metrics = self.inner.finish()
+        # The trainer's own figure covers only the sequences it trains on (nonzero advantage);
+        # keep it, and report the check over every on-policy generated token as gen_logprob_abs_err.
+        if "gen_logprob_abs_err" in metrics:
+            metrics["gen_logprob_abs_err_trained"] = metrics["gen_logprob_abs_err"]
+        metrics.update(gen_logprob_abs_err=self.total / max(self.tokens, 1.0), gen_logprob_abs_err_max=self.worst,
+                       gen_logprob_tokens=self.tokens)
+        return metrics
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 def reserve_policy_url(config: MasterConfig) -> tuple[str, int]:

@@ -3,7 +3,8 @@
 A moment is covered when no rollout is in flight, or when the newest snapshot a
 restore could use was cut at most two snapshot intervals earlier: a crash then
 restores every rollout in flight from it (those started after it restart from
-their prompt, having run less than two intervals). Uncovered are the moments
+their prompt, having run less than two intervals). The run's start (or restore)
+counts as a cut: nothing had run before it. Uncovered are the moments
 rollouts are in flight while snapshots are skipped, failing, or gone with a
 pruned anchor. Time is integrated exactly between events (dispatch, rollout
 end, publish, prune), so no sampler runs.
@@ -22,7 +23,7 @@ class SnapshotCoverage:
         self.clock = clock
         self.started = self.last = clock()
         self.busy = False
-        self.cut_at = -math.inf  # when the newest usable snapshot was cut
+        self.cut_at = self.started  # when the newest usable snapshot was cut (the start: nothing to lose)
         self.cut_anchor: int | None = None
         self.uncovered_s = 0.0
 

@@ -3,9 +3,13 @@
 The actor owns its own copy of the policy and an aiohttp server on its event
 loop. Requests are queued and decoded in small batches (requests that arrive
 within ``generation.batch_window_ms`` share one ``sample_batch``) on a single
-executor thread, so the event loop stays responsive and refits, which run on
-the same thread, always land between batches: every reply was produced by
-exactly one ``weight_version``, which it reports.
+executor thread, so the event loop stays responsive. Refits run on that thread
+too: between batches when none decodes, else at the next decode step boundary
+(``sample_batch``'s ``between_steps``), in place, so requests in flight keep
+their KV cache and carry on with the new weights instead of waiting for or
+restarting the batch. Each token's logprob is that of the weights that sampled
+it; a reply's ``weight_version`` is the one that sampled its first token (the
+oldest, so the trainer's lag is never understated).
 
 The model is a Hugging Face causal LM (``HFPolicy``): prompts are rendered by
 its tokenizer's chat template with the request's ``tools``, and replies are
@@ -25,12 +29,13 @@ import asyncio
 import io
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -51,6 +56,25 @@ class _Job:
     temperature: float
     future: asyncio.Future = field(repr=False)
     top_k: int = 0
+
+
+@dataclass
+class _PendingRefit:
+    """Weights waiting for the decode thread, and every refit call they answer (racing refits share one slot:
+    the highest version's weights are loaded and every caller gets that version)."""
+
+    state: dict[str, torch.Tensor]
+    version: int
+    waiters: list[Callable[[int | None, BaseException | None], None]] = field(default_factory=list)
+
+
+def _settle(fut: asyncio.Future, version: int | None, err: BaseException | None) -> None:
+    if fut.done():  # the caller went away
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(version)
 
 
 class _BadRequest(Exception):
@@ -139,12 +163,23 @@ class GenerationServer:
         self._version = int(weight_version)
         self._gen = torch.Generator(device=self.policy.device).manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
+        # The refit slot: the event loop fills it, the decode thread empties it (at a step boundary while a
+        # batch decodes, else at once); the lock makes "is a batch decoding?" and "fill the slot" one step.
+        self._slot_lock = threading.Lock()
+        self._pending: _PendingRefit | None = None
+        self._decoding = False
+        self._accept: asyncio.Lock | None = None
+        self._newest: tuple[int, asyncio.Future] | None = None  # the highest version a refit call waits for
         self._queue: asyncio.Queue[_Job] | None = None
         self._batcher: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None
         self.created = int(time.time())
-        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0}
+        # refits: weight loads applied; refits_in_flight: those applied while a batch decoded;
+        # decoding_rows: rows of the batch decoding now (0 between batches); decode_steps: step
+        # boundaries passed (the points where an in-flight refit can land), all batches together
+        self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "refits": 0, "refits_in_flight": 0,
+                      "decoding_rows": 0, "decode_steps": 0}
 
     # ----- lifecycle -----------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -169,17 +204,85 @@ class GenerationServer:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
 
     # ----- weights -------------------------------------------------------
-    def _refit_sync(self, weights: Any, weight_version: int) -> int:
-        self.policy.load_state(_load_weights(weights))
-        self._version = int(weight_version)
-        return self._version
+    def _check_fits(self, state: dict[str, torch.Tensor]) -> None:
+        """Refuse weights that would load only in part, before any reach a batch in flight."""
+        own = self.policy.model.state_dict()
+        tied = set(getattr(self.policy.model, "_tied_weights_keys", None) or [])
+        for k, v in state.items():
+            if k not in own:
+                raise ValueError(f"refit: weights do not fit this model: unexpected key {k!r}")
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(own[k].shape):
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"refit: weights do not fit this model: {k!r} is {got}, "
+                                 f"the model's is {tuple(own[k].shape)}")
+        missing = [k for k in own if k not in state and k not in tied and not k.endswith("lm_head.weight")]
+        if missing:
+            raise ValueError(f"refit: weights do not fit this model: missing {missing[:5]}")
+
+    def _apply_pending(self, in_flight: bool) -> None:
+        """On the decode thread: load the slot's weights, if any, and answer its callers."""
+        if self._pending is None:  # the per-step fast path: no lock
+            return
+        with self._slot_lock:
+            p, self._pending = self._pending, None
+        if p is None:
+            return
+        err: BaseException | None = None
+        try:
+            self.policy.load_state(p.state)
+        except Exception as e:  # noqa: BLE001 - the callers get it; the batch decodes on
+            err = e
+        else:
+            self._version = p.version
+            self.stats["refits"] += 1
+            self.stats["refits_in_flight"] += int(in_flight)
+        for answer in p.waiters:
+            try:
+                answer(p.version, err)
+            except RuntimeError:  # the caller's loop is closed (server stopping): nobody to answer
+                pass
 
     async def refit(self, weights: Any, weight_version: int) -> int:
-        """Load new weights between batches; returns the new version."""
+        """Load new weights; returns the version in force once they are loaded.
+
+        With no batch decoding they load at once (on the decode thread); while one decodes they load at its
+        next step boundary, and its rows carry on with the new weights and their KV cache. Refits that race
+        (one arrives before an earlier one has returned) never step back: a lower version than one still
+        waiting is superseded (its weights are never loaded; it returns, or raises, what the higher one
+        does), and racing versions that are not lower replace the waiting weights, so the highest loads once
+        and every caller gets it. A refit that arrives after the others returned loads whatever version it
+        names, lower ones included (a trainer restored from an older checkpoint rolls its workers back).
+        """
         if not isinstance(weight_version, int) or weight_version < 0:
             raise ValueError(f"weight_version must be a non-negative int, got {weight_version!r}")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._refit_sync, weights, weight_version)
+        if self._accept is None:
+            self._accept = asyncio.Lock()
+        async with self._accept:  # FIFO: racing refits are decided in arrival order
+            if isinstance(weights, dict):
+                state = weights
+            else:  # deserialize off the decode thread, which may be mid-batch
+                state = await loop.run_in_executor(None, _load_weights, weights)
+            self._check_fits(state)
+            newest = self._newest
+            if newest is not None and not newest[1].done() and weight_version < newest[0]:
+                waited = asyncio.shield(newest[1])  # superseded: never loaded
+            else:
+                waited = fut = loop.create_future()
+                answer = lambda v, e: loop.call_soon_threadsafe(_settle, fut, v, e)  # noqa: E731
+                with self._slot_lock:
+                    p = self._pending
+                    if p is None:
+                        self._pending = _PendingRefit(state, weight_version, [answer])
+                    else:
+                        if weight_version >= p.version:
+                            p.state, p.version = state, weight_version
+                        p.waiters.append(answer)
+                    idle = not self._decoding
+                self._newest = (weight_version, fut)
+                if idle:  # else the decode thread loads it at its next step boundary or as the batch ends
+                    loop.run_in_executor(self._executor, self._apply_pending, False)
+        return await waited
 
     async def weight_version(self) -> int:
         return self._version
@@ -209,15 +312,32 @@ class GenerationServer:
         await self._queue.put(_Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k)))
         return await fut
 
+    def _between_steps(self) -> None:
+        self.stats["decode_steps"] += 1
+        self._apply_pending(True)
+
     def _decode_batch(self, jobs: list[_Job]) -> tuple[list, int]:
-        outs = self.policy.sample_batch(
-            [j.prompt_ids for j in jobs],
-            [j.max_new_tokens for j in jobs],
-            [j.temperature for j in jobs],
-            generator=self._gen,
-            top_k=[j.top_k for j in jobs],
-        )
-        return outs, self._version
+        """Decode one batch; returns its outputs and the version that sampled its first tokens."""
+        with self._slot_lock:
+            self._decoding = True
+        self.stats["decoding_rows"] = len(jobs)
+        try:
+            self._apply_pending(False)  # arrived before this batch: load it first, between batches
+            version = self._version
+            outs = self.policy.sample_batch(
+                [j.prompt_ids for j in jobs],
+                [j.max_new_tokens for j in jobs],
+                [j.temperature for j in jobs],
+                generator=self._gen,
+                top_k=[j.top_k for j in jobs],
+                between_steps=self._between_steps,
+            )
+        finally:
+            with self._slot_lock:
+                self._decoding = False
+            self.stats["decoding_rows"] = 0
+            self._apply_pending(False)  # arrived after the last step boundary: no token of this batch used it
+        return outs, version
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()

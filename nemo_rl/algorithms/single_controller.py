@@ -312,8 +312,13 @@ class SingleController:
 
     # ------------------------------------------------------------ validation
     async def _validate(self, tasks: asyncio.TaskGroup) -> dict[str, Any]:
-        """One rollout per validation row with the current weights; never trained, never snapshotted
-        (it runs between steps, when no group is generating, so no snapshot is taken meanwhile)."""
+        """One rollout per validation row with the current weights; never trained, never snapshotted:
+        they run while no snapshot does (validation holds the snapshotter, so no Gym is closed for a
+        snapshot under them; in async mode later steps' groups keep generating meanwhile)."""
+        async with self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext():
+            return await self._validate_rows(tasks)
+
+    async def _validate_rows(self, tasks: asyncio.TaskGroup) -> dict[str, Any]:
         t0 = time.monotonic()
         tag = uuid.uuid4().hex[:12]
         rollout_ids = [f"val_s{self.step}_{i}_{tag}" for i in range(len(self.val_rows))]

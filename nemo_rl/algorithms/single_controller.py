@@ -366,8 +366,11 @@ class SingleController:
                 if self.admission.may_generate(groups[req.group_id], step)]
 
     def _dispatch_work(self) -> bool:
-        if self.dispatch_open and self._dispatchable():
-            return True
+        """Whether the dispatcher has something to do (checked at every ledger change: no lists built)."""
+        if self.dispatch_open:
+            groups, step = self.ledger.groups, self.step
+            if any(self.admission.may_generate(groups[r.group_id], step) for r in self.ledger.reserved_attempts()):
+                return True
         return bool(self.admission.reservations(self.ledger, self.step, self._consumed()))
 
     def _consumed(self) -> set[str]:

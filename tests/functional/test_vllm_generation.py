@@ -8,6 +8,10 @@ this file there.
   every vLLM parameter matches the trainer's (fused q/k/v and gate/up
   included), and vLLM's logprobs of its sampled tokens match transformers'
   under the same weights to 1e-4.
+* Refit with a request in flight: vLLM pauses in keep mode, the request keeps
+  its KV cache and finishes on the new weights (its tokens are exactly what
+  old-weights KV + new weights give), reports the old version; requests sent
+  during and after the refit get the new weights, never stale prefix blocks.
 * The whole job: the Workplace config with ``backend=vllm``, a committed
   snapshot while vLLM serves turn-level rollouts, SIGKILL, restore, finish;
   ``gen_logprob_abs_err`` of every step below 1e-3.
@@ -55,12 +59,36 @@ def _vllm_sums_expected(state: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
-async def _chat(session, url: str, temperature: float) -> dict:
-    body = {"model": "anything", "messages": MESSAGES, "tools": TOOLS, "temperature": temperature,
+async def _chat(session, url: str, temperature: float, messages: list[dict] = MESSAGES) -> dict:
+    body = {"model": "anything", "messages": messages, "tools": TOOLS, "temperature": temperature,
             "max_tokens": 24, "logprobs": True}
     async with session.post(url + "/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
         return await r.json()
+
+
+def _random_state(state: dict, gen) -> dict:
+    """Fresh random weights of the same shapes (norms near 1, the tied lm_head kept tied)."""
+    import torch
+
+    for k in state:
+        if k != "lm_head.weight":  # tied to the embedding
+            base = 1.0 if "norm" in k else 0.0
+            state[k] = base + 0.05 * torch.randn(state[k].shape, generator=gen)
+    if "lm_head.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+async def _assert_vllm_holds(server, state: dict) -> None:
+    """Every parameter of vLLM's model holds ``state``'s values (fused q/k/v and gate/up included)."""
+    sums = await server.weight_sums()
+    expected = _vllm_sums_expected({k: v for k, v in state.items() if k != "lm_head.weight"})
+    assert set(sums) == set(expected), (sorted(sums), sorted(expected))
+    for name, (s, a, _n) in sums.items():
+        es, ea = expected[name]
+        assert abs(a - ea) <= 1e-4 * max(ea, 1.0), (name, a, ea)
+        assert abs(s - es) <= 1e-4 * max(ea, 1.0), (name, s, es)
 
 
 def _refit_scenario(tmp_path, *, patched: bool) -> dict:
@@ -87,13 +115,7 @@ def _refit_scenario(tmp_path, *, patched: bool) -> dict:
                 gen = torch.Generator().manual_seed(0)
                 for version in (0, 1, 2):
                     if version:
-                        state = policy.state_dict_cpu()
-                        for k in state:
-                            if k != "lm_head.weight":  # tied to the embedding
-                                base = 1.0 if "norm" in k else 0.0
-                                state[k] = base + 0.05 * torch.randn(state[k].shape, generator=gen)
-                        if "lm_head.weight" in state:
-                            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+                        state = _random_state(policy.state_dict_cpu(), gen)
                         policy.load_state(state)
                         info = await server.refit(state, version)
                         assert info["weight_version"] == version and info["written"] == info["params"]
@@ -143,6 +165,123 @@ def test_the_refit_check_catches_vllms_cpu_weight_packing(tmp_path, monkeypatch)
         _refit_scenario(tmp_path, patched=False)
     print(f"caught: {type(caught.value).__name__}: {str(caught.value)[:300]}")
     assert "version 1" in str(caught.value) or "collective_rpc" in str(caught.value), caught.value
+
+
+async def _vllm_metric(session, server, name: str) -> float:
+    """A Prometheus counter or gauge of vLLM's private server, summed over its labels."""
+    async with session.get(server._vllm_url + "/metrics") as r:
+        assert r.status == 200, await r.text()
+        lines = (await r.text()).splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
+
+
+def _kept_request_logprobs(old, new, ids: list[int], split: int) -> list[float]:
+    """Logprobs of ``ids[split + 1:]`` when positions before ``split`` were computed by ``old`` (their KV
+    cache kept) and the rest by ``new``: what a request that keeps its KV cache across a refit samples from."""
+    import inspect
+
+    import torch
+    from transformers import DynamicCache
+
+    kw = "cache" if "cache" in inspect.signature(old.model.forward).parameters else "past_key_values"
+    t = torch.tensor([ids])
+    cache = DynamicCache()
+    with torch.no_grad():
+        old.model(input_ids=t[:, :split], use_cache=True, **{kw: cache})
+        logits = new.model(input_ids=t[:, split:], position_ids=torch.arange(split, len(ids))[None],
+                           use_cache=True, **{kw: cache}).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, t[0, split + 1:, None]).squeeze(-1).tolist()
+
+
+@needs_vllm
+def test_refit_with_a_request_in_flight_keeps_it_and_serves_new_weights(tmp_path):
+    """The refit neither waits for nor drops a request in flight: vLLM pauses it in keep mode, loads the
+    weights, resumes. The request (the real openai client) gets all its tokens: the first ones under the
+    old weights, the rest under the new ones on top of its kept KV cache, and reports the old version.
+    A request queued at the gate during the refit and one sent after it report the new version and
+    the new weights' logprobs, although the request in flight still holds old-weight prefix blocks of
+    the same prompt (the per-version cache salt)."""
+    import torch
+    from aiohttp import ClientSession
+    from openai import AsyncOpenAI
+
+    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
+    from nemo_rl.models.policy import load_policy
+    from tests.model_fixtures import tiny_qwen_dir
+
+    model_dir = tiny_qwen_dir(tmp_path / "tiny", max_position_embeddings=1024)
+    old = load_policy(str(model_dir), "float32", "cpu", 1024)
+    new = load_policy(str(model_dir), "float32", "cpu", 1024)
+    state = _random_state(new.state_dict_cpu(), torch.Generator().manual_seed(1))
+    new.load_state(state)
+    cfg = {"generation": {"backend": "vllm", "temperature": 1.0, "max_new_tokens": 24}, "max_seq_len": 1024,
+           "device": "cpu"}
+    n_long = 600  # tokens of the request in flight: far more decode steps than a refit of this model takes
+    # A prompt of several KV blocks (vLLM's CPU block is 128 tokens): full blocks are what the prefix cache reuses.
+    messages = MESSAGES + [{"role": "user", "content": " ".join(["Invite bo to a meeting called sync."] * 14)}]
+
+    def assert_logprobs_of(policy, reply: dict, what: str) -> None:
+        ref = policy.token_logprobs(reply["prompt_token_ids"], reply["generation_token_ids"], 1.0).tolist()
+        err = max(abs(a - b) for a, b in zip(ref, reply["generation_log_probs"]))
+        assert err < 1e-4, f"{what}: logprob error {err} against its weights"
+
+    async def scenario():
+        server = VllmGenerationServer(cfg, str(model_dir), old.state_dict_cpu(), 0, 0, "tiny")
+        url = await server.start()
+        client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        try:
+            async with ClientSession() as session:
+                tokens0 = await _vllm_metric(session, server, "vllm:generation_tokens_total")
+                long = asyncio.create_task(client.chat.completions.create(
+                    model="tiny", messages=messages, tools=TOOLS, max_tokens=n_long, temperature=1.0,
+                    logprobs=True, extra_body={"ignore_eos": True}))
+                # in flight for real: vLLM has sampled some of its tokens under the old weights
+                while await _vllm_metric(session, server, "vllm:generation_tokens_total") < tokens0 + 2:
+                    assert not long.done(), long.result()
+                    await asyncio.sleep(0.05)
+                refit = asyncio.create_task(server.refit(state, 1))
+                while server._gate.is_set():  # the state dict is written, the gate closes, then vLLM pauses
+                    assert not refit.done(), refit.result()
+                    await asyncio.sleep(0)
+                queued = asyncio.create_task(_chat(session, url, 1.0, messages))
+                while server.stats["requests"] < 2:
+                    await asyncio.sleep(0)
+                assert not refit.done(), "the refit ended before the request sent during it reached the gate"
+                info = await refit
+                assert not long.done(), "the refit waited for the request in flight"
+                assert info["weight_version"] == 1 and info["in_flight"] == 1
+                assert info["written"] == info["params"]
+                after = await _chat(session, url, 1.0, messages)  # the prompt of the request in flight
+                assert not long.done(), "the request in flight ended too early to show it straddles the refit"
+                long_reply = (await long).model_dump()
+                queued_reply = await queued
+                await _assert_vllm_holds(server, new.state_dict_cpu())
+                idle = await server.refit(state, 2)  # nothing in flight: not counted in refits_in_flight
+                assert idle["in_flight"] == 0
+                return long_reply, queued_reply, after, await server.get_stats()
+        finally:
+            await client.close()
+            await server.stop()
+
+    long_reply, queued, after, stats = asyncio.run(scenario())
+    assert stats["refits"] == 2 and stats["refits_in_flight"] == 1, stats
+    for what, reply in (("queued during the refit", queued), ("sent after the refit", after)):
+        assert reply["weight_version"] == 1, (what, reply["weight_version"])
+        assert_logprobs_of(new, reply, what)
+
+    # The request in flight: all its tokens, the old version, and exactly what keeping its KV cache gives.
+    prompt, gen, lps = (long_reply[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"))
+    assert long_reply["weight_version"] == 0 and len(prompt) > 2 * 128, len(prompt)
+    assert long_reply["choices"][0]["finish_reason"] == "length" and len(gen) == len(lps) == n_long
+    assert len(long_reply["choices"][0]["logprobs"]["content"]) == n_long
+    under_old = [abs(a - b) < 1e-3 for a, b in zip(old.token_logprobs(prompt, gen, 1.0).tolist(), lps)]
+    k = under_old.index(False) if False in under_old else n_long  # first token sampled after the refit
+    assert 1 <= k < n_long, f"{k} of {n_long} tokens came from the old weights: the request did not straddle"
+    kept = _kept_request_logprobs(old, new, prompt + gen, len(prompt) + k - 1)
+    err = max(abs(a - b) for a, b in zip(kept, lps[k:]))
+    print(f"request in flight: {k} tokens before the refit, {n_long - k} after; kept-KV logprob error {err:.1e}; "
+          f"refits {stats['refit_s']} s")
+    assert err < 1e-4, f"tokens after the refit: logprob error {err} against old-weights KV + new weights"
 
 
 @needs_vllm

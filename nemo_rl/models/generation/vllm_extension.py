@@ -22,6 +22,11 @@ The extension's methods run in every worker through ``collective_rpc``:
   written with the embedding). Raises, naming the parameters, when any was not:
   a refit never leaves stale weights unnoticed.
 * ``nemo_rl_weight_sums()``: ``{name: [sum, abs-sum]}`` of every parameter, for tests.
+
+The load runs while vLLM's scheduler is paused in keep mode with requests still
+holding KV blocks (``vllm_worker.refit``): it writes the parameters in place and
+touches neither the KV cache nor the model runner's batch, so those requests
+resume on the new weights where they stopped.
 """
 
 from __future__ import annotations

@@ -16,14 +16,25 @@ private loopback port, and serves a thin front on the run's policy port:
   and ``weight_version``.
 * ``GET /v1/models``, ``GET /health``.
 
-Refit (``refit(weights, version)``): new requests wait at a gate, requests in
-flight finish, the trainer's state dict is written as safetensors and loaded
-in vLLM's worker through ``/collective_rpc`` by ``VllmRefitExtension``
-(``vllm_extension.py``: verifies every parameter was written), the prefix
-cache is reset, the version bumps and the gate opens. Every reply therefore
-comes from exactly one weight version. The refit is checked for real every
-step by the trainer's ``gen_logprob_abs_err`` (vLLM's logprobs against the
-trainer's recomputed ones).
+Refit (``refit(weights, version)``) with requests in flight: the trainer's
+state dict is written as safetensors first; then new requests wait at a gate,
+vLLM's scheduler is paused in ``keep`` mode (``/pause?mode=keep&clear_cache=false``:
+requests in flight stay scheduled with their KV cache, none is aborted or
+recomputed), the file is loaded in vLLM's worker through ``/collective_rpc`` by
+``VllmRefitExtension`` (``vllm_extension.py``: verifies every parameter was
+written), the version bumps, vLLM resumes and the gate opens. A request in
+flight continues on the new weights; its ``weight_version`` is the one serving
+when it was sent to vLLM (the oldest that can have produced any of its
+tokens). ``clear_cache=false`` matters: vLLM 0.32 honours ``clear_cache`` in
+keep mode and would preempt every running request to recompute it.
+
+The prefix cache is not reset: vLLM refuses the reset while any request holds
+KV blocks (``{"success": false}``), which is exactly the keep-mode case.
+Instead every request's ``cache_salt`` names the weight version it is sent at,
+so a request sent after a refit never reuses prefix blocks computed under
+older weights (those are unreachable to it, and evicted as any free block). The refit is
+checked for real every step by the trainer's ``gen_logprob_abs_err`` (vLLM's
+logprobs against the trainer's recomputed ones, on-policy replies only).
 """
 
 from __future__ import annotations
@@ -106,6 +117,12 @@ def _as_json_arguments(messages: list[dict]) -> list[dict]:
     return messages
 
 
+def _versioned_salt(salt: Any, version: int) -> str:
+    """The request's ``cache_salt`` (if any) plus its weight version: prefix blocks are reused within one version."""
+    tag = f"nemo-rl-weights-v{version}"
+    return f"{salt}.{tag}" if isinstance(salt, str) and salt else tag
+
+
 class VllmGenerationServer:
     """Plain-Python implementation; ``VllmGenerationWorker`` is its Ray actor form.
 
@@ -147,11 +164,10 @@ class VllmGenerationServer:
         self._gate = asyncio.Event()
         self._gate.set()
         self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._refit_lock = asyncio.Lock()
         self.created = int(time.time())
-        self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "load_s": None, "refit_s": []}
+        self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "refits_in_flight": 0, "load_s": None,
+                                      "refit_s": []}
 
     # ----- lifecycle -----------------------------------------------------
     def _vllm_command(self, port: int) -> list[str]:
@@ -252,30 +268,52 @@ class VllmGenerationServer:
                 raise RuntimeError(f"vLLM collective_rpc {method} failed ({r.status}): {text[-2000:]}")
         return json.loads(text)["results"] if text else None
 
+    async def _vllm_post(self, route: str, **params: str) -> dict:
+        """POST a dev route of vLLM's private server (query ``params``); a non-200 raises, naming it."""
+        async with self._session.post(self._vllm_url + route, params=params) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise RuntimeError(f"vLLM {route} on {self._vllm_url} failed ({r.status}): {text[-2000:]}")
+        return json.loads(text) if text else {}
+
     async def refit(self, weights: Any, weight_version: int) -> dict:
-        """Load new weights between requests; returns ``{weight_version, refit_s, written, params}``."""
+        """Load new weights without waiting for requests in flight (they keep going on the new ones).
+
+        Returns ``{weight_version, refit_s, in_flight, written, params}``; ``in_flight`` is how many
+        requests were in flight when vLLM paused.
+        """
         if not isinstance(weight_version, int) or weight_version < 0:
             raise ValueError(f"weight_version must be a non-negative int, got {weight_version!r}")
         async with self._refit_lock:
             t0 = time.monotonic()
-            self._gate.clear()
+            path = self._dir / "refit.safetensors"
             try:
-                await self._idle.wait()
-                path = self._dir / "refit.safetensors"
+                # Written before the pause: generation stops only while the weights load.
                 await asyncio.get_running_loop().run_in_executor(None, _write_safetensors, weights, path)
-                results = await self._rpc("nemo_rl_load_weights", str(path))
-                async with self._session.post(self._vllm_url + "/reset_prefix_cache") as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"vLLM reset_prefix_cache failed ({r.status}): {await r.text()}")
-                path.unlink(missing_ok=True)
-                self._version = int(weight_version)
+                self._gate.clear()
+                in_flight = self._inflight  # read with the gate closing: these were sent at the old version
+                try:
+                    await self._vllm_post("/pause", mode="keep", clear_cache="false")
+                    try:
+                        results = await self._rpc("nemo_rl_load_weights", str(path))
+                    except BaseException as e:  # requests in flight must not hang paused; the load's error wins
+                        try:
+                            await self._vllm_post("/resume")
+                        except Exception as resume_error:  # noqa: BLE001 - e.g. vLLM died of the failed load
+                            e.add_note(f"resuming vLLM after the failed load failed too: {resume_error!r}")
+                        raise
+                    self._version = int(weight_version)
+                    await self._vllm_post("/resume")
+                finally:
+                    self._gate.set()
             finally:
-                self._gate.set()
+                path.unlink(missing_ok=True)
             dt = time.monotonic() - t0
             self.stats["refits"] += 1
+            self.stats["refits_in_flight"] += int(in_flight > 0)
             self.stats["refit_s"].append(round(dt, 4))
             first = results[0] if results else {}
-            return {"weight_version": self._version, "refit_s": dt, **first}
+            return {"weight_version": self._version, "refit_s": dt, "in_flight": in_flight, **first}
 
     async def weight_version(self) -> int:
         return self._version
@@ -335,15 +373,13 @@ class VllmGenerationServer:
         while not self._gate.is_set():
             await self._gate.wait()
         self._inflight += 1
-        self._idle.clear()
         try:
             version = self._version
+            vbody["cache_salt"] = _versioned_salt(body.get("cache_salt"), version)
             async with self._session.post(self._vllm_url + "/v1/chat/completions", json=vbody) as r:
                 status, reply = r.status, await r.json(content_type=None)
         finally:
             self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
         if status != 200:
             return web.json_response(reply, status=status)
         return web.json_response(self._with_token_fields(reply, version, bool(body.get("logprobs"))))

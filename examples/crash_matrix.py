@@ -3,6 +3,8 @@
     python examples/crash_matrix.py                      # every phase, then a soak of 20 random crashes
     python examples/crash_matrix.py --phases commit,train --soak 0
     python examples/crash_matrix.py --soak 20 --seed 7 --phases ""
+    python examples/crash_matrix.py --async --phases train,refit,checkpointed --soak 0
+    python examples/crash_matrix.py --async --config examples/configs/grpo_mixed_two_shards_turn.yaml --soak 0
 
 Each scenario runs GRPO as a real process (``python -m testkit.run_grpo``: the
 product's ``run_grpo`` with the test hooks; the mixed Gym setup in best effort,
@@ -20,17 +22,26 @@ trainer checkpoint trained:
 - the rollouts the rerun continued at turn level (``-a<N>`` ids in
   ``restore.json``) and the ones it restarted from the prompt are in the lineage;
 - no process of a killed run is left (they die with it; checked via an
-  environment marker), so none holds a port.
+  environment marker), so none holds a port;
+- no step of any run trained a group more than the lookahead's versions behind
+  (``max_group_version_lag`` of every ``metrics.jsonl`` row; 0 without ``--async``).
 
 Phases (``NEMO_RL_TEST_ONLY_CRASH_AT``, see ``testkit/crash_points.py``):
-prepare, commit, publish, restore (a crash while restoring the snapshot of an
-earlier crash), train; plus ``between`` (a plain SIGKILL of the process group
-while snapshots are being taken, no hook) and ``driver`` (SIGKILL of the driver
+prepare, commit, persist, publish, restore (a crash while restoring the snapshot
+of an earlier crash), train and refit (in the 2nd step), checkpointed (step 2
+just published, no snapshot under it yet; ``checkpointed:3`` and the like name
+another step); plus ``between`` (a plain SIGKILL of the process group while
+snapshots are being taken, no hook) and ``driver`` (SIGKILL of the driver
 process only). The soak kills the same run ``--soak`` times at seeded random
 times (some during start-up or restore), then lets it finish.
 
 Prints progress lines and a markdown table: phase, outcome, restored_turn,
 restarted_from_prompt, kept, verdict. Exit code 0 iff every verdict is ok.
+
+``--async`` runs every scenario in async mode (``ASYNC_SHAPE``: lookahead 1, the
+next step's groups generate while a step trains, refits and checkpoints),
+``--config`` on another Gym setup (``RunSpec.config``; every run allows
+restart-only servers).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nemo_rl.utils.run_hooks import PHASES  # noqa: E402
+from nemo_rl.utils.snapshot_store import list_trainer_steps  # noqa: E402
 from testkit.run_harness import (  # noqa: E402
     CRASH_ENV,  # noqa: F401 - the hook's variable, for readers of this module
     MARKER_ENV,  # noqa: F401
@@ -66,15 +78,28 @@ from testkit.run_harness import (  # noqa: E402
     wait_for_no_processes,  # noqa: F401 - re-exported for the tests
 )
 
-HOOK_PHASES = tuple(PHASES)  # prepare, commit, persist, publish, restore, train
+HOOK_PHASES = tuple(PHASES)  # prepare, commit, persist, publish, restore, train, refit, checkpointed
 ALL_PHASES = (*HOOK_PHASES, "between", "driver")
 _ROLLOUT_ID = re.compile(r"^(?P<group>.+)_g(?P<g>[0-9]+)_a[0-9a-f]+(?:-a(?P<attempt>[0-9]+))?$")
 
 
 # ----------------------------------------------------------------------------- a run
+# --async (and tests/functional/test_async_crash_matrix.py): lookahead 1 in file order. A kill in step N
+# restores a snapshot under step N-1, taken while step N's last groups generate (one rollout: about 3
+# scripted replies). At 0.6 s a reply that window holds 2 or more snapshots (0.25 s apart, plus the time
+# each takes) even on 2 shards x 2 replicas; at 0.4 s it held 1 or 2 there.
+ASYNC_SHAPE: dict[str, Any] = {"lookahead": 1, "shuffle": False, "interval_s": 0.25, "delay_s": 0.6}
+MIXED_CONFIG = "examples/configs/grpo_mixed_turn.yaml"  # one replica
+TWO_SHARDS_CONFIG = "examples/configs/grpo_mixed_two_shards_turn.yaml"  # 2 shards x 2 replicas, restart-only
+
+
 @dataclass
 class RunSpec(RunDirs):
-    """One run's command line; the same command is used again after each crash (where it writes: RunDirs)."""
+    """One run's command line; the same command is used again after each crash (where it writes: RunDirs).
+
+    ``lookahead`` > 0 is async mode: the groups of the next ``lookahead`` steps generate while a step
+    trains, refits and checkpoints (``async_overrides``). ``shuffle=False`` keeps the data file's order
+    (the mixed files interleave their agents, so every step holds a row whose servers save turns)."""
 
     steps: int = 3
     prompts: int = 4
@@ -83,10 +108,34 @@ class RunSpec(RunDirs):
     delay_s: float = 0.3
     keep_latest_k: int = 2
     extra: list[str] = field(default_factory=list)
+    config: str = MIXED_CONFIG  # relative to the repository (runs start there)
+    lookahead: int = 0
+    shuffle: bool = True
+
+    def async_overrides(self) -> list[str]:
+        """The async-mode keys: lookahead, generation logprobs (the config requires them), streaming
+        train from 2 groups, and the admission limits.
+
+        Every scripted rollout takes about as long as any other, so groups admitted together finish
+        together. ``lookahead + 1/2`` steps' worth of groups generating at once makes the waves
+        straddle the steps: half of step 2's groups start with step 1's (complete, not yet trained,
+        while step 1 trains and checkpoints), the rest start with step 3's, and step 3's groups
+        generate while step 2 trains (streaming, from its first complete groups). The buffer holds
+        the admitted steps' rollouts, so it never holds admission back here."""
+        if self.lookahead <= 0:
+            return []
+        inflight = (2 * self.lookahead + 1) * self.prompts // 2
+        return [
+            f"async_rl.sampler.max_lookahead_versions={self.lookahead}",
+            "grpo.use_generation_logprobs=true",
+            f"async_rl.min_groups_for_streaming_train={min(2, self.prompts)}",
+            f"async_rl.max_inflight_prompts={max(1, inflight)}",
+            f"async_rl.max_buffered_rollouts={(self.lookahead + 1) * self.prompts * self.generations}",
+        ]
 
     def args(self) -> list[str]:
         return [
-            "--config", "examples/configs/grpo_mixed_turn.yaml",
+            "--config", self.config,
             "policy.model_name=scripted-test-backend",
             "rollout_recovery.allow_restart_only_gym_servers=true",
             *self.overrides(), "logger.plot=false", *scripted_overrides(self.delay_s),
@@ -95,6 +144,8 @@ class RunSpec(RunDirs):
             f"grpo.num_generations_per_prompt={self.generations}",
             f"rollout_checkpointing.snapshot_attempt_interval_s={self.interval_s}",
             f"rollout_checkpointing.keep_latest_k={self.keep_latest_k}",
+            *self.async_overrides(),
+            *([] if self.shuffle else ["data.shuffle=false"]),
             *self.extra,
         ]
 
@@ -289,6 +340,17 @@ def check_restore(record: dict[str, Any] | None, trained: set[str], *, final: bo
     return problems
 
 
+def check_version_lag(spec: RunSpec, limit: int) -> list[str]:
+    """Every step row of every run (``metrics.jsonl`` of the spec's logs) whose ``max_group_version_lag``
+    exceeds ``limit`` (the lookahead: no group may train on weights older than that). No row with the
+    key at all is a problem too, so the check cannot pass on a run that wrote none."""
+    rows = [r for r in spec.records("metrics.jsonl") if "max_group_version_lag" in r]
+    if not rows:
+        return [f"no metrics row in {spec.logs / 'metrics.jsonl'} has max_group_version_lag"]
+    return [f"step {r.get('step')}{' (restored row)' if r.get('row_restored') else ''}: max_group_version_lag "
+            f"{r['max_group_version_lag']} > {limit}" for r in rows if r["max_group_version_lag"] > limit]
+
+
 # ----------------------------------------------------------------------------- scenarios
 @dataclass
 class Row:
@@ -314,13 +376,30 @@ def _where(record: dict[str, Any] | None) -> str:
         return "no restore"
     snap = record.get("snapshot")
     anchor = "bootstrap" if record.get("trainer_step", 0) == 0 else f"step_{record['trainer_step']}"
-    return f"restored {anchor}/{Path(snap).name}" if snap else f"resumed from trainer {anchor}, no snapshot"
+    if not snap:
+        return f"resumed from trainer {anchor}, no snapshot"
+    where = f"restored {anchor}/{Path(snap).name}"
+    older = record.get("snapshot_anchor_step")
+    if older is not None and older != record.get("trainer_step"):  # a snapshot under an older anchor
+        older_name = "bootstrap" if older == 0 else f"step_{older}"
+        where = (f"restored {anchor} + {older_name}/{Path(snap).name} "
+                 f"({record.get('dropped_trained_groups', '?')} groups {anchor} trained dropped)")
+    if record.get("retrained_groups"):
+        where += f", {record['retrained_groups']} groups re-trained"
+    return where
 
 
 def _progress(spec: RunSpec) -> str:
-    steps = [m["step"] for m in spec.records("metrics.jsonl")]
+    metrics = spec.records("metrics.jsonl")
+    steps = [m["step"] for m in metrics]
     snaps = sum(1 for s in spec.records("snapshots.jsonl") if s.get("committed"))
-    return f"step {max(steps, default=0)} trained, {snaps} snapshots so far"
+    text = f"step {max(steps, default=0)} trained, {snaps} snapshots so far"
+    durable = max(list_trainer_steps(spec.ckpt), default=0) if spec.ckpt.is_dir() else 0
+    if durable > max(steps, default=0):  # killed after the checkpoint, before the step's metrics row
+        text = text.replace(" trained,", f" trained (step {durable} checkpointed),", 1)
+    if spec.lookahead and metrics:
+        text += f", {metrics[-1].get('inflight_rollouts', '?')} rollouts in flight at its end"
+    return text
 
 
 ORPHAN_GRACE_S = 10.0  # a killed run's processes must all be gone this soon
@@ -341,6 +420,7 @@ def _finish(runner: Runner, row: Row, log: Callable[[str], None],
     row.outcome += f"; rerun {_where(final.restore)}"
     row.problems += check_lineage(runner.spec, reference)
     row.problems += check_restore(final.restore, trained_rollout_ids(runner.spec), final=True)
+    row.problems += check_version_lag(runner.spec, runner.spec.lookahead)
     row.problems += _orphans(runner.results)
     row.verdict = "ok" if not row.problems else "FAIL"
     log(f"  -> {row.verdict}: {row.outcome}" + (f" | {'; '.join(row.problems)}" if row.problems else ""))
@@ -356,18 +436,43 @@ def committed_in_step(spec: RunSpec, step: int, extra_s: float = 0.0) -> Callabl
     return after_committed_in_step(spec, step, extra_s)
 
 
+COUNTED_PHASES = ("prepare", "commit", "persist", "publish", "train", "refit", "checkpointed")
+DEFAULT_NTH = 2  # snapshot phases: the step's 2nd snapshot (its 1st is on disk); train, refit, checkpointed: step 2
+
+
+def parse_phase(text: str) -> tuple[str, int | None]:
+    """``'refit'`` -> ``('refit', 2)``, ``'checkpointed:3'`` -> ``('checkpointed', 3)``; ``restore``,
+    ``between`` and ``driver`` take no count. Raises naming the bad text.
+
+    ``checkpointed`` defaults to step 2, not 1: publishing step 1 prunes ``bootstrap/`` with its
+    snapshots, so after ``checkpointed:1`` no older anchor is left to restore from."""
+    phase, sep, count = text.partition(":")
+    if phase not in ALL_PHASES:
+        raise ValueError(f"unknown phase {phase!r} in {text!r}; expected one of {', '.join(ALL_PHASES)}")
+    if phase not in COUNTED_PHASES:
+        if sep:
+            raise ValueError(f"phase {phase!r} takes no count ({text!r})")
+        return phase, None
+    if not sep:
+        return phase, DEFAULT_NTH
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{text!r}: the count must be an integer >= 1")
+    return phase, int(count)
+
+
 def scenario(phase: str, root: Path, log: Callable[[str], None] = print,
              reference: dict[tuple[str, int], float] | None = None, seed: int = 0, **spec_kw: Any) -> Row:
-    """Crash one run at ``phase``, then run the same command to the end and check it."""
+    """Crash one run at ``phase`` (``train``, ``refit:3``, ...: ``parse_phase``), then run the same
+    command to the end and check it."""
     started = time.monotonic()
+    phase_text = phase
+    phase, nth = parse_phase(phase_text)
     spec = RunSpec(root, **spec_kw)
     runner = Runner(spec, log)
-    row = Row(phase, "")
-    log(f"[{phase}] crash run")
-    if phase in ("prepare", "commit", "persist", "publish"):
-        first = runner.run(crash=f"{phase}:2")
-    elif phase == "train":
-        first = runner.run(crash="train:2")
+    row = Row(phase_text, "")
+    log(f"[{phase_text}] crash run")
+    if nth is not None:  # the hook phases; train, refit, checkpointed count trained steps
+        first = runner.run(crash=f"{phase}:{nth}")
     elif phase == "restore":
         pre = runner.run(crash="commit:2")
         if not pre.crashed_by_hook:
@@ -386,7 +491,7 @@ def scenario(phase: str, root: Path, log: Callable[[str], None] = print,
     elif phase not in HOOK_PHASES and first.killed_by not in ("group", "driver"):
         row.problems.append(f"the run was not killed (exit {first.returncode})")
     row.outcome = f"killed ({first.killed_by}) at {_progress(spec)}"
-    log(f"[{phase}] {row.outcome}; rerun to the end")
+    log(f"[{phase_text}] {row.outcome}; rerun to the end")
     _finish(runner, row, log, reference)
     row.seconds = time.monotonic() - started
     return row
@@ -429,7 +534,7 @@ def soak(root: Path, crashes: int, seed: int, log: Callable[[str], None] = print
         log(f"[soak {i}/{crashes}] SIGKILL {where} {label} ({result.wall_s:.1f}s in): {_progress(spec)}")
     final = runner.run()
     trained = trained_rollout_ids(spec)
-    lineage = check_lineage(spec, reference)
+    lineage = check_lineage(spec, reference) + check_version_lag(spec, spec.lookahead)
     if len(rows) < crashes:
         lineage.append(f"the run finished after {len(rows)} of {crashes} kills (raise --soak-steps)")
     if rows:
@@ -457,17 +562,27 @@ def markdown(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phases", default=",".join(ALL_PHASES), help="comma-separated, from: " + ", ".join(ALL_PHASES))
+    parser.add_argument("--phases", default=",".join(ALL_PHASES),
+                        help="comma-separated, from: " + ", ".join(ALL_PHASES) + " (a counted phase may name its "
+                             "count: train:3, checkpointed:2)")
     parser.add_argument("--soak", type=int, default=20, help="random crashes in the soak (0: no soak)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--soak-steps", type=int, default=40, help="max_num_steps of the soak run")
     parser.add_argument("--workdir", default=None, help="where runs write (default: a temp dir, removed unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("--config", default=MIXED_CONFIG,
+                        help=f"the run's config (default {MIXED_CONFIG}; e.g. {TWO_SHARDS_CONFIG})")
+    parser.add_argument("--async", dest="async_mode", action="store_true",
+                        help="async mode: async_rl.sampler.max_lookahead_versions=1 in the shape of ASYNC_SHAPE "
+                             "(RunSpec.async_overrides)")
     args = parser.parse_args(argv)
+    spec_kw = {"config": args.config, **(ASYNC_SHAPE if args.async_mode else {})}
     phases = [p for p in args.phases.split(",") if p]
-    unknown = [p for p in phases if p not in ALL_PHASES]
-    if unknown:
-        parser.error(f"unknown phase(s) {unknown}; expected some of {', '.join(ALL_PHASES)}")
+    for phase in phases:
+        try:
+            parse_phase(phase)
+        except ValueError as exc:
+            parser.error(f"--phases: {exc}")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="crash-matrix-"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -478,13 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         if phases:
-            reference = reference_rewards(work / "reference", log)
+            reference = reference_rewards(work / "reference", log, **spec_kw)
             for phase in phases:
-                rows.append(scenario(phase, work / phase, log, reference, args.seed))
+                rows.append(scenario(phase, work / phase.replace(":", "-"), log, reference, args.seed, **spec_kw))
         if args.soak > 0:
-            reference = reference_rewards(work / "soak-reference", log, steps=args.soak_steps)
+            reference = reference_rewards(work / "soak-reference", log, steps=args.soak_steps, **spec_kw)
             log(f"soak: {args.soak} random crashes, seed {args.seed}")
-            rows += soak(work / "soak", args.soak, args.seed, log, reference, steps=args.soak_steps)
+            rows += soak(work / "soak", args.soak, args.seed, log, reference, steps=args.soak_steps, **spec_kw)
     finally:
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -12,8 +12,9 @@ gets the product's no-op hooks.
 
 The snapshot phases count per trainer step (the ``scope`` the run passes):
 ``commit:2`` fires at the second snapshot of the first step that takes two, so
-the step's first snapshot is on disk for the next run to restore. ``train`` and
-``restore`` count per run.
+the step's first snapshot is on disk for the next run to restore. ``train``,
+``refit``, ``checkpointed`` and ``restore`` count per run (``train:2``: in the
+second trained step).
 
 Phases (where the controller calls ``hooks.reached``; ``nemo_rl.utils.run_hooks.PHASES``):
 
@@ -26,7 +27,12 @@ Phases (where the controller calls ``hooks.reached``; ``nemo_rl.utils.run_hooks.
 - ``restore``: Gym has restored the snapshot's episodes, before the ledger is
   applied;
 - ``train``: inside a training step (the trainer has consumed the batch, the
-  step is not checkpointed yet).
+  step is not checkpointed yet);
+- ``refit``: the step trained, its weights about to go to generation (in async
+  mode the groups of later steps are generating meanwhile);
+- ``checkpointed``: the step's trainer checkpoint was just published (older
+  anchors pruned), before any snapshot under it: a restore takes the trainer
+  step with a snapshot of an older anchor still on disk, or none.
 
 The run must be started in its own session (``start_new_session=True``, as the
 harness does) so the group kill hits only it; when the process is not its

@@ -517,7 +517,9 @@ def publish_trainer_step(
 
 def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None) -> list[Path]:
     """Delete all but the newest ``keep_top_k`` trusted trainer steps (``checkpointing.keep_top_k`` with
-    no metric: the latest k), and ``bootstrap/`` once a step exists, each with its rollout snapshots.
+    no metric: the latest k), each with its rollout snapshots; ``bootstrap/`` counts as the oldest
+    anchor, so it goes once k steps exist (until then its snapshots may still be restored with step 1:
+    a crash right after step 1's checkpoint continues the rollouts they saved).
 
     Trust is the commit marker (``list_trainer_steps``): no checkpoint is read. ``newest`` is the step
     just saved: steps above it (ones a restore skipped as corrupt) neither count nor go. A directory
@@ -532,7 +534,7 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
         return []
     doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k]]
     bootstrap = anchor_dir(checkpoint_dir, 0)
-    if bootstrap.exists():
+    if bootstrap.exists() and len(steps) >= keep_top_k:
         doomed.append(bootstrap)
     removed = []
     for path in doomed:

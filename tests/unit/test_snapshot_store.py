@@ -256,6 +256,17 @@ def test_remove_stale_tmp_dirs(tmp_path):
     assert list_trainer_steps(tmp_path) == [0, 1]
 
 
+def test_bootstrap_stays_until_keep_top_k_steps_exist(tmp_path):
+    """Its snapshots may restore with step 1 (a crash right after step 1's checkpoint)."""
+    ensure_bootstrap_anchor(tmp_path)
+    _trainer_step(tmp_path, 1)
+    assert prune_trainer_steps(tmp_path, 2, 1) == []
+    assert list_trainer_steps(tmp_path) == [0, 1]
+    _trainer_step(tmp_path, 2)
+    assert [p.name for p in prune_trainer_steps(tmp_path, 2, 2)] == ["bootstrap"]
+    assert list_trainer_steps(tmp_path) == [1, 2]
+
+
 def test_prune_trainer_steps_keeps_the_newest_k_with_their_snapshots(tmp_path):
     ensure_bootstrap_anchor(tmp_path)
     for step in (1, 2, 3, 4):

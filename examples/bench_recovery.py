@@ -5,6 +5,8 @@
     python examples/bench_recovery.py --preset n8192   # N = 2048 and 8192 on one replica, both commit modes,
                                                        # plus the bookkeeping rows (about 15 minutes, under 25)
     python examples/bench_recovery.py --only snapshot_cost --sizes 2048,8192 --per-replica 8192 --repeats 3
+    python examples/bench_recovery.py --preset async --out bench_results/async   # 9. async against sync, the
+                                                                                 # main job itself (about 30 min)
     python examples/bench_recovery.py --only snapshot_cost,stall --out /tmp/bench
     python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
 
@@ -24,6 +26,8 @@ Measurements (see docs/benchmarks.md for the method behind each):
   setup_check    6. seconds from launch to the setup error of the mixed config as shipped
   relaunch       7. seconds from the relaunch after a SIGKILL to the first dispatched rollout, by phase
   bookkeeping    8. bytes read and seconds of trainer-checkpoint bookkeeping per save and restore lookup
+  async_throughput 9. async (lookahead 1) against sync on the main job: steps/hour, snapshot overhead,
+                 coverage, learning (preset ``async``: real model and trainer, not the scripted backend)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -53,6 +57,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from bench import (  # noqa: E402
     alternative,
+    async_throughput,
     bookkeeping,
     overhead,
     relaunch,
@@ -66,7 +71,7 @@ from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
-                               bookkeeping)}
+                               bookkeeping, async_throughput)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -236,6 +241,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
                      f"kept step: {yes(g['prune_rereads_no_kept_step'])}{passes('max_prune_passes')}; a restore-point "
                      f"lookup hashes only the step it restores: {yes(g['restore_hashes_only_the_restored_step'])}"
                      f"{passes('max_restore_passes')}")
+    if "async_throughput" in results:
+        lines.append("9. " + async_throughput.verdict(results["async_throughput"]["goal"]))
     return lines
 
 

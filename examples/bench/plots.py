@@ -214,8 +214,72 @@ def relaunch(res: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def async_throughput(res: dict[str, Any], path: Path) -> Path:
+    """Steps per hour and coverage, sync against async, per snapshot setting; the reward curves of part 2."""
+    rows = res["rows"]
+    keys = list(dict.fromkeys(r["snapshots"] for r in rows))
+    label = {k: "snapshots off" if k == "off" else f"snapshots every {k[:-1]} s" for k in keys}
+    learning = res.get("learning") or []
+    fig, axes = plt.subplots(1, 3 if learning else 2, figsize=(16 if learning else 11, 4.6))
+    width = 0.38
+    for mi, (mode, color) in enumerate((("sync", "C7"), ("async", "C0"))):
+        xs = [i + (mi - 0.5) * width for i in range(len(keys))]
+        for ax, field, scale in ((axes[0], "steps_per_hour", 1.0), (axes[1], "coverage", 100.0)):
+            stats = [next((r[field] for r in rows if r["mode"] == mode and r["snapshots"] == k), None) for k in keys]
+            meds = [s["median"] * scale if s and s.get("median") is not None else 0.0 for s in stats]
+            errs = [[m - s["min"] * scale if s and s.get("n") else 0.0 for m, s in zip(meds, stats)],
+                    [s["max"] * scale - m if s and s.get("n") else 0.0 for m, s in zip(meds, stats)]]
+            ax.bar(xs, meds, width, yerr=errs, capsize=3, color=color, label=mode)
+            for x, m, k in zip(xs, [m + hi for m, hi in zip(meds, errs[1])], keys):  # above the error bar
+                row = next((r for r in rows if r["mode"] == mode and r["snapshots"] == k), None)
+                if field == "steps_per_hour" and row:
+                    bits = []
+                    if row.get("speedup_vs_sync") and row["speedup_vs_sync"].get("n"):
+                        bits.append(f"x{row['speedup_vs_sync']['median']:.2f}")
+                    if row.get("overhead_pct") and row["overhead_pct"].get("n"):
+                        bits.append(f"{row['overhead_pct']['median']:+.1f}%")
+                    if bits:
+                        ax.text(x, m, "\n".join(bits), ha="center", va="bottom", fontsize=7)
+                elif field == "coverage" and row:
+                    ax.text(x, m, f"{row['coverage']['median'] * 100:.1f}", ha="center", va="bottom", fontsize=7)
+    goal = res["goal"].get("coverage_min")
+    if goal:
+        axes[1].axhline(goal * 100, color="red", linestyle=":", label=f"goal (async): {goal * 100:g}%")
+    for ax, title, ylabel in ((axes[0], "Steps per hour, steps 2–N (labels: async / sync, overhead vs off)",
+                               "steps per hour"),
+                              (axes[1], "Snapshot coverage of wall time (last row)", "% of wall time")):
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([label[k] for k in keys], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    if learning:
+        ax = axes[2]
+        for w, color in zip(learning, ("C7", "C0")):
+            rewards = w["rewards"]
+            k = max(1, w.get("fifth") or 1)
+            smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
+                      for i in range(len(rewards))]
+            ax.plot(range(1, len(rewards) + 1), rewards, color=color, alpha=0.3)
+            ax.plot(range(1, len(rewards) + 1), smooth, color=color,
+                    label=f"{w['mode']}: {w['reward_first_fifth']:.2f} → {w['reward_last_fifth']:.2f} "
+                          f"({w['wall_s']:.0f} s)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward mean")
+        ax.set_title("Main job reward per step (line: mean over a fifth of the steps)", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("Async (lookahead 1) against sync on the main job (median, bars: min–max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 PLOTTERS = {"snapshot_cost": snapshot_cost, "stall": stall, "work_lost": work_lost, "alternative": alternative,
-            "overhead": overhead, "setup_check": setup_check, "relaunch": relaunch}
+            "overhead": overhead, "setup_check": setup_check, "relaunch": relaunch,
+            "async_throughput": async_throughput}
 
 
 def plot(name: str, res: dict[str, Any], out_dir: Path) -> Path:

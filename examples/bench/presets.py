@@ -59,4 +59,16 @@ N8192: dict[str, dict[str, Any]] = {
     "bookkeeping": {"sizes_mb": [10, 100, 1024], "saves": 6, "keep": 3, "compare_full_verify": True},
 }
 
-PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192}
+# Measurement 9, async (lookahead 1) against sync on the main job itself (the tiny HF model, the torch
+# generation worker, the real trainer), is a preset of its own: 3 repeats x 6 runs of 16 steps, then
+# the main job twice at its 40 steps; about 30 minutes on 2 cores. ``async_tiny`` is its smoke test.
+ASYNC: dict[str, dict[str, Any]] = {
+    "async_throughput": {"repeats": 3, "steps": 16},
+}
+ASYNC_TINY: dict[str, dict[str, Any]] = {
+    "async_throughput": {"repeats": 1, "steps": 3, "intervals": (1.0,), "prompts": 2, "generations": 2,
+                         "learning_steps": 2,
+                         "learning_overrides": ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]},
+}
+
+PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY}

@@ -128,6 +128,7 @@ class SingleController:
         self._trained_pending: dict[int, list[str]] = {}
         self.changes = LedgerChanges()
         self._rollouts: dict[str, asyncio.Task] = {}
+        self._newest_snapshot_anchor: int | None = None  # pruning spares it
         self.coverage = SnapshotCoverage(config.rollout_checkpointing.snapshot_attempt_interval_s)
         self.snapshot_counts = {"committed": 0, "failed": 0}
         recovery = config.rollout_recovery
@@ -476,6 +477,7 @@ class SingleController:
             outcome = await self.snapshotter.attempt()
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
             if outcome.committed:
+                self._newest_snapshot_anchor = outcome.anchor_step
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
 
     def anchor_dir(self) -> Path:
@@ -545,12 +547,15 @@ class SingleController:
         for s in [s for s in self._trained_pending if s <= step]:
             del self._trained_pending[s]
         self.anchor_step = step
-        # Older anchors go, but not under a snapshot that is still being persisted.
+        if not self._rollouts:  # nothing in flight: the checkpoint itself is a full cut
+            self.coverage.committed(time.monotonic(), step)
+        # Older anchors go, but not under a snapshot that is still being persisted, nor the one
+        # holding the newest snapshot (a restore needs it until one is published under a newer step).
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
             t1 = time.monotonic()
             try:
                 await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,
-                                        self.config.checkpointing.keep_top_k, step)
+                                        self.config.checkpointing.keep_top_k, step, self._newest_snapshot_anchor)
             except OSError as exc:  # a read-only or failing disk: name what could not be removed
                 raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
             self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())

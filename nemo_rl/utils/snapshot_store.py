@@ -515,7 +515,8 @@ def publish_trainer_step(
     return manifest
 
 
-def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None) -> list[Path]:
+def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None,
+                        spare: int | None = None) -> list[Path]:
     """Delete all but the newest ``keep_top_k`` trusted trainer steps (``checkpointing.keep_top_k`` with
     no metric: the latest k), each with its rollout snapshots; ``bootstrap/`` counts as the oldest
     anchor, so it goes once k steps exist (until then its snapshots may still be restored with step 1:
@@ -524,7 +525,8 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
     Trust is the commit marker (``list_trainer_steps``): no checkpoint is read. ``newest`` is the step
     just saved: steps above it (ones a restore skipped as corrupt) neither count nor go. A directory
     is first renamed to a ``.tmp-`` name, so a crash mid-delete leaves nothing that looks valid
-    (startup removes the rest)."""
+    (startup removes the rest). ``spare``: an anchor kept beyond the k (the one holding the newest
+    rollout snapshot: until a snapshot is published under a newer step, a restore needs it)."""
     if keep_top_k is None:
         return []
     if keep_top_k < 1:
@@ -532,9 +534,9 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
     steps = [s for s in list_trainer_steps(checkpoint_dir) if s > 0 and (newest is None or s <= newest)]
     if not steps:
         return []
-    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k]]
+    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k] if s != spare]
     bootstrap = anchor_dir(checkpoint_dir, 0)
-    if bootstrap.exists() and len(steps) >= keep_top_k:
+    if bootstrap.exists() and len(steps) >= keep_top_k and spare != 0:
         doomed.append(bootstrap)
     removed = []
     for path in doomed:

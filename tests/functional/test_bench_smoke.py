@@ -30,9 +30,11 @@ from bench import (  # noqa: E402
     stall,
     work_lost,
 )
+from bench import async_throughput  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
+from bench.presets import ASYNC_TINY  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -349,3 +351,59 @@ def test_staged_memory_per_participant() -> None:
     assert m["total_peak_bytes"] == 5000
     assert m["controller_bytes"]["values"] == [1100, 1300]  # total minus the participants
     assert snapshot_cost.staged_memory(attempts[3:]) is None  # blocking only: no staged copies
+
+
+def test_async_throughput_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 9 on its own (real model and trainer, so not in the chain above): 4 throughput runs of
+    the main job (sync and async, snapshots off and every 1 s) and its two learning runs, all shortened."""
+    params = ASYNC_TINY["async_throughput"]
+    # A short warm start in a cache of its own: a fresh machine (CI) has no cached embedded model.
+    cache = ["policy.warm_start.steps=30", f"policy.cache_dir={tmp_path / 'model_cache'}"]
+    res = async_throughput.measure(workdir=tmp_path / "async", log=_quiet, **{
+        **params, "overrides": [*params.get("overrides", []), *cache],
+        "learning_overrides": [*params["learning_overrides"], *cache]})
+    assert res["name"] == async_throughput.NAME
+    runs = {(w["mode"], w["snapshots"]): w for w in res["runs"]}
+    assert set(runs) == {(m, s) for m in ("sync", "async") for s in ("off", "1s")}
+    for (mode, snaps), w in runs.items():
+        assert w["stragglers"] == []  # the harness reaped every run
+        assert w["steps"] == params["steps"] and w["measured_steps"] == params["steps"] - 1  # step 1 left out
+        assert w["steps_per_hour"] > 0 and 0 < w["training_share"] < 1 and 0 <= w["waiting_share"] < 1
+        assert 0.0 <= w["coverage"] <= 1.0
+        assert "--config" not in w["command"]  # the embedded default main job
+        assert "grpo.use_generation_logprobs=true" in w["command"]  # in both modes: only the lookahead differs
+        lookahead = 1 if mode == "async" else 0
+        assert f"async_rl.sampler.max_lookahead_versions={lookahead}" in w["command"]
+        assert w["max_group_version_lag"] <= lookahead and w["max_weight_version_lag"] <= lookahead
+        if snaps == "off":
+            assert w["attempts"] == 0 and "snapshot_attempt_interval_s=null" in w["command"]
+        else:
+            assert "rollout_checkpointing.snapshot_attempt_interval_s=1.0" in w["command"]
+            assert w["committed"] <= w["attempts"] and len(w["pauses_s"]) <= w["attempts"]
+    assert "async_rl.min_groups_for_streaming_train=1" in runs[("async", "off")]["command"]  # half of 2 groups
+    rows = {(r["mode"], r["snapshots"]): r for r in res["rows"]}
+    assert rows[("sync", "off")]["speedup_vs_sync"] is None and rows[("sync", "off")]["overhead_pct"] is None
+    for snaps in ("off", "1s"):
+        s = rows[("async", snaps)]["speedup_vs_sync"]
+        assert math.isclose(s["median"], runs[("async", snaps)]["steps_per_hour"]
+                            / runs[("sync", snaps)]["steps_per_hour"])
+    for mode in ("sync", "async"):
+        assert rows[(mode, "off")]["held_pct"] is None and 0 <= rows[(mode, "1s")]["held_pct"]["median"] < 100
+        o = rows[(mode, "1s")]["overhead_pct"]["median"]
+        assert math.isclose(o, 100 * (1 - runs[(mode, "1s")]["steps_per_hour"] / runs[(mode, "off")]["steps_per_hour"]))
+    learn = {w["mode"]: w for w in res["learning"]}
+    assert set(learn) == {"sync", "async"}
+    assert "async_rl.sampler.max_lookahead_versions" not in learn["sync"]["command"]  # the main job as shipped
+    assert "async_rl.sampler.max_lookahead_versions=1" in learn["async"]["command"]
+    for w in learn.values():
+        assert w["steps"] == params["learning_steps"] == len(w["rewards"]) and w["stragglers"] == []
+        assert math.isclose(w["reward_gain"], w["reward_last_fifth"] - w["reward_first_fifth"])
+        assert w["wall_s"] > w["sum_step_s"] > 0  # the process also starts Ray, Gym and the model
+    g = res["goal"]
+    assert g["at_interval"] == "1s" and g["default"] in ("synchronous", "lookahead 1")
+    assert (g["default"] == "lookahead 1") == (not g["default_reasons"])
+    assert set(g["reward_gain"]) == {"sync", "async"} and _finite(g["speedup_median"], g["async_overhead_pct_median"])
+    table = async_throughput.table(res)
+    assert table.startswith("**Part 1") and "| async | 1 s |" in table and "**Part 2" in table
+    assert plot(async_throughput.NAME, res, tmp_path).stat().st_size > 1000
+    assert any(line.startswith("9. Goals with snapshots every 1 s") for line in bench_recovery.goal_lines({async_throughput.NAME: res}))

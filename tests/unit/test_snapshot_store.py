@@ -267,6 +267,15 @@ def test_bootstrap_stays_until_keep_top_k_steps_exist(tmp_path):
     assert list_trainer_steps(tmp_path) == [1, 2]
 
 
+def test_prune_spares_the_anchor_of_the_newest_snapshot(tmp_path):
+    ensure_bootstrap_anchor(tmp_path)
+    for step in (1, 2, 3):
+        _trainer_step(tmp_path, step)
+    assert sorted(p.name for p in prune_trainer_steps(tmp_path, 1, 3, spare=1)) == ["bootstrap", "step_2"]
+    assert list_trainer_steps(tmp_path) == [1, 3]
+    assert [p.name for p in prune_trainer_steps(tmp_path, 1, 3)] == ["step_1"]  # a newer snapshot: it goes
+
+
 def test_prune_trainer_steps_keeps_the_newest_k_with_their_snapshots(tmp_path):
     ensure_bootstrap_anchor(tmp_path)
     for step in (1, 2, 3, 4):

@@ -43,14 +43,20 @@ def test_snapshot_and_trainer_state_sizes_stay_flat_over_a_long_run(tmp_path):
     late = [b for s, b in snaps if s > STEPS - 10]
     assert early and late, f"no snapshot among the first or the last 10 steps: {snaps}"
     sizes = [b for _, b in snaps]
-    assert max(sizes) - min(sizes) <= SNAPSHOT_SPREAD_B, snaps
+    # A cut while a step trains or checkpoints also holds that step's complete group and its samples (a
+    # restore trains it again): a snapshot holds one or two steps' groups, never more, however long the run.
+    assert max(sizes) <= 2 * min(sizes) + SNAPSHOT_SPREAD_B, snaps
+    one_step = [(s, b) for s, b in snaps if b - min(sizes) <= SNAPSHOT_SPREAD_B]
+    assert len(one_step) >= len(snaps) // 2, snaps  # most cuts hold one step's group
     assert abs(statistics.median(late) - statistics.median(early)) <= SNAPSHOT_SPREAD_B / 2
-    assert abs(res["slopes"]["controller_state_bytes"]) < 0.5  # schema 1: about +11 B/step here
+    # The slope over the one-step cuts (a two-step cut is an outlier of one group, not growth).
+    slope = statistics.linear_regression([s for s, _ in one_step], [b for _, b in one_step]).slope
+    assert abs(slope) < 0.5, (slope, res["slopes"])  # schema 1: about +11 B/step here
 
-    # What the records say is what was trained: one range, the step's own group in the ledger, no id list.
+    # What the records say is what was trained: one range, no group record, no id list.
     for r in rows:
         assert r["trained_positions"] == [[0, r["step"]]] and r["trained_count"] == r["step"]
-        assert r["groups_in_ledger"] == 1  # trained groups leave the ledger once their step is durable
+        assert r["groups_in_ledger"] == 0  # a trainer checkpoint keeps trained positions only
     final = json.loads((tmp_path / "run" / "ckpt" / f"step_{STEPS}" / "recording_trainer.json").read_text())
     lineage = [g for b in final["batches"] for g in b["groups"]]
     assert lineage == [f"s{t}p{t - 1}" for t in range(1, STEPS + 1)]

@@ -15,7 +15,11 @@ The server drives one call through the gate like this::
         ...write the reply...
         participant.delivered(ticket)
 
-Records are token-free: per episode, how many replies it has received.
+Records: per episode, how many replies it has received, and, when the prepare
+asked for a *generation cut* (``target_level: prefix``), the tokens its call in
+flight had decoded when admission closed (``gym_patches.checkpoint.cuts``). A
+restored episode's next call continues from its cut, once; a cut that cannot
+be taken never blocks the prepare (those calls regenerate at turn level).
 """
 
 from __future__ import annotations
@@ -27,25 +31,38 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gym_patches.checkpoint.cuts import CutSummary, GenerationCut
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import CapturedRecord, capture_record
+from gym_patches.checkpoint.records import CapturedRecord, capture_record, fragment
 from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
 
 T = TypeVar("T")
 TicketState = Literal["waiting", "generating", "held", "writing"]
 
 
+CutSource = Callable[[list[str]], Awaitable[dict[str, GenerationCut]]]
+
+
 class ModelRecord(BaseModel):
-    """What the model saves per episode (no tokens: the trainer has those)."""
+    """What the model saves per episode: replies delivered, and the cut of the call in flight, if any
+    (the call numbered ``delivered_calls``; ``cut_tokens`` is its token count, 0 without a cut)."""
 
     model_config = ConfigDict(extra="forbid")
 
     episode_id: EpisodeId
     delivered_calls: int = Field(ge=0)
+    cut: GenerationCut | None = None
+    cut_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _count_matches(self) -> "ModelRecord":
+        if self.cut_tokens != (0 if self.cut is None else self.cut.token_count):
+            raise ValueError("cut_tokens must equal cut.token_count (0 without a cut)")
+        return self
 
 
 @dataclass(eq=False)
@@ -57,6 +74,7 @@ class ModelTicket:
     admitted_at: float
     state: TicketState = "waiting"
     retired: bool = False
+    call_id: str | None = None  # the backend call's X-NG-Call-Id, set once it is sent
     task: asyncio.Future[Any] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -72,10 +90,15 @@ class ModelTicket:
         )
 
 
-def _model_record(episode: EpisodeId, delivered_calls: int) -> Record:
-    """The dump of a ``ModelRecord``, built directly (captures run while rollouts are held)."""
-    return {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-            "delivered_calls": delivered_calls}
+def _model_record(episode: EpisodeId, delivered_calls: int, cut: GenerationCut | None = None) -> Record:
+    """The dump of a ``ModelRecord``, built directly (captures run while rollouts are held); a cut goes
+    in as a JSON fragment (its packed tokens are one string each)."""
+    record: Record = {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                      "delivered_calls": delivered_calls}
+    if cut is not None:
+        record["cut"] = fragment(cut)
+        record["cut_tokens"] = cut.token_count
+    return record
 
 
 class PolicyModelParticipant(CheckpointParticipant):
@@ -92,6 +115,13 @@ class PolicyModelParticipant(CheckpointParticipant):
         self._delivered: dict[EpisodeId, int] = {}
         # Each episode's record as a capture takes it, made again only once its count has changed.
         self._capture_cache: dict[EpisodeId, CapturedRecord] = {}
+        # Generation cuts: how to take them (the server's backend; None: not supported), those the
+        # current prepare took (per episode, until reopen), and restored ones waiting for their call.
+        self.cut_source: CutSource | None = None
+        self.cut_timeout_s = 2.0
+        self._cuts: dict[EpisodeId, GenerationCut] = {}
+        self._cut_summary: CutSummary | None = None
+        self._restored_cuts: dict[EpisodeId, tuple[int, GenerationCut]] = {}
 
     # -- the gate ----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -189,8 +219,51 @@ class PolicyModelParticipant(CheckpointParticipant):
 
     async def open_admission(self) -> None:
         self.accepting = True
+        self._cuts, self._cut_summary = {}, None
         self._wake_all()
         self.notify_changed()
+
+    # -- generation cuts -----------------------------------------------------
+    async def take_cut(self) -> CutSummary:
+        """Read, for every tracked call generating now, its tokens so far from the backend (the call
+        goes on untouched). Never raises: a backend without cuts, an error or a timeout is reported
+        in the summary, and those calls regenerate at turn level."""
+        calls = {t.call_id: t.episode for t in self._by_state["generating"].values()
+                 if t.episode is not None and t.call_id is not None and not t.retired}
+        summary = CutSummary(in_flight=len(calls))
+        self._cuts = {}
+        if calls and self.cut_source is None:
+            summary.error = "the model server's backend does not support generation cuts"
+        elif calls:
+            try:
+                got = await asyncio.wait_for(self.cut_source(list(calls)), self.cut_timeout_s)
+            except asyncio.TimeoutError:
+                summary.error = f"the backend did not answer the cut within {self.cut_timeout_s:g}s"
+            except Exception as exc:  # noqa: BLE001 - a failed cut never fails the prepare
+                summary.error = f"{type(exc).__name__}: {exc}"[:500]
+            else:
+                for call_id, cut in got.items():
+                    episode = calls.get(call_id)
+                    if episode is not None and cut.call_id == call_id:
+                        self._cuts[episode] = cut
+                summary.cut = len(self._cuts)
+                summary.tokens = sum(c.token_count for c in self._cuts.values())
+                summary.empty = len(calls) - len(got)
+        self._cut_summary = summary
+        return summary
+
+    def cut_summary(self) -> CutSummary | None:
+        """What the current prepare's cut took (None: none was asked for)."""
+        return self._cut_summary
+
+    def take_restored_cut(self, episode: EpisodeId) -> GenerationCut | None:
+        """The cut a restore installed for ``episode``'s next call, handed out once; dropped unused if
+        the episode's next call is not the one it was cut from."""
+        entry = self._restored_cuts.pop(episode, None)
+        if entry is None:
+            return None
+        call_index, cut = entry
+        return cut if self._delivered.get(episode, 0) == call_index else None
 
     def readiness(self) -> PrepareReport:
         """Ready unless a tracked reply is being written. Generating and held
@@ -212,30 +285,41 @@ class PolicyModelParticipant(CheckpointParticipant):
         for episode in gone:
             del self._delivered[episode]
             self._capture_cache.pop(episode, None)
-        return len(gone) + super().forget(rollout_ids)
+        cuts = [e for e in self._restored_cuts if e.rollout_id in rollout_ids]
+        for episode in cuts:  # a trained or abandoned rollout's prefix is never continued
+            del self._restored_cuts[episode]
+        return len(gone) + len(cuts) + super().forget(rollout_ids)
 
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         """One record per episode. Without a scope: every episode with delivered
         replies. With a scope: every in-scope episode that is not retired, also
         those with 0 delivered (an agent parked at its first call), so a restore
         of that scope always finds a record."""
+        cuts = self._cuts
         if episodes is None:
             chosen = {e: n for e, n in self._delivered.items() if n > 0}
+            for episode in cuts:
+                chosen.setdefault(episode, self._delivered.get(episode, 0))
         else:
             chosen = {}
             for episode in episodes:
                 with contextlib.suppress(StaleAttemptError):
                     self.check_attempt(episode)
                     chosen[episode] = self._delivered.get(episode, 0)
-        return [_model_record(e, n) for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)]
+        return [_model_record(e, n, cuts.get(e)) for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)]
 
     async def capture_records(self) -> list[Any]:
         """``export(None)`` as ``CapturedRecord``s, in no particular order (the capture keys them by
         capture key); an episode's is made again only once its count has changed since the last."""
         out: list[Any] = []
         cache = self._capture_cache
+        cuts = self._cuts
+        for episode, cut in cuts.items():  # a cut changes every snapshot: never cached
+            entry = capture_record(_model_record(episode, self._delivered.get(episode, 0), cut))
+            assert entry is not None, f"the record of {episode} cannot be captured"
+            out.append(entry)
         for episode, calls in self._delivered.items():
-            if calls > 0:
+            if calls > 0 and episode not in cuts:
                 entry = cache.get(episode)
                 if entry is None or entry.record["delivered_calls"] != calls:
                     entry = capture_record(_model_record(episode, calls))
@@ -250,7 +334,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         attempts as they were when prepared (a copy: retire runs again after resume)."""
         retired = dict(self.retired)
 
-        def fill(episode: EpisodeId) -> Record | None:
+        def fill(episode: EpisodeId) -> Record | None:  # a cut episode is captured already
             highest = retired.get(episode.rollout_id)
             return None if highest is not None and episode.attempt <= highest else _model_record(episode, 0)
 
@@ -274,6 +358,8 @@ class PolicyModelParticipant(CheckpointParticipant):
             self.mark_retired(rec.episode_id)
             new = next_attempt(rec.episode_id)
             self._delivered[new] = rec.delivered_calls
+            if rec.cut is not None:
+                self._restored_cuts[new] = (rec.delivered_calls, rec.cut)
             installed.append(new.capture_key)
         return installed
 
@@ -294,4 +380,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         for key in [e for e in self._delivered if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
             del self._delivered[key]
             self._capture_cache.pop(key, None)
+        for key in [e for e in self._restored_cuts
+                    if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
+            del self._restored_cuts[key]
         self.notify_changed()

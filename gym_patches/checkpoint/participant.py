@@ -10,6 +10,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
+from gym_patches.checkpoint.cuts import CutSummary
 from gym_patches.checkpoint.errors import StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import ParticipantKind, PrepareReport, RestartOnlyPolicy
@@ -75,6 +76,15 @@ class CheckpointParticipant(ABC):
         """For a staged capture (``capture_records()``, taken the moment the participant is
         prepared): how to make, later, the record of an in-scope episode the capture left out,
         as things stood when prepared. None (the default): such an episode has no record."""
+        return None
+
+    async def take_cut(self) -> CutSummary | None:
+        """A prepare with ``cut`` asks this as admission closes: the model server saves the tokens of
+        its calls in flight (``gym_patches.checkpoint.cuts``). Other kinds have nothing to cut."""
+        return None
+
+    def cut_summary(self) -> CutSummary | None:
+        """What the current prepare's cut took, for its reply (None: no cut)."""
         return None
 
     async def retire(self, episodes: list[EpisodeId]) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gym_patches.checkpoint.cuts import CutSummary
 from gym_patches.checkpoint.identity import EpisodeId
 
 CHECKPOINT_ROUTE_PREFIX = "/ng-control/v1/checkpoint"
@@ -47,6 +48,9 @@ class PrepareRequest(CheckpointRequest):
     # True (a staged snapshot): on becoming prepared, serialise every exportable session in memory;
     # ``persist`` writes the commit scope's records from that copy after resume. No ``commit`` follows.
     capture: bool = False
+    # True (``target_level: prefix``): the model server also takes a generation cut of every call in
+    # flight as it closes admission (``gym_patches.checkpoint.cuts``); other kinds ignore it.
+    cut: bool = False
 
 
 class RenewRequest(CheckpointRequest):
@@ -128,6 +132,7 @@ class PrepareReply(BaseModel):
     report: PrepareReport
     captured: list[str] | None = None  # a ``capture`` prepare that is prepared: capture keys of the copy
     captured_bytes: int = 0  # about the JSON size of that in-memory copy, held until ``persist`` writes it
+    cut: CutSummary | None = None  # a model server asked for a cut: what it took
 
 
 class RenewReply(BaseModel):
@@ -160,11 +165,13 @@ class CommitReply(BaseModel):
     phase: Literal["committed"]
     manifest: ParticipantManifest
     episode_ids: list[str]  # capture keys actually exported
+    cut_tokens: dict[str, int] = Field(default_factory=dict)  # as PersistReply's
 
 
 class PersistReply(BaseModel):
     manifest: ParticipantManifest
     episode_ids: list[str]  # capture keys actually written
+    cut_tokens: dict[str, int] = Field(default_factory=dict)  # written records with a generation cut: its tokens
 
 
 class RestoreReply(BaseModel):

@@ -78,6 +78,9 @@ class GenerationConfig(_Section):
     # Requests that arrive within this window are decoded as one batch.
     batch_window_ms: float = Field(default=2.0, ge=0.0)
     max_batch_size: int = Field(default=64, ge=1)
+    # vLLM's ignore_eos for every call: decode to max_new_tokens (long generations for benchmarks and
+    # tests of generation cuts); a request's own ``ignore_eos`` also turns it on.
+    ignore_eos: bool = False
 
 
 class WarmStartConfig(_Section):

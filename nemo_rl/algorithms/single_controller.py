@@ -19,6 +19,8 @@ renewals and rollouts keep going meanwhile.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import contextlib
 import logging
 import shutil
@@ -89,6 +91,28 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
+def prefix_continuations(samples: list) -> dict[str, Any]:
+    """The step row's record of model calls that continued from a generation cut (target_level prefix):
+    how many and the tokens reused, and per call which cut (call id, token count, digest), the tokens it
+    generated in all and a digest of its first ``token_count`` (what the trainer got from the cut)."""
+    calls = []
+    for sample in samples:
+        for index, call in enumerate(sample.calls):
+            if call.prefix is None:
+                continue
+            n = call.prefix.token_count
+            calls.append({"rollout_id": sample.rollout_id, "call": index, "call_id": call.prefix.call_id,
+                          "token_count": n, "digest": call.prefix.digest, "discarded": call.prefix.discarded,
+                          "generation_tokens": len(call.generation_token_ids),
+                          "prefix_sha256": hashlib.sha256(
+                              json.dumps(call.generation_token_ids[:n]).encode()).hexdigest()})
+    if not calls:
+        return {}
+    kept = [c for c in calls if c["discarded"] is None]
+    return {"prefix_continued_calls": len(kept), "prefix_reused_tokens": sum(c["token_count"] for c in kept),
+            "prefix_discarded_calls": len(calls) - len(kept), "prefix_continuations": calls}
+
+
 class SingleController:
     def __init__(
         self,
@@ -138,6 +162,7 @@ class SingleController:
                 recovery.gym_prepare_timeout_s,
                 "best_effort" if recovery.allow_restart_only_gym_servers else "block",
                 park_grace_s=recovery.gym_park_grace_s,
+                cut=recovery.generation_cuts_enabled,
             )
             if recovery.turn_checkpointing_enabled and config.checkpointing.enabled
             else None
@@ -227,6 +252,7 @@ class SingleController:
             "groups": groups,
             "snapshots_committed": self.snapshot_counts["committed"],
             "snapshots_failed": self.snapshot_counts["failed"],
+            **prefix_continuations(samples),
             **{k: v for k, v in metrics.items() if k not in ("step",)},
         }
         if grpo.val_period and self.step % grpo.val_period == 0 and self.val_rows:

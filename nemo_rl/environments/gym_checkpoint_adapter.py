@@ -14,7 +14,7 @@ names the replica.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class GymCheckpointCommitSummary:
     checkpoint_dir: str
     exported_by_server: dict[str, list[str]]
     agent_exported: list[str]  # episodes an agent saved: these continue at turn level
+    cut_tokens: dict[str, int] = field(default_factory=dict)  # of those, the ones with a generation cut -> tokens
 
     def episodes_for(self, server: str) -> list[EpisodeId]:
         return [EpisodeId.from_capture_key(k) for k in self.exported_by_server.get(server, [])]
@@ -141,7 +142,8 @@ class GymCheckpointAdapter:
         replies = await coordination.call(self.participants, request)
         match request:
             case CommitCall() | PersistCall():
-                return self._summary(request, {name: r.episode_ids for name, r in replies.items()})
+                cuts = {k: n for r in replies.values() for k, n in r.cut_tokens.items()}
+                return self._summary(request, {name: r.episode_ids for name, r in replies.items()}, cuts)
             case RestoreCall():
                 agents = {p.name for p in self.participants.by_kind("agent")}
                 return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
@@ -154,7 +156,8 @@ class GymCheckpointAdapter:
             case _:  # renew, retire, resume: nothing to keep
                 return None
 
-    def _summary(self, request: CommitCall | PersistCall, written: dict[str, list[str]]) -> GymCheckpointCommitSummary:
+    def _summary(self, request: CommitCall | PersistCall, written: dict[str, list[str]],
+                 cuts: dict[str, int]) -> GymCheckpointCommitSummary:
         """What each server wrote, refusing a write outside the scope it was given."""
         exported: dict[str, list[str]] = {}
         for name, keys in written.items():
@@ -165,7 +168,9 @@ class GymCheckpointAdapter:
             exported[name] = sorted(keys)
         agents = {p.name for p in self.participants.by_kind("agent")}
         agent_exported = sorted({k for name in agents for k in exported.get(name, [])})
-        return GymCheckpointCommitSummary(request.checkpoint_dir, exported, agent_exported)
+        saved = set(agent_exported)
+        return GymCheckpointCommitSummary(request.checkpoint_dir, exported, agent_exported,
+                                          {k: n for k, n in sorted(cuts.items()) if k in saved})
 
 
 def _probe(status: StatusReply | BaseException) -> GymServerProbe:

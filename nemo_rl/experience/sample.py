@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gym_patches.checkpoint.cuts import PrefixContinuation
+
 
 class ModelCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -17,6 +19,9 @@ class ModelCall(BaseModel):
     generation_token_ids: list[int]
     generation_log_probs: list[float]
     weight_version: int = 0
+    # The call continued a saved generation cut (target_level prefix): its first
+    # ``prefix.token_count`` generation tokens (and logprobs) are the cut's.
+    prefix: PrefixContinuation | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> "ModelCall":

@@ -190,7 +190,9 @@ class HFPolicy:
     def sample_batch(self, prompts: list[list[int]], max_new_tokens: list[int], temperatures: list[float],
                      generator: torch.Generator | None = None,
                      top_k: list[int] | None = None,
-                     between_steps: Callable[[], None] | None = None) -> list[SampleOutput]:
+                     between_steps: Callable[[], None] | None = None,
+                     outputs: list[SampleOutput] | None = None,
+                     ignore_eos: list[bool] | None = None) -> list[SampleOutput]:
         """Decode several prompts at once (left padding, KV cache).
 
         A temperature <= 0 means greedy, scored at temperature 1. A row stops at
@@ -202,6 +204,12 @@ class HFPolicy:
         forward follows (every active row has its new token, the next forward
         has not started): the one point where the weights may change in place
         (a refit) without touching the batch's KV cache or its outputs so far.
+
+        ``outputs`` (one empty ``SampleOutput`` per prompt) are filled in place,
+        token id before logprob, so another thread may read a row's tokens so far
+        while it decodes (a generation cut): the first ``len(logprobs)`` token ids
+        are always complete. ``ignore_eos[i]`` decodes row i to its limit, as
+        vLLM's ``ignore_eos``.
         """
         from transformers import DynamicCache
 
@@ -232,7 +240,12 @@ class HFPolicy:
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=dev)[:, None]
         greedy = torch.tensor([t <= 0 for t in temperatures], device=dev)
         next_pos = torch.tensor(lens, device=dev)
-        outs = [SampleOutput([], [], "length") for _ in range(B)]
+        if outputs is None:
+            outputs = [SampleOutput([], [], "length") for _ in range(B)]
+        elif len(outputs) != B or any(o.token_ids or o.logprobs for o in outputs):
+            raise ValueError("outputs must hold one empty SampleOutput per prompt")
+        outs = outputs
+        keep_going = ignore_eos or [False] * B
         active = [lim > 0 for lim in limits]
         stops = self.stop_ids
         k_max = min(max(top_k or [0]), self.vocab_size)
@@ -252,7 +265,7 @@ class HFPolicy:
                 outs[i].logprobs.append(lp_l[i])
                 if top_k and top_k[i] > 0:
                     outs[i].top.append(list(zip(top_i[i][: top_k[i]], top_v[i][: top_k[i]])))
-                if tok_l[i] in stops:
+                if tok_l[i] in stops and not keep_going[i]:
                     outs[i].finish_reason = "stop"
                     active[i] = False
                 elif len(outs[i].token_ids) >= limits[i]:

@@ -204,15 +204,6 @@ def test_stall_under_block_fails_after_max_consecutive_failures(dirs):
     assert all(set(s["blocking_servers"]) & {"workplace_restart_only_agent", "python_sandbox"} for s in snaps)
 
 
-def test_prefix_target_fails_at_config_validation_saying_why(dirs):
-    started = time.monotonic()
-    proc = run_grpo(WORKPLACE + SCRIPTED + dirs.overrides() + ["rollout_recovery.target_level=prefix"], env=env_for())
-    assert proc.returncode == 2  # a config error: before Ray or any Gym server starts
-    assert "rollout_recovery.target_level=prefix needs generation cuts" in proc.stderr
-    assert "Gym ready" not in proc.stdout and not dirs.logs.exists()
-    print(f"\nprefix rejected in {time.monotonic() - started:.1f}s")
-
-
 def test_checkpointing_disabled_writes_no_checkpoint_and_metrics_go_where_asked(dirs):
     args = WORKPLACE + SCRIPTED + dirs.overrides() + [
         "checkpointing.enabled=false", "rollout_checkpointing.snapshot_attempt_interval_s=null",

@@ -167,20 +167,20 @@ def test_allow_restart_only_message_names_turn_only(level):
             None, [f"rollout_recovery.target_level={level}", "rollout_recovery.allow_restart_only_gym_servers=true"]
         )
     msg = str(exc.value)
-    assert "target_level is turn" in msg and "prefix" not in msg
+    assert "target_level is turn or prefix" in msg and f"(it is {level})" in msg
 
 
-def test_prefix_target_is_rejected_when_the_config_is_validated():
-    with pytest.raises(ConfigError) as exc:
-        load_config(None, ["rollout_recovery.target_level=prefix"])
-    msg = str(exc.value)
-    assert "rollout_recovery.target_level" in msg and "generation cuts" in msg and "target_level=turn" in msg
+def test_prefix_target_turns_on_gym_saves_and_generation_cuts():
+    cfg = load_config(None, ["rollout_recovery.target_level=prefix", "rollout_recovery.allow_restart_only_gym_servers=true"])
+    recovery = cfg.rollout_recovery
+    assert recovery.target_level is L.PREFIX and recovery.allow_restart_only_gym_servers
+    assert recovery.turn_checkpointing_enabled and recovery.generation_cuts_enabled
 
 
 def test_turn_checkpointing_enabled_per_level():
-    assert {lvl.value for lvl in L if lvl is not L.PREFIX and RolloutRecoveryConfig(target_level=lvl).turn_checkpointing_enabled} == {
-        "turn",
-    }
+    on = {lvl.value for lvl in L if RolloutRecoveryConfig(target_level=lvl).turn_checkpointing_enabled}
+    cuts = {lvl.value for lvl in L if RolloutRecoveryConfig(target_level=lvl).generation_cuts_enabled}
+    assert on == {"prefix", "turn"} and cuts == {"prefix"}
 
 
 def test_overrides_may_only_be_coarser():

@@ -12,8 +12,9 @@ from gym_patches.checkpoint.wire import CommitRequest, ParticipantManifest, Prep
 
 
 async def export_and_write(job: Job, participant: CheckpointParticipant, instance: str,
-                           req: CommitRequest) -> tuple[ParticipantManifest, list[str]]:
-    """Export the scope and write it (in a thread the job owns); the manifest and the keys."""
+                           req: CommitRequest) -> tuple[ParticipantManifest, list[str], dict[str, int]]:
+    """Export the scope and write it (in a thread the job owns); the manifest, the keys and the
+    generation cuts written (capture key -> tokens)."""
     scope = None if req.episode_ids is None else list(req.episode_ids)
     records = await participant.export(scope)
     keys = exported_keys(instance, records, None if scope is None else {e.capture_key for e in scope})
@@ -24,7 +25,19 @@ async def export_and_write(job: Job, participant: CheckpointParticipant, instanc
         )
     except WriteStopped:
         raise CheckpointError(f"commit for {req.checkpoint_id!r} was aborted", code="stale_checkpoint") from None
-    return manifest, keys
+    return manifest, keys, cut_tokens_of(records)
+
+
+def cut_tokens_of(records: list[Record]) -> dict[str, int]:
+    """capture key -> tokens of each record that carries a generation cut (``cut_tokens`` > 0)."""
+    out: dict[str, int] = {}
+    for record in records:
+        tokens = record.get("cut_tokens") if type(record) is dict else None
+        if type(tokens) is int and tokens > 0:
+            key = record_key(record)
+            if key is not None:
+                out[key] = tokens
+    return out
 
 
 def refuse_unready(instance: str, report: PrepareReport, scope: tuple[str, ...] | None) -> None:

@@ -96,7 +96,7 @@ class ParticipantControlPlane:
         self._scope: TaskScope | None = None  # the active checkpoint's jobs, from prepare (or restore) to reopen
         self._captures = NewestCapture()  # of the last ``capture`` prepare; owns its persist write
         self._closed = False  # admission closed by us, not yet reopened
-        self._prepare_args: tuple[str, bool] | None = None  # (restart_only_policy, capture) of the running prepare
+        self._prepare_args: tuple[str, bool, bool] | None = None  # (restart_only_policy, capture) of the running prepare
         self._collector = CollectorHold()  # held while prepared: no full collection inside the pause
 
     # -- public state ------------------------------------------------------
@@ -157,7 +157,7 @@ class ParticipantControlPlane:
 
     # -- operations ----------------------------------------------------------
     async def _prepare(self, req: PrepareRequest) -> dict[str, Any]:
-        cid, args = req.checkpoint_id, (req.restart_only_policy, req.capture)
+        cid, args = req.checkpoint_id, (req.restart_only_policy, req.capture, req.cut)
         async with self._lock:
             stored = self._replay(cid, "prepare", args)
             if stored is not None:
@@ -167,11 +167,13 @@ class ParticipantControlPlane:
                 assert self._prepare_args is not None
                 raise CheckpointError(
                     f"prepare for {cid!r} is running with restart_only_policy {self._prepare_args[0]!r}, "
-                    f"capture {self._prepare_args[1]}",
+                    f"capture {self._prepare_args[1]}, cut {self._prepare_args[2]}",
                     code="checkpoint_conflict",
                 )
             if self.phase == "idle":
                 await self._close_admission(cid, req.restart_only_policy, args)
+                if req.cut:  # as admission closes: never fails, never blocks past its own timeout
+                    await self.participant.take_cut()
             self._lease.extend(req.deadline_ts)
         await self._wait_ready(cid, req.deadline_ts)  # outside the lock: a resume may interleave
         async with self._lock:
@@ -197,11 +199,12 @@ class ParticipantControlPlane:
                 phase="prepared", report=report,
                 captured=None if captured is None else captured.keys,
                 captured_bytes=0 if captured is None else captured.nbytes,
+                cut=self.participant.cut_summary() if req.cut else None,
             ))
             self._phases.remember(cid, "prepare", args, reply)
             return reply
 
-    async def _close_admission(self, cid: str, policy: RestartOnlyPolicy, args: tuple[str, bool]) -> None:
+    async def _close_admission(self, cid: str, policy: RestartOnlyPolicy, args: tuple[str, bool, bool]) -> None:
         """Idle -> preparing: open the checkpoint's scope and close admission (undone if that fails)."""
         self.participant.policy = policy
         self._phases.move("close", cid)
@@ -270,11 +273,11 @@ class ParticipantControlPlane:
 
     async def _run_commit(self, job: Job[dict[str, Any]], req: CommitRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
-        manifest, keys = await export_and_write(job, self.participant, self.instance, req)
+        manifest, keys, cut_tokens = await export_and_write(job, self.participant, self.instance, req)
         async with self._lock:
             if job.stop.is_set() or not self._phases.is_at(cid, "prepared"):
                 raise _aborted("commit", cid)
-            reply = dump(CommitReply(phase="committed", manifest=manifest, episode_ids=keys))
+            reply = dump(CommitReply(phase="committed", manifest=manifest, episode_ids=keys, cut_tokens=cut_tokens))
             self._phases.move("commit", cid)
             self._phases.remember(cid, "commit", job.args, reply)
         return reply

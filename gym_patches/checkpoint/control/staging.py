@@ -54,20 +54,22 @@ class StagedCapture:
         async def write(job: Job[dict[str, Any]]) -> dict[str, Any]:
             # no lock: it changes only this capture (freed once written), which nothing else writes
             try:
-                keys, manifest = await job.in_thread(self._write, checkpoint_dir, kind, instance, scope,
-                                                     job.stop.is_set)
+                keys, manifest, cut_tokens = await job.in_thread(self._write, checkpoint_dir, kind, instance,
+                                                                 scope, job.stop.is_set)
             except WriteStopped:
                 raise CheckpointError(f"persist for {self.checkpoint_id!r} was aborted",
                                       code="stale_checkpoint") from None
-            return dump(PersistReply(manifest=manifest, episode_ids=keys))
+            return dump(PersistReply(manifest=manifest, episode_ids=keys, cut_tokens=cut_tokens))
 
         return self.tasks.spawn("persist", f"persist for {self.checkpoint_id!r}", args, write)
 
-    def select(self, scope: tuple[str, ...]) -> tuple[list[str], EncodedRecords]:
-        """The scope's records as JSONL lines (in key order), and the keys that have any."""
+    def select(self, scope: tuple[str, ...]) -> tuple[list[str], EncodedRecords, dict[str, int]]:
+        """The scope's records as JSONL lines (in key order), the keys that have any, and the
+        generation cuts among them (capture key -> tokens)."""
         assert self._entries is not None, f"the capture of {self.checkpoint_id!r} was already written"
         keys: list[str] = []
         lines: list[bytes] = []
+        cut_tokens: dict[str, int] = {}
         for key in scope:
             found = self._entries.get(key)
             if found is None and self._fill is not None:
@@ -80,20 +82,23 @@ class StagedCapture:
                 if type(entry) is bytes:
                     lines.append(entry)
                     continue
+                tokens = entry.get("cut_tokens")
+                if type(tokens) is int and tokens > 0:
+                    cut_tokens[key] = tokens
                 try:
                     lines.append(encode_record(entry))
                 except RecordEncodeError as exc:
                     raise CheckpointStoreError(f"the record of {key} is not JSON-serialisable: {exc}") from None
-        return keys, EncodedRecords(lines)
+        return keys, EncodedRecords(lines), cut_tokens
 
     def _write(self, checkpoint_dir: str, kind: str, instance: str, scope: tuple[str, ...],
-               should_stop: Callable[[], bool]) -> tuple[list[str], ParticipantManifest]:
+               should_stop: Callable[[], bool]) -> tuple[list[str], ParticipantManifest, dict[str, int]]:
         """Select and write the scope (blocking: runs in the job's thread), then free the copy."""
-        keys, encoded = self.select(scope)
+        keys, encoded, cut_tokens = self.select(scope)
         manifest = write_participant_state(checkpoint_dir, kind, instance, self.checkpoint_id, encoded,
                                            should_stop=should_stop)
         self._entries = None  # written: retries get the stored reply
-        return keys, manifest
+        return keys, manifest, cut_tokens
 
 
 class NewestCapture:

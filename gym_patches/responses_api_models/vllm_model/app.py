@@ -30,12 +30,14 @@ import asyncio
 import json
 import logging
 import re
+import uuid
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from pydantic import Field, ValidationError
 
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CUT_ROUTE, PREFIX_FIELD, CutReply, CutRequest, GenerationCut
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.model import ModelTicket, PolicyModelParticipant
@@ -159,6 +161,7 @@ class VLLMModelServer(GymServer):
         super().__init__(instance, global_config)
         # The gate always runs; with checkpointing off nobody ever closes it.
         self.gate = PolicyModelParticipant()
+        self.gate.cut_source = self._cut_backend
         self._session: aiohttp.ClientSession | None = None
 
     def make_participant(self) -> PolicyModelParticipant:
@@ -234,9 +237,15 @@ class VLLMModelServer(GymServer):
     async def _generate(self, ticket: ModelTicket, chat_body: dict[str, Any], request: ResponsesRequest) -> web.Response:
         """The reply to write: the mapped completion, the backend's 4xx, or a 502
         naming the backend. Errors are held like replies, so no agent moves on
-        while prepared."""
+        while prepared. A tracked call is named to the backend (``X-NG-Call-Id``) so a
+        snapshot can cut it; a restored episode's call carries its saved cut, once."""
+        if ticket.episode is not None:
+            ticket.call_id = f"{ticket.episode.capture_key}.{uuid.uuid4().hex[:12]}"
+            cut = self.gate.take_restored_cut(ticket.episode)
+            if cut is not None:
+                chat_body = {**chat_body, PREFIX_FIELD: cut.model_dump()}
         try:
-            reply = await self.gate.run(ticket, self._post_backend(chat_body))
+            reply = await self.gate.run(ticket, self._post_backend(chat_body, ticket.call_id))
             out = chat_to_responses(
                 reply,
                 model=self.global_config.policy_model_name,
@@ -254,10 +263,33 @@ class VLLMModelServer(GymServer):
             )
         return web.json_response(out)
 
-    async def _post_backend(self, chat_body: dict[str, Any]) -> Any:
+    async def _cut_backend(self, call_ids: list[str]) -> dict[str, GenerationCut]:
+        """The backend's generation cut of ``call_ids`` (those it no longer decodes are left out).
+        Raises if it has no cut route (404) or fails; the participant reports that, never blocks."""
+        base = self.global_config.policy_base_url
+        if base is None or self._session is None:
+            raise BackendError("no policy backend is configured")
+        url = f"{base.rstrip('/')}{CUT_ROUTE}"
+        headers = {"Authorization": f"Bearer {self.global_config.policy_api_key}", "Content-Type": "application/json"}
+        async with self._session.post(url, data=CutRequest(call_ids=call_ids).model_dump_json(),
+                                      headers=headers) as resp:
+            raw = await resp.read()
+            if resp.status == 404:
+                raise BackendError(f"policy backend {url} does not support generation cuts (404)")
+            if resp.status != 200:
+                raise BackendError(f"policy backend {url} returned {resp.status} to a cut: "
+                                   f"{raw[:MAX_ERROR_BODY_CHARS].decode(errors='replace')}")
+        try:
+            return CutReply.model_validate_json(raw).cuts
+        except ValidationError as exc:
+            raise BackendError(f"policy backend {url} sent an unusable cut: {exc.errors()[0]['msg']}") from None
+
+    async def _post_backend(self, chat_body: dict[str, Any], call_id: str | None = None) -> Any:
         url = self.backend_url
         assert url is not None and self._session is not None
         headers = {"Authorization": f"Bearer {self.global_config.policy_api_key}"}
+        if call_id is not None:
+            headers[CALL_ID_HEADER] = call_id
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         try:
             async with self._session.post(url, json=chat_body, headers=headers, timeout=timeout) as resp:

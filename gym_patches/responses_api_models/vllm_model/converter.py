@@ -22,6 +22,9 @@ import time
 import uuid
 from typing import Any
 
+from pydantic import ValidationError
+
+from gym_patches.checkpoint.cuts import PrefixContinuation
 from gym_patches.wire_models import (
     InputTokensDetails,
     Item,
@@ -32,7 +35,8 @@ from gym_patches.wire_models import (
 )
 
 # Backend extensions passed through to the last output item, for training.
-TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_version")
+TOKEN_FIELDS: tuple[str, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_version",
+                                  "prefix_continuation")
 MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 # Request fields forwarded unchanged when present (others are Responses-only and dropped).
@@ -365,6 +369,11 @@ def _token_info(*sources: dict[str, Any]) -> dict[str, Any]:
         if key == "weight_version":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise BackendReplyError(f"{key} must be an integer, got {value!r}")
+        elif key == "prefix_continuation":  # the call continued a saved generation cut (or discarded it)
+            try:
+                value = PrefixContinuation.model_validate(value).model_dump()
+            except ValidationError as exc:
+                raise BackendReplyError(f"{key} is invalid: {exc.errors()[0]['msg']}") from None
         elif key == "generation_log_probs":
             if not isinstance(value, list) or not all(_is_number(v) for v in value):
                 raise BackendReplyError(f"{key} must be a list of finite numbers")

@@ -269,16 +269,6 @@ class RolloutRecoveryConfig(_Section):
                 )
         return data
 
-    @field_validator("target_level")
-    @classmethod
-    def _implemented(cls, level: RecoveryTargetLevel) -> RecoveryTargetLevel:
-        if level is RecoveryTargetLevel.PREFIX:
-            raise ValueError(
-                "rollout_recovery.target_level=prefix needs generation cuts (continuing a model call from its "
-                "decoded tokens), which this project does not implement yet; use target_level=turn"
-            )
-        return level
-
     @field_validator("task_source_target_level_overrides", "agent_target_level_overrides")
     @classmethod
     def _coarser_only(cls, overrides: dict, info: ValidationInfo) -> dict:
@@ -301,7 +291,7 @@ class RolloutRecoveryConfig(_Section):
         if allow and base is not None and not base.requires_gym_checkpoint:
             raise ValueError(
                 "rollout_recovery.allow_restart_only_gym_servers=true only applies when "
-                f"rollout_recovery.target_level is turn (it is {base.value}); "
+                f"rollout_recovery.target_level is turn or prefix (it is {base.value}); "
                 "remove the setting or set rollout_recovery.target_level=turn"
             )
         return allow
@@ -309,6 +299,11 @@ class RolloutRecoveryConfig(_Section):
     @property
     def turn_checkpointing_enabled(self) -> bool:
         return self.target_level.requires_gym_checkpoint
+
+    @property
+    def generation_cuts_enabled(self) -> bool:
+        """``prefix``: every snapshot also cuts the model calls in flight (gym_patches.checkpoint.cuts)."""
+        return self.target_level is RecoveryTargetLevel.PREFIX
 
     def resolve_for(self, task_source: str | None, agent_name: str | None) -> RecoveryTargetLevel:
         """The level a prompt gets: agent override, then task-source override, then default."""

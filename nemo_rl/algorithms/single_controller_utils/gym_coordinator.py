@@ -167,8 +167,9 @@ def _straggler_reason(iid: str, grace_s: float, probes: dict[str, GymServerProbe
 
 class GymCheckpointCoordinator:
     def __init__(self, shard_set: NemoGymShardSet, prepare_timeout_s: float, restart_only_policy: RestartOnlyPolicy,
-                 park_grace_s: float = 1.5):
+                 park_grace_s: float = 1.5, cut: bool = False):
         self.shard_set = shard_set
+        self.cut = cut  # target_level prefix: every prepare also takes a generation cut of the model calls
         self.prepare_timeout_s = prepare_timeout_s
         self.policy = restart_only_policy
         self.park_grace_s = park_grace_s
@@ -284,7 +285,7 @@ class GymCheckpointCoordinator:
         """Prepare ``asked`` at once; probe the servers of replicas that take long; move replicas
         that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``)."""
         request = PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, restart_only_policy=self.policy,
-                              capture=capture)
+                              capture=capture, cut=self.cut)
         overrides = self.shard_set.prepare_policy_overrides
         refs = {
             iid: self._send(iid, request.replace(policy_overrides=overrides[iid]) if overrides.get(iid) else request)

@@ -10,9 +10,12 @@ and its ``parameters``, when given, must be a JSON object (``check_tools``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CALL_ID_PATTERN, GenerationCut
 
 
 MAX_TOP_LOGPROBS = 20
@@ -34,6 +37,8 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode to the token limit
+    ng_prefix: GenerationCut | None = None  # a saved generation cut to continue (gym_patches.checkpoint.cuts)
 
     @field_validator("top_p")
     @classmethod
@@ -85,3 +90,10 @@ def check_tools(tools: list[Any] | None) -> str | None:
 
 def error_body(message: str, param: str | None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+def check_call_id(value: str | None) -> str | None:
+    """Why an ``X-NG-Call-Id`` header value is unusable, naming the header, else None."""
+    if value is not None and not re.match(CALL_ID_PATTERN, value):
+        return f"{CALL_ID_HEADER}: {value[:80]!r} is not a call id (letters, digits and ._:- up to 160)"
+    return None

@@ -14,6 +14,19 @@ private loopback port, and serves a thin front on the run's policy port:
   ``generation_token_ids``, ``generation_log_probs`` (vLLM's logprob of each
   sampled token, after temperature: ``--logprobs-mode processed_logprobs``)
   and ``weight_version``.
+* ``POST /v1/ng-cuts``: generation cuts (``gym_patches.checkpoint.cuts``). A
+  chat request named by ``X-NG-Call-Id`` (or carrying ``ng_prefix``) is sent to
+  vLLM with ``stream: true``: the front accumulates each chunk's ``token_ids``
+  and logprobs as vLLM samples them, so a cut reads the tokens so far without
+  touching the request in vLLM, and the reply is assembled from the chunks in
+  the shape above (text decoded from the token ids, tool calls parsed from it by
+  the hermes parser the torch worker uses, ``nemo_rl.models.chat.parse_reply``:
+  vLLM's streamed tool-call deltas are not the whole text). A request sent with
+  ``ng_prefix`` has its prompt rendered by vLLM's ``/tokenize`` (the chat
+  route's renderer); when its digest is the cut's, decoding continues after the
+  prefix on ``/v1/completions`` with the token ids as the prompt (streamed too,
+  so a continued call can be cut again), else the cut is discarded. Requests
+  without either stay on the plain, non-streaming path.
 * ``GET /v1/models``, ``GET /health``.
 
 Refit (``refit(weights, version)``) with requests in flight: the trainer's
@@ -40,6 +53,7 @@ logprobs against the trainer's recomputed ones, on-policy replies only).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import io
 import json
@@ -51,16 +65,28 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 from aiohttp import ClientSession, ClientTimeout, web
+from pydantic import ValidationError
 
+from gym_patches.checkpoint.cuts import (
+    CALL_ID_HEADER,
+    PREFIX_FIELD,
+    CutReply,
+    CutRequest,
+    GenerationCut,
+    PrefixContinuation,
+    prompt_digest,
+)
 from nemo_rl.algorithms.grpo_config import PolicyConfig
-from nemo_rl.models.chat import template_messages, template_tools
+from nemo_rl.models.chat import parse_reply, template_messages, template_tools
 from nemo_rl.models.generation.http_front import serve_openai_routes
-from nemo_rl.models.generation.protocol import error_body
+from nemo_rl.models.generation.protocol import check_call_id, error_body
 
 EXTENSION_CLS = "nemo_rl.models.generation.vllm_extension.VllmRefitExtension"
 
@@ -123,6 +149,74 @@ def _versioned_salt(salt: Any, version: int) -> str:
     return f"{salt}.{tag}" if isinstance(salt, str) and salt else tag
 
 
+# Sampling settings a continuation passes on from the chat request to ``/v1/completions``.
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")
+# Chat-template settings ``/tokenize`` must get to render the prompt as the chat route does.
+_TEMPLATE_KEYS = ("tools", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+                  "chat_template_kwargs", "mm_processor_kwargs")
+
+
+@dataclass
+class _LiveCall:
+    """A call named by ``X-NG-Call-Id``, from arrival to reply: what a cut of it reads.
+
+    ``ids``/``lps`` are the tokens vLLM has streamed for it so far (after ``prefix_*``, a continued cut's
+    tokens); the stream appends to them in place, on the event loop, so a cut sees whole chunks.
+    """
+
+    prompt_sha: str | None = None  # known once vLLM (or /tokenize) has given the prompt's ids
+    prefix_ids: list[int] = field(default_factory=list)
+    prefix_lps: list[float] = field(default_factory=list)
+    prefix_version: int | None = None
+    ids: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    version: int | None = None  # the weights serving when the request was sent to vLLM
+
+    def cut(self, call_id: str) -> GenerationCut | None:
+        """The tokens so far (prefix + streamed), or None if there are none yet."""
+        if self.prompt_sha is None:
+            return None
+        ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
+        n = min(len(self.ids), len(self.lps))
+        if n and self.version is not None:
+            ids, lps = ids + self.ids[:n], lps + self.lps[:n]
+            version = self.version if version is None else min(version, self.version)
+        if not ids or version is None:
+            return None
+        return GenerationCut.build(call_id, self.prompt_sha, ids, lps, version)
+
+
+@dataclass
+class _Streamed:
+    """What one streamed vLLM request gave: its tokens (with chat-style logprob entries) and how it ended."""
+
+    ids: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    entries: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    head: dict = field(default_factory=dict)  # the first chunk's id and created
+
+
+def _logprob_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": max(float(logprob), -9999.0), "bytes": list(token.encode("utf-8"))}
+
+
+def _completion_entries(logprobs: dict, top_k: int) -> list[dict]:
+    """``/v1/completions`` logprobs (parallel lists) as chat-completions ``logprobs.content`` entries."""
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or [None] * len(tokens)
+    out = []
+    for token, lp, top in zip(tokens, values, tops):
+        best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:top_k] if top_k else []
+        out.append({**_logprob_entry(token, -9999.0 if lp is None else lp),
+                    "top_logprobs": [_logprob_entry(t, v) for t, v in best]})
+    return out
+
+
 class VllmGenerationServer:
     """Plain-Python implementation; ``VllmGenerationWorker`` is its Ray actor form.
 
@@ -166,8 +260,13 @@ class VllmGenerationServer:
         self._inflight = 0
         self._refit_lock = asyncio.Lock()
         self.created = int(time.time())
+        # Calls named by X-NG-Call-Id, from arrival to reply: what a generation cut reads.
+        self._live: dict[str, _LiveCall] = {}
+        self._tokenizer: Any = None  # loaded when a tracked call first needs it (decoding, stop tokens)
+        self._stop_ids: frozenset[int] = frozenset()
         self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "refits_in_flight": 0, "load_s": None,
-                                      "refit_s": []}
+                                      "refit_s": [], "cuts": 0, "cut_tokens": 0, "continued": 0,
+                                      "continued_tokens": 0, "discarded": 0}
 
     # ----- lifecycle -----------------------------------------------------
     def _vllm_command(self, port: int) -> list[str]:
@@ -233,7 +332,8 @@ class VllmGenerationServer:
             await asyncio.sleep(0.5)
         self.stats["load_s"] = round(time.monotonic() - t0, 2)
         self._runner, self.base_url = await serve_openai_routes(
-            host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health)
+            host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
+            cuts=self._handle_cuts)
         return self.base_url
 
     def server_log_tail(self, n: int = 4000) -> str:
@@ -353,36 +453,271 @@ class VllmGenerationServer:
         out["logprobs"] = True
         out["return_token_ids"] = True
         out["skip_special_tokens"] = False
+        if gen.ignore_eos or body.get("ignore_eos"):
+            out["ignore_eos"] = True
         if body.get("n") not in (None, 1):
             raise ValueError("n: only n=1 is supported (Gym asks for one choice per call)")
         return out
 
+    @contextlib.asynccontextmanager
+    async def _sending(self) -> AsyncIterator[int]:
+        """Past the refit gate and counted in flight while vLLM has the request; yields the version serving."""
+        while not self._gate.is_set():
+            await self._gate.wait()
+        self._inflight += 1
+        try:
+            yield self._version
+        finally:
+            self._inflight -= 1
+
     async def _handle_chat(self, request: web.Request) -> web.Response:
+        call_id = request.headers.get(CALL_ID_HEADER)
+        bad_id = check_call_id(call_id)
+        if bad_id is not None:
+            return web.json_response(error_body(bad_id, CALL_ID_HEADER), status=400)
         try:
             body = await request.json()
         except Exception:  # noqa: BLE001
             return web.json_response(error_body("request body is not valid JSON", "body"), status=400)
         if not isinstance(body, dict):
             return web.json_response(error_body("request body must be a JSON object", "body"), status=400)
+        cut = None
+        raw_cut = body.pop(PREFIX_FIELD, None)
+        if raw_cut is not None:
+            try:
+                cut = GenerationCut.model_validate(raw_cut)
+            except ValidationError as e:
+                err = e.errors()[0]
+                loc = ".".join([PREFIX_FIELD, *(str(x) for x in err["loc"])])
+                return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
         try:
             vbody = self._vllm_body(body)
         except ValueError as e:
             msg = str(e)
             return web.json_response(error_body(msg, msg.split(":")[0]), status=400)
         self.stats["requests"] += 1
-        while not self._gate.is_set():
-            await self._gate.wait()
-        self._inflight += 1
+        if call_id is None and cut is None:  # nothing can cut it or continue it: vLLM's plain reply
+            async with self._sending() as version:
+                vbody["cache_salt"] = _versioned_salt(body.get("cache_salt"), version)
+                async with self._session.post(self._vllm_url + "/v1/chat/completions", json=vbody) as r:
+                    status, reply = r.status, await r.json(content_type=None)
+            if status != 200:
+                return web.json_response(reply, status=status)
+            return web.json_response(self._with_token_fields(reply, version, bool(body.get("logprobs"))))
+        live = None if call_id is None else _LiveCall()
+        if live is not None:
+            self._live[call_id] = live
         try:
-            version = self._version
-            vbody["cache_salt"] = _versioned_salt(body.get("cache_salt"), version)
-            async with self._session.post(self._vllm_url + "/v1/chat/completions", json=vbody) as r:
-                status, reply = r.status, await r.json(content_type=None)
+            status, reply = await self._tracked_chat(body, vbody, cut, live)
         finally:
-            self._inflight -= 1
-        if status != 200:
-            return web.json_response(reply, status=status)
-        return web.json_response(self._with_token_fields(reply, version, bool(body.get("logprobs"))))
+            if call_id is not None and self._live.get(call_id) is live:
+                del self._live[call_id]
+        return web.json_response(reply, status=status)
+
+    async def _handle_cuts(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts``: the tokens so far of each named call still in flight (read, not stopped)."""
+        try:
+            req = CutRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "body"
+            return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
+        cuts: dict[str, GenerationCut] = {}
+        for call_id in req.call_ids:
+            live = self._live.get(call_id)
+            cut = None if live is None else live.cut(call_id)
+            if cut is not None:
+                cuts[call_id] = cut
+        self.stats["cuts"] += len(cuts)
+        self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
+        return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")
+
+    # ----- tracked calls: streamed, so a cut can read them ------------------
+    def _load_tokenizer(self) -> None:
+        from transformers import AutoConfig, GenerationConfig
+
+        from nemo_rl.models.policy import load_tokenizer
+
+        tok = load_tokenizer(str(self._dir))
+        # vLLM's stop tokens: the tokenizer's EOS and the model's generation-config EOS ids (vLLM 0.32 reads
+        # the model's generation config for them with --generation-config vllm too).
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(str(self._dir))
+        except OSError:
+            gen_cfg = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(self._dir)))
+        stops = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+        eos = gen_cfg.eos_token_id
+        stops.update([int(eos)] if isinstance(eos, int) else [int(e) for e in eos or []])
+        self._tokenizer, self._stop_ids = tok, frozenset(stops)
+
+    async def _ensure_tokenizer(self) -> None:
+        if self._tokenizer is None:
+            await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+
+    async def _tracked_chat(self, body: dict, vbody: dict, cut: GenerationCut | None,
+                            live: _LiveCall | None) -> tuple[int, dict]:
+        """A call a cut can read (``live``), decoded from its start or after ``cut``'s prefix when the prefix
+        is intact and was cut after exactly this prompt (else the cut is discarded and the call starts over)."""
+        await self._ensure_tokenizer()
+        prefix: tuple[list[int], list[float]] | None = None
+        reason = None
+        prompt_ids: list[int] = []
+        max_model_len = 0
+        if cut is not None:
+            try:
+                prefix = cut.unpack()
+            except ValueError:
+                reason = "corrupt"
+            else:
+                tbody = {"model": self.model_name, "messages": vbody["messages"]}
+                tbody.update({k: vbody[k] for k in _TEMPLATE_KEYS if vbody.get(k) is not None})
+                async with self._session.post(self._vllm_url + "/tokenize", json=tbody) as r:
+                    status, rendered = r.status, await r.json(content_type=None)
+                if status != 200:
+                    return status, rendered
+                prompt_ids, max_model_len = list(rendered["tokens"]), int(rendered["max_model_len"])
+                if prompt_digest(prompt_ids) != cut.prompt_digest:
+                    prefix, reason = None, "prompt_mismatch"
+        if prefix is None:
+            async with self._sending() as version:
+                # include_reasoning: with a tool parser, vLLM leaves token ids and logprobs out of the chunks
+                # of a request that hides reasoning
+                sbody = {**vbody, "stream": True, "stream_options": {"include_usage": True},
+                         "include_reasoning": True, "cache_salt": _versioned_salt(body.get("cache_salt"), version)}
+                if live is not None:
+                    live.version = version
+                status, out = await self._stream("/v1/chat/completions", sbody, live, top_k=0)
+            if status != 200:
+                return status, out
+            reply = self._chat_reply(body, out.head, out.prompt_ids or [], out.ids, out.lps, out.entries,
+                                     out.finish_reason, out.stop_reason, version)
+            if cut is not None:
+                self.stats["discarded"] += 1
+                reply["prefix_continuation"] = PrefixContinuation(
+                    call_id=cut.call_id, token_count=0, digest=cut.digest, discarded=reason).model_dump()
+            return 200, reply
+        ids, lps = prefix
+        if live is not None:
+            live.prompt_sha = cut.prompt_digest
+            live.prefix_ids, live.prefix_lps, live.prefix_version = ids, lps, cut.weight_version
+        max_new = vbody.get("max_completion_tokens") or vbody["max_tokens"]
+        budget = min(max_new, max_model_len - len(prompt_ids)) - len(ids)
+        ignore_eos = bool(vbody.get("ignore_eos"))
+        ended = ids[-1] in self._stop_ids and not ignore_eos
+        version = cut.weight_version
+        if ended or budget <= 0:  # the cut already holds the whole reply: nothing to decode
+            out = _Streamed(finish_reason="stop" if ended else "length")
+        else:
+            top_k = int(vbody.get("top_logprobs") or 0) if vbody.get("logprobs") else 0
+            async with self._sending() as sent_at:
+                cbody = {"model": self.model_name, "prompt": prompt_ids + ids, "max_tokens": budget,
+                         "logprobs": top_k, "return_token_ids": True, "skip_special_tokens": False,
+                         "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
+                         "cache_salt": _versioned_salt(body.get("cache_salt"), sent_at)}
+                cbody.update({k: vbody[k] for k in _SAMPLING_KEYS if vbody.get(k) is not None})
+                if live is not None:
+                    live.version = sent_at
+                status, out = await self._stream("/v1/completions", cbody, live, top_k=top_k)
+            if status != 200:
+                return status, out
+            version = min(version, sent_at)
+        self.stats["continued"] += 1
+        self.stats["continued_tokens"] += len(ids)
+        tok = self._tokenizer
+        prefix_entries = [{**_logprob_entry(tok.decode([t], skip_special_tokens=False), lp), "top_logprobs": []}
+                          for t, lp in zip(ids, lps)]
+        reply = self._chat_reply(body, {}, prompt_ids, ids + out.ids, lps + out.lps,
+                                 prefix_entries + out.entries, out.finish_reason, out.stop_reason, version)
+        reply["prefix_continuation"] = PrefixContinuation(
+            call_id=cut.call_id, token_count=len(ids), digest=cut.digest).model_dump()
+        return 200, reply
+
+    async def _stream(self, route: str, vbody: dict, live: _LiveCall | None,
+                      top_k: int) -> tuple[int, Any]:
+        """POST a streaming request to vLLM and gather its chunks: ``(200, _Streamed)``, or vLLM's error
+        ``(status, body)``. The tokens land in ``live``'s lists as each chunk arrives (a cut reads them)."""
+        out = _Streamed()
+        if live is not None:
+            out.ids, out.lps = live.ids, live.lps
+        chat = route.endswith("/chat/completions")
+        async with self._session.post(self._vllm_url + route, json=vbody) as r:
+            if r.status != 200:
+                return r.status, await r.json(content_type=None)
+            buf = b""
+            async for data in r.content.iter_any():
+                buf += data
+                while (end := buf.find(b"\n\n")) >= 0:
+                    event, buf = buf[:end], buf[end + 2:]
+                    for line in event.split(b"\n"):
+                        payload = line[5:].strip() if line.startswith(b"data:") else b""
+                        if not payload or payload == b"[DONE]":
+                            continue
+                        chunk = json.loads(payload)
+                        if "error" in chunk:  # vLLM failed mid-stream
+                            err = chunk["error"]
+                            code = err.get("code") if isinstance(err, dict) else None
+                            return (code if isinstance(code, int) and 400 <= code < 600 else 500), chunk
+                        self._take_chunk(out, chunk, live, chat, top_k)
+        return 200, out
+
+    @staticmethod
+    def _take_chunk(out: _Streamed, chunk: dict, live: _LiveCall | None, chat: bool, top_k: int) -> None:
+        """One streamed chunk into ``out`` (and so into ``live``): the prompt's ids first, then the tokens."""
+        choices = chunk.get("choices") or []
+        if not out.head:
+            out.head = {"id": chunk.get("id"), "created": chunk.get("created")}
+        if out.prompt_ids is None:  # chat: on the first chunk; completions: on its first choice
+            prompt = chunk.get("prompt_token_ids")
+            for choice in choices:
+                prompt = prompt if prompt is not None else choice.get("prompt_token_ids")
+            if prompt is not None:
+                out.prompt_ids = list(prompt)
+                if live is not None and live.prompt_sha is None:
+                    live.prompt_sha = prompt_digest(out.prompt_ids)
+        for choice in choices:
+            ids = list(choice.get("token_ids") or [])
+            logprobs = choice.get("logprobs") or {}
+            entries = (logprobs.get("content") or []) if chat else _completion_entries(logprobs, top_k)
+            if len(entries) != len(ids):
+                raise RuntimeError(f"vLLM streamed {len(ids)} token ids but {len(entries)} logprobs in a chunk")
+            out.entries.extend(entries)
+            out.lps.extend(max(float(e["logprob"]), -9999.0) for e in entries)
+            out.ids.extend(ids)
+            if choice.get("finish_reason") is not None:
+                out.finish_reason, out.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+
+    def _chat_reply(self, body: dict, head: dict, prompt_ids: list[int], gen: list[int], lps: list[float],
+                    entries: list[dict], finish: str | None, stop_reason: Any, version: int) -> dict:
+        """A chat.completion in the shape of vLLM's own (plus the token fields), from streamed tokens."""
+        text_ids = gen[:-1] if finish == "stop" and gen and gen[-1] in self._stop_ids else gen
+        text = self._tokenizer.decode(text_ids, skip_special_tokens=False)
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        content, tool_calls = parse_reply(text, tools)
+        finish = finish or "stop"
+        if tool_calls and finish == "stop":
+            finish = "tool_calls"
+        elif not tool_calls and finish == "tool_calls":
+            finish = "stop"
+        return {
+            "id": head.get("id") or "chatcmpl-" + uuid.uuid4().hex,
+            "object": "chat.completion",
+            "created": head.get("created") or int(time.time()),
+            "model": self.model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "tool_calls": tool_calls},
+                "logprobs": {"content": entries} if body.get("logprobs") else None,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "token_ids": list(gen),
+            }],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen),
+                      "total_tokens": len(prompt_ids) + len(gen)},
+            "prompt_token_ids": list(prompt_ids),
+            "generation_token_ids": list(gen),
+            "generation_log_probs": list(lps),
+            "weight_version": version,
+        }
 
     def _with_token_fields(self, reply: dict, version: int, wanted_logprobs: bool) -> dict:
         choice = reply["choices"][0]

@@ -42,11 +42,24 @@ import torch
 from aiohttp import web
 from pydantic import ValidationError
 
+from gym_patches.checkpoint.cuts import (
+    CALL_ID_HEADER,
+    CutReply,
+    CutRequest,
+    GenerationCut,
+    PrefixContinuation,
+    prompt_digest,
+)
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, render_prompt
 from nemo_rl.models.generation.http_front import serve_openai_routes
-from nemo_rl.models.generation.protocol import ChatCompletionRequest, check_tools, error_body
-from nemo_rl.models.policy import HFPolicy, load_tokenizer, resolve_device, resolve_dtype
+from nemo_rl.models.generation.protocol import (
+    ChatCompletionRequest,
+    check_call_id,
+    check_tools,
+    error_body,
+)
+from nemo_rl.models.policy import HFPolicy, SampleOutput, load_tokenizer, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -56,6 +69,35 @@ class _Job:
     temperature: float
     future: asyncio.Future = field(repr=False)
     top_k: int = 0
+    ignore_eos: bool = False
+    # Filled in place by the decode thread; a generation cut reads it from the event loop.
+    out: SampleOutput = field(default_factory=lambda: SampleOutput([], [], "length"), repr=False)
+    version: int | None = None  # the weights that sampled the first token, set as the batch starts
+
+
+@dataclass
+class _LiveCall:
+    """A call named by ``X-NG-Call-Id``, from arrival to reply: what a cut of it reads."""
+
+    prompt_sha: str
+    prefix_ids: list[int] = field(default_factory=list)  # a continued cut's tokens, before the job's own
+    prefix_lps: list[float] = field(default_factory=list)
+    prefix_version: int | None = None
+    job: _Job | None = None
+
+    def cut(self, call_id: str) -> GenerationCut | None:
+        """The tokens so far (prefix + the job's), or None if there are none yet."""
+        job = self.job
+        ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
+        if job is not None and job.version is not None:
+            out = job.out
+            n = len(out.logprobs)  # appended after its token id: the first n ids are complete
+            if n:
+                ids, lps = ids + out.token_ids[:n], lps + out.logprobs[:n]
+                version = job.version if version is None else min(version, job.version)
+        if not ids or version is None:
+            return None
+        return GenerationCut.build(call_id, self.prompt_sha, ids, lps, version)
 
 
 @dataclass
@@ -178,8 +220,11 @@ class GenerationServer:
         # refits: weight loads applied; refits_in_flight: those applied while a batch decoded;
         # decoding_rows: rows of the batch decoding now (0 between batches); decode_steps: step
         # boundaries passed (the points where an in-flight refit can land), all batches together
+        # Calls named by X-NG-Call-Id, from arrival to reply: what a generation cut reads.
+        self._live: dict[str, _LiveCall] = {}
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "refits": 0, "refits_in_flight": 0,
-                      "decoding_rows": 0, "decode_steps": 0}
+                      "decoding_rows": 0, "decode_steps": 0, "cuts": 0, "cut_tokens": 0,
+                      "continued": 0, "continued_tokens": 0, "discarded": 0}
 
     # ----- lifecycle -----------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -189,7 +234,8 @@ class GenerationServer:
         self._queue = asyncio.Queue()
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
         self._runner, self.base_url = await serve_openai_routes(
-            host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health)
+            host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
+            cuts=self._handle_cuts)
         return self.base_url
 
     async def stop(self) -> None:
@@ -297,8 +343,10 @@ class GenerationServer:
         return dict(self.stats)
 
     # ----- generation ----------------------------------------------------
-    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0) -> dict:
-        """Queue one prompt; resolves to ``{token_ids, logprobs, finish_reason, weight_version}``."""
+    async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0,
+                       ignore_eos: bool = False, live: _LiveCall | None = None) -> dict:
+        """Queue one prompt; resolves to ``{token_ids, logprobs, finish_reason, weight_version}``.
+        ``live`` (a call a cut may name) is given the job, so a cut reads its tokens as they come."""
         if self._queue is None:
             raise RuntimeError("call start() before generate()")
         if len(prompt_ids) >= self.policy.max_seq_len:
@@ -309,7 +357,10 @@ class GenerationServer:
                 "context_length_exceeded",
             )
         fut = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k)))
+        job = _Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k), bool(ignore_eos))
+        if live is not None:
+            live.job = job
+        await self._queue.put(job)
         return await fut
 
     def _between_steps(self) -> None:
@@ -324,6 +375,8 @@ class GenerationServer:
         try:
             self._apply_pending(False)  # arrived before this batch: load it first, between batches
             version = self._version
+            for j in jobs:
+                j.version = version
             outs = self.policy.sample_batch(
                 [j.prompt_ids for j in jobs],
                 [j.max_new_tokens for j in jobs],
@@ -331,6 +384,8 @@ class GenerationServer:
                 generator=self._gen,
                 top_k=[j.top_k for j in jobs],
                 between_steps=self._between_steps,
+                outputs=[j.out for j in jobs],
+                ignore_eos=[j.ignore_eos for j in jobs],
             )
         finally:
             with self._slot_lock:
@@ -377,8 +432,30 @@ class GenerationServer:
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self._version})
 
-    async def _handle_chat(self, request: web.Request) -> web.Response:
+    async def _handle_cuts(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts``: the tokens so far of each named call still in flight (read, not stopped)."""
         try:
+            req = CutRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "body"
+            return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
+        cuts = {}
+        for call_id in req.call_ids:
+            live = self._live.get(call_id)
+            cut = None if live is None else live.cut(call_id)
+            if cut is not None:
+                cuts[call_id] = cut
+        self.stats["cuts"] += len(cuts)
+        self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
+        return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")
+
+    async def _handle_chat(self, request: web.Request) -> web.Response:
+        call_id = request.headers.get(CALL_ID_HEADER)
+        try:
+            bad_id = check_call_id(call_id)
+            if bad_id is not None:
+                raise _BadRequest(bad_id, CALL_ID_HEADER)
             try:
                 body = await request.json()
             except Exception:
@@ -406,10 +483,63 @@ class GenerationServer:
             temperature = gen_cfg.temperature if req.temperature is None else req.temperature
             max_new = req.max_completion_tokens or req.max_tokens or gen_cfg.max_new_tokens
             self.stats["requests"] += 1
-            out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0)
+            if gen_cfg.ignore_eos:
+                req.ignore_eos = True
+            live = None if call_id is None else _LiveCall(prompt_digest(prompt_ids))
+            if live is not None:
+                self._live[call_id] = live
+            try:
+                out, continuation = await self._generate_call(req, prompt_ids, max_new, temperature, live)
+            finally:
+                if call_id is not None and self._live.get(call_id) is live:
+                    del self._live[call_id]
         except _BadRequest as e:
             return web.json_response(error_body(str(e), e.param, e.code), status=400)
-        return web.json_response(self._completion_body(req, prompt_ids, out))
+        body = self._completion_body(req, prompt_ids, out)
+        if continuation is not None:
+            body["prefix_continuation"] = continuation.model_dump()
+        return web.json_response(body)
+
+    async def _generate_call(self, req: ChatCompletionRequest, prompt_ids: list[int], max_new: int,
+                             temperature: float, live: _LiveCall | None) -> tuple[dict, PrefixContinuation | None]:
+        """Decode one call: from its start, or after the saved prefix ``ng_prefix`` when that prefix is
+        intact and was cut after exactly this prompt (else it is discarded and the call starts over)."""
+        cut = req.ng_prefix
+        prefix: tuple[list[int], list[float]] | None = None
+        reason = None
+        if cut is not None:
+            try:
+                prefix = cut.unpack()
+            except ValueError:
+                reason = "corrupt"
+            else:
+                if cut.prompt_digest != prompt_digest(prompt_ids):
+                    prefix, reason = None, "prompt_mismatch"
+        if prefix is None:
+            out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0, req.ignore_eos, live)
+            if cut is None:
+                return out, None
+            self.stats["discarded"] += 1
+            return out, PrefixContinuation(call_id=cut.call_id, token_count=0, digest=cut.digest, discarded=reason)
+        ids, lps = prefix
+        if live is not None:
+            live.prefix_ids, live.prefix_lps, live.prefix_version = ids, lps, cut.weight_version
+        stops = self.policy.stop_ids
+        budget = min(max_new, self.policy.max_seq_len - len(prompt_ids)) - len(ids)
+        finished = (ids[-1] in stops and not req.ignore_eos) or budget <= 0
+        if finished:  # the cut already holds the whole reply: nothing to decode
+            tail = {"token_ids": [], "logprobs": [], "top": [],
+                    "finish_reason": "stop" if ids[-1] in stops and not req.ignore_eos else "length"}
+        else:
+            tail = await self.generate(prompt_ids + ids, budget, temperature, req.top_logprobs or 0,
+                                       req.ignore_eos, live)
+        self.stats["continued"] += 1
+        self.stats["continued_tokens"] += len(ids)
+        tops = tail.get("top") or [[] for _ in tail["token_ids"]]
+        out = {"token_ids": ids + tail["token_ids"], "logprobs": lps + tail["logprobs"],
+               "top": [[] for _ in ids] + list(tops), "finish_reason": tail["finish_reason"],
+               "weight_version": min(cut.weight_version, tail.get("weight_version", cut.weight_version))}
+        return out, PrefixContinuation(call_id=cut.call_id, token_count=len(ids), digest=cut.digest)
 
     def _logprob_entry(self, token_id: int, logprob: float) -> dict:
         text = self.policy.token_str(token_id)

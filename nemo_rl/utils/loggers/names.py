@@ -90,6 +90,9 @@ class SnapshotSeries:
             "rollout/checkpoint/unsaved_rollouts": float(row.get("unsaved") or 0),
             "rollout/checkpoint/not_admitted_rollouts": float(row.get("not_admitted") or 0),
             "rollout/checkpoint/captured_bytes": float(row.get("captured_bytes") or 0),
+            **({"rollout/checkpoint/cuts": float(row.get("cuts") or 0),
+                "rollout/checkpoint/cut_tokens": float(row.get("cut_tokens") or 0),
+                "rollout/checkpoint/cut_failed": float(row.get("cut_failed") or 0)} if "cuts" in row else {}),
             **self.counts,
         }
         return done
@@ -106,7 +109,8 @@ def restore_metrics(record: dict[str, Any], seconds: float | None = None) -> dic
     """``restore.json``'s counts under ``rollout/recovery/``; its ``*_s`` timings (and ``seconds``, the
     time from the controller's start to the restore record) under ``timing/rollout_recovery/``."""
     out: dict[str, float] = {}
-    for key in ("restored_turn", "restarted_from_prompt", "kept_siblings", "redone_groups"):
+    for key in ("restored_turn", "restored_prefix", "prefix_tokens", "restarted_from_prompt", "kept_siblings",
+                "redone_groups"):
         number = _number(record.get(key))
         if number is not None:
             out[f"rollout/recovery/{key}"] = number

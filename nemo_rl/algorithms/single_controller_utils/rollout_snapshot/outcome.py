@@ -43,6 +43,11 @@ class SnapshotOutcome:
     persist_s: float = 0.0  # after rollouts resumed: Gym's writes (staged) and the publish
     captured_bytes: int = 0  # the in-memory copies the cut took (Gym records and the data plane)
     captured_bytes_by_server: dict[str, int] = field(default_factory=dict)  # "<instance>/<server>" -> staged copy
+    cut_asked: bool = False  # target_level prefix: the prepare asked every model server for a generation cut
+    cuts: int = 0  # saved turn-level rollouts whose model call in flight was cut (continues from its tokens)
+    cut_tokens: int = 0  # tokens those cuts hold
+    cut_failed: int = 0  # calls in flight that got no cut (regenerate at turn level)
+    cut_error: str | None = None  # why a model server's cut failed, naming the server
     path: str | None = None
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     # replicas that could not be parked in time and left this snapshot -> why (names the server)
@@ -83,6 +88,9 @@ class SnapshotOutcome:
             commit_mode=self.mode,
             captured_bytes=self.captured_bytes,
             captured_bytes_by_server=self.captured_bytes_by_server,
+            **({"cuts": self.cuts, "cut_tokens": self.cut_tokens, "cut_failed": self.cut_failed}
+               if self.cut_asked else {}),
+            **({"cut_error": self.cut_error} if self.cut_error else {}),
             step=self.step,
             anchor_step=self.anchor_step,
             path=self.path,

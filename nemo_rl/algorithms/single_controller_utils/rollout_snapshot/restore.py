@@ -142,6 +142,8 @@ class RunRestorer:
             "skipped_snapshots": [{"path": str(p), "reason": r} for p, r in selection.skipped],
             "skipped_trainer_steps": [{"path": str(p), "reason": r} for p, r in point.skipped],
             "restored_turn": 0,
+            "restored_prefix": 0,
+            "prefix_tokens": 0,
             "restarted_from_prompt": 0,
             "kept_siblings": 0,
         }
@@ -178,6 +180,14 @@ class RunRestorer:
         self.hooks.reached("restore")  # Gym restored, the ledger not applied
         summary = ledger.prepare_for_restart(restored)
         snap.data_plane.discard(summary.discarded_rollout_ids)
+        # Restored rollouts whose model call in flight was cut: their next call continues from its tokens.
+        prefix = {}
+        for key in summary.restored_turn:
+            e = EpisodeId.from_capture_key(key)
+            cut = 0 if snap.gym is None or e.attempt == 0 else snap.gym.cut_of(
+                restored_on[key], EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key)
+            if cut:
+                prefix[key] = cut
         record.update(
             snapshot=str(snap.path),
             snapshot_anchor_step=snap.state.anchor,
@@ -185,6 +195,9 @@ class RunRestorer:
             dropped_trained_groups=len(dropped_groups),  # the restored step trained them after the snapshot
             retrained_groups=len(ledger.complete_groups()),  # taken by the trainer after the anchor: trained again
             restored_turn=len(summary.restored_turn),
+            restored_prefix=len(prefix),
+            prefix_tokens=sum(prefix.values()),
+            restored_prefix_tokens=prefix,
             restarted_from_prompt=len(summary.restarted_from_prompt),
             kept_siblings=len(summary.kept_siblings),
             redone_groups=len(summary.redone_groups),

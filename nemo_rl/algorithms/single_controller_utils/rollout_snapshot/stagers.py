@@ -129,6 +129,30 @@ class _GymShare:
 
     exported: dict[str, set[str]]  # instance -> capture keys that continue at turn level
     written: dict[str, dict[str, list[str]]] | None = None  # instance -> server -> keys written (blocking)
+    cut_tokens: dict[str, dict[str, int]] | None = None  # instance -> key -> tokens of its generation cut (blocking)
+
+
+def count_cuts(index: GymCheckpointIndex, outcome: SnapshotOutcome) -> None:
+    """The snapshot row's ``cuts`` and ``cut_tokens``: the generation cuts it holds."""
+    outcome.cuts = sum(len(c) for c in index.cut_tokens.values())
+    outcome.cut_tokens = sum(n for c in index.cut_tokens.values() for n in c.values())
+
+
+def note_cut(prepared: PreparedGym, outcome: SnapshotOutcome) -> None:
+    """What each model server's cut took at prepare: calls it could not cut, and why."""
+    outcome.cut_asked = True
+    errors = []
+    for iid in prepared.instance_ids:
+        for server, reply in sorted(prepared.results[iid].replies.items()):
+            if reply.cut is None:
+                continue
+            outcome.cut_failed += reply.cut.failed
+            if reply.cut.error:
+                errors.append(f"{iid}/{server}: {reply.cut.error}")
+    if errors:
+        outcome.cut_error = "; ".join(errors)[:1000]
+        logger.warning("snapshot %s: generation cut failed (those calls regenerate at turn level): %s",
+                       outcome.checkpoint_id, outcome.cut_error)
 
 
 class _GymStager(Stager):
@@ -178,6 +202,8 @@ class _GymStager(Stager):
         inputs, step = self.inputs, outcome.step
         self._still_at(outcome.anchor_step, "prepared")
         self.hooks.reached("prepare", step)
+        if self.coordinator.cut:
+            note_cut(prepared, outcome)
         iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
         restart_only = self.coordinator.shard_set.restart_only_servers
         plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out,
@@ -250,13 +276,17 @@ class BlockingStager(_GymStager):
         commits = await self.coordinator.commit(prepared, str(tmp), episode_scopes(scopes))
         outcome.mark("commit")
         return _GymShare(exported={iid: set(commits[iid].agent_exported) for iid in plan.instance_ids},
-                         written={iid: commits[iid].exported_by_server for iid in plan.instance_ids})
+                         written={iid: commits[iid].exported_by_server for iid in plan.instance_ids},
+                         cut_tokens={iid: commits[iid].cut_tokens for iid in plan.instance_ids})
 
     def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
                   outcome: SnapshotOutcome, capture: ControllerStateCapture) -> GymCheckpointIndex:
         outcome.captured_bytes = capture.data_plane.nbytes
         assert share.written is not None
-        return GymCheckpointIndex.from_written(prepared.checkpoint_id, share.written, share.exported, unsaved)
+        index = GymCheckpointIndex.from_written(prepared.checkpoint_id, share.written, share.exported, unsaved,
+                                                share.cut_tokens)
+        count_cuts(index, outcome)
+        return index
 
     async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
         return cut.gym  # Gym's records are in the directory already
@@ -285,6 +315,7 @@ class StagedStager(_GymStager):
     async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
         index = await self.persist(cut.checkpoint_id, cut.tmp, cut.gym)
         outcome.mark("persist")
+        count_cuts(index, outcome)
         return index
 
     async def persist(self, checkpoint_id: str, tmp: Path, pending: PendingPersist) -> GymCheckpointIndex:
@@ -296,7 +327,8 @@ class StagedStager(_GymStager):
                 raise GymOwnershipError(f"Gym instance {iid}: agents captured {sorted(lost)[:10]} at prepare but "
                                         "did not write them")
         written = {iid: persisted[iid].exported_by_server for iid in pending.exported}
-        return GymCheckpointIndex.from_written(checkpoint_id, written, pending.exported, pending.unsaved)
+        return GymCheckpointIndex.from_written(checkpoint_id, written, pending.exported, pending.unsaved,
+                                               {iid: persisted[iid].cut_tokens for iid in pending.exported})
 
 
 STAGERS: dict[str, type[_GymStager]] = {"staged": StagedStager, "blocking": BlockingStager}

@@ -61,11 +61,13 @@ class GymCheckpointIndex(BaseModel):
     instances: dict[str, dict[str, list[str]]]  # instance -> server -> capture keys it exported
     turn_level: dict[str, list[str]]  # instance -> rollouts that continue at turn level
     unsaved: dict[str, list[str]]  # instance -> rollouts restart-only servers could not save
+    # instance -> capture key -> tokens: turn-level rollouts whose model call in flight was cut (prefix level)
+    cut_tokens: dict[str, dict[str, int]] = Field(default_factory=dict)
 
     @classmethod
     def from_written(
         cls, checkpoint_id: str, written: dict[str, dict[str, list[str]]], exported: dict[str, set[str]],
-        unsaved: dict[str, list[str]],
+        unsaved: dict[str, list[str]], cut_tokens: dict[str, dict[str, int]] | None = None,
     ) -> "GymCheckpointIndex":
         """The index of what each server wrote (``written[iid][server]``), kept to the rollouts that
         continue at turn level (``exported[iid]``): a server may write more than the agents saved."""
@@ -75,7 +77,13 @@ class GymCheckpointIndex(BaseModel):
                        for iid, by_server in written.items()},
             turn_level={iid: sorted(keys) for iid, keys in exported.items()},
             unsaved=unsaved,
+            cut_tokens={iid: {k: n for k, n in cuts.items() if k in exported[iid]}
+                        for iid, cuts in (cut_tokens or {}).items() if cuts},
         )
+
+    def cut_of(self, iid: str, capture_key: str) -> int:
+        """Tokens of the generation cut saved for ``capture_key`` on ``iid`` (0: none)."""
+        return self.cut_tokens.get(iid, {}).get(capture_key, 0)
 
     def exported(self) -> dict[str, dict[str, list[str]]]:
         """Instances that saved anything, and what (what restore sends back to each)."""

@@ -401,3 +401,240 @@ def test_vllm_command_line_follows_the_settings(tmp_path):
     assert "--enable-auto-tool-choice" in cmd and args["--served-model-name"] == "tiny"
     with pytest.raises(ValueError, match="this is the vllm backend"):
         VllmGenerationServer({"generation": {"backend": "torch"}}, str(tmp_path))
+
+
+# ----- generation cuts (gym_patches.checkpoint.cuts), as tests/functional/test_generation_cuts.py on torch ----
+CUT_MESSAGES = [{"role": "user", "content": "Write a long note about the quarterly sync."}]
+CUT_MAX_TOKENS = 200  # with ignore_eos: long enough that the calls are mid-decode when cut
+
+
+@pytest.fixture(scope="module")
+def cut_server(tmp_path_factory):
+    """One vLLM server for the cut tests, on an event loop of its own thread (the tests talk HTTP to it)."""
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
+    from nemo_rl.models.policy import load_policy
+    from tests.model_fixtures import CORPUS, tiny_qwen_dir
+
+    model_dir = tiny_qwen_dir(tmp_path_factory.mktemp("tiny"), corpus=[*CORPUS, json.dumps(CUT_MESSAGES)])
+    policy = load_policy(str(model_dir), "float32", "cpu", 512)
+    cfg = {"generation": {"backend": "vllm", "temperature": 1.0, "max_new_tokens": 32}, "max_seq_len": 512,
+           "device": "cpu"}
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="vllm-front", daemon=True)
+    thread.start()
+
+    def on_loop(coro, timeout: float = 280):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    server = VllmGenerationServer(cfg, str(model_dir), policy.state_dict_cpu(), 3, 0, "tiny")
+    try:
+        url = on_loop(server.start())
+        yield SimpleNamespace(server=server, url=url, policy=policy, on_loop=on_loop)
+    finally:
+        on_loop(server.stop(), 60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _cut_body(**extra) -> dict:
+    return {"model": "tiny", "messages": CUT_MESSAGES, "max_tokens": CUT_MAX_TOKENS, "ignore_eos": True, **extra}
+
+
+async def _call(session, url: str, body: dict, call_id: str | None = None) -> tuple[int, dict]:
+    from gym_patches.checkpoint.cuts import CALL_ID_HEADER
+
+    headers = {CALL_ID_HEADER: call_id} if call_id else {}
+    async with session.post(url + "/chat/completions", json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def _cut(session, url: str, call_ids: list[str]) -> dict:
+    from gym_patches.checkpoint.cuts import CUT_ROUTE, CutReply
+
+    async with session.post(url + CUT_ROUTE, json={"call_ids": call_ids}) as r:
+        assert r.status == 200, await r.text()
+        return CutReply.model_validate(await r.json()).cuts
+
+
+async def _cut_when_decoding(session, url: str, call_ids: list[str], at_least: int = 8) -> dict:
+    """Poll the cut route until every call is in flight with ``at_least`` tokens; returns that cut."""
+    deadline = asyncio.get_running_loop().time() + 120
+    while asyncio.get_running_loop().time() < deadline:
+        cuts = await _cut(session, url, call_ids)
+        if len(cuts) == len(call_ids) and all(c.token_count >= at_least for c in cuts.values()):
+            return cuts
+        await asyncio.sleep(0.005)
+    raise AssertionError("the calls never had tokens to cut")
+
+
+@needs_vllm
+def test_vllm_a_cut_reads_live_calls_without_altering_them(cut_server):
+    from aiohttp import ClientSession
+
+    ids = [f"rollout-{i}.call" for i in range(6)]
+
+    async def scenario():
+        async with ClientSession() as s:
+            calls = [asyncio.ensure_future(_call(s, cut_server.url, _cut_body(), cid)) for cid in ids]
+            cuts = await _cut_when_decoding(s, cut_server.url, ids)
+            assert await _cut(s, cut_server.url, ["nobody-calls-this"]) == {}
+            return cuts, await asyncio.gather(*calls)
+
+    before = cut_server.on_loop(cut_server.server.get_stats())
+    cuts, replies = asyncio.run(scenario())
+    for cid, (status, out) in zip(ids, replies):
+        assert status == 200, out
+        tokens, logprobs = cuts[cid].unpack()
+        n = cuts[cid].token_count
+        assert 0 < n < CUT_MAX_TOKENS and cuts[cid].weight_version == 3
+        # the live call went on untouched: its final tokens start with exactly what the cut saw
+        assert out["generation_token_ids"][:n] == tokens and out["generation_log_probs"][:n] == logprobs
+        assert len(out["generation_token_ids"]) == CUT_MAX_TOKENS and "prefix_continuation" not in out
+        assert out["choices"][0]["finish_reason"] == "length" and out["weight_version"] == 3
+    stats = cut_server.on_loop(cut_server.server.get_stats())
+    assert stats["cuts"] >= before["cuts"] + len(ids)
+    assert stats["cut_tokens"] >= before["cut_tokens"] + sum(c.token_count for c in cuts.values())
+
+
+@needs_vllm
+def test_vllm_a_call_sent_with_its_cut_continues_after_the_prefix(cut_server):
+    from aiohttp import ClientSession
+
+    server = cut_server.server
+
+    async def generated(session) -> float:
+        return await _vllm_metric(session, server, "vllm:generation_tokens_total")
+
+    async def scenario():
+        async with ClientSession() as s:
+            live = asyncio.ensure_future(_call(s, cut_server.url, _cut_body(), "ep-1.a"))
+            cut = (await _cut_when_decoding(s, cut_server.url, ["ep-1.a"]))["ep-1.a"]
+            first = await live
+            tokens0 = await generated(s)
+            status, out = await _call(s, cut_server.url, _cut_body(ng_prefix=cut.model_dump(), logprobs=True),
+                                      "ep-1-a1.b")
+            tail = len(out.get("generation_token_ids", [])) - cut.token_count
+            for _ in range(100):  # vLLM's counter is updated as the request's outputs are processed
+                if await generated(s) - tokens0 >= tail:
+                    break
+                await asyncio.sleep(0.05)
+            return cut, first, status, out, await generated(s) - tokens0
+
+    before = cut_server.on_loop(server.get_stats())
+    cut, first, status, out, decoded = asyncio.run(scenario())
+    assert first[0] == 200 and status == 200, out
+    prefix, prefix_lps = cut.unpack()
+    gen, k = out["generation_token_ids"], cut.token_count
+    assert out["prefix_continuation"] == {"call_id": "ep-1.a", "token_count": k, "digest": cut.digest,
+                                          "discarded": None}
+    assert out["prompt_token_ids"] == first[1]["prompt_token_ids"]  # /tokenize renders as the chat route
+    assert gen[:k] == prefix and out["generation_log_probs"][:k] == prefix_lps
+    tail = len(gen) - k
+    assert tail > 0 and len(gen) == CUT_MAX_TOKENS  # the budget was reduced by the prefix: prefix + tail = total
+    assert out["usage"]["completion_tokens"] == CUT_MAX_TOKENS and out["weight_version"] == 3
+    assert len(out["choices"][0]["logprobs"]["content"]) == CUT_MAX_TOKENS
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert decoded == tail, f"vLLM decoded {decoded} tokens for a tail of {tail}"  # only the tail was decoded
+    # the tail was sampled after prompt + prefix: its logprobs are transformers' for that context
+    ref = cut_server.policy.token_logprobs(out["prompt_token_ids"], gen, 1.0).tolist()
+    err = max(abs(a - b) for a, b in zip(ref[k:], out["generation_log_probs"][k:]))
+    assert err < 1e-4, f"tail logprob error {err}"
+    stats = cut_server.on_loop(server.get_stats())
+    assert stats["continued"] == before["continued"] + 1
+    assert stats["continued_tokens"] == before["continued_tokens"] + k
+
+
+@needs_vllm
+def test_vllm_a_cut_of_a_continued_call_holds_its_prefix_too(cut_server):
+    from aiohttp import ClientSession
+
+    async def scenario():
+        async with ClientSession() as s:
+            first = asyncio.ensure_future(_call(s, cut_server.url, _cut_body(), "ep-2.a"))
+            cut1 = (await _cut_when_decoding(s, cut_server.url, ["ep-2.a"]))["ep-2.a"]
+            await first
+            second = asyncio.ensure_future(_call(s, cut_server.url, _cut_body(ng_prefix=cut1.model_dump()),
+                                                 "ep-2-a1.b"))
+            cut2 = (await _cut_when_decoding(s, cut_server.url, ["ep-2-a1.b"],
+                                             at_least=cut1.token_count + 4))["ep-2-a1.b"]
+            return cut1, cut2, await second
+
+    cut1, cut2, (status, out) = asyncio.run(scenario())
+    assert status == 200, out
+    t1, l1 = cut1.unpack()
+    t2, l2 = cut2.unpack()
+    assert t2[:cut1.token_count] == t1 and l2[:cut1.token_count] == l1 and cut2.weight_version == 3
+    assert out["generation_token_ids"][:cut2.token_count] == t2
+    assert out["generation_log_probs"][:cut2.token_count] == l2
+    assert out["prefix_continuation"]["token_count"] == cut1.token_count
+
+
+@needs_vllm
+def test_vllm_a_cut_that_does_not_match_is_discarded_never_continued(cut_server):
+    from aiohttp import ClientSession
+
+    from gym_patches.checkpoint.cuts import CALL_ID_HEADER
+
+    url = cut_server.url
+
+    async def scenario():
+        async with ClientSession() as s:
+            live = asyncio.ensure_future(_call(s, url, _cut_body(), "ep-3.a"))
+            cut = (await _cut_when_decoding(s, url, ["ep-3.a"]))["ep-3.a"]
+            await live
+            other = [{"role": "user", "content": "A different prompt entirely."}]
+            status, out = await _call(s, url, _cut_body(messages=other, ng_prefix=cut.model_dump()))
+            assert status == 200 and out["prefix_continuation"]["discarded"] == "prompt_mismatch", out
+            assert out["prefix_continuation"]["token_count"] == 0
+            assert len(out["generation_token_ids"]) == CUT_MAX_TOKENS
+            torn = cut.model_copy(update={"token_count": cut.token_count + 1})
+            status, out = await _call(s, url, _cut_body(ng_prefix=torn.model_dump()))
+            assert status == 200 and out["prefix_continuation"]["discarded"] == "corrupt", out
+            assert len(out["generation_token_ids"]) == CUT_MAX_TOKENS
+            status, out = await _call(s, url, _cut_body(ng_prefix={**cut.model_dump(), "digest": "x"}))
+            assert status == 400 and out["error"]["param"].startswith("ng_prefix"), out
+            status, out = await _call(s, url, _cut_body(), call_id="bad id with spaces")
+            assert status == 400 and CALL_ID_HEADER in out["error"]["message"], out
+
+    before = cut_server.on_loop(cut_server.server.get_stats())
+    asyncio.run(scenario())
+    stats = cut_server.on_loop(cut_server.server.get_stats())
+    assert stats["discarded"] == before["discarded"] + 2 and stats["continued"] == before["continued"]
+
+
+@needs_vllm
+def test_vllm_a_tracked_call_replies_as_the_plain_path(cut_server):
+    """A call named by X-NG-Call-Id is streamed from vLLM and its reply assembled by the front: with the
+    same seed it is the reply vLLM gives unstreamed (tokens, logprobs, text, tool calls, finish)."""
+    from aiohttp import ClientSession
+
+    async def scenario():
+        out = []
+        async with ClientSession() as s:
+            for seed, tools in ((1, TOOLS), (2, None), (3, TOOLS)):
+                body = {"model": "x", "messages": MESSAGES, "max_tokens": 24, "logprobs": True, "seed": seed}
+                if tools:
+                    body["tools"] = tools
+                plain = await _call(s, cut_server.url, body)
+                tracked = await _call(s, cut_server.url, body, f"same-{seed}.a")
+                out.append((plain, tracked))
+        return out
+
+    def shape(reply: dict) -> dict:
+        choice = reply["choices"][0]
+        message = choice["message"]
+        calls = [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        return {"finish": choice["finish_reason"], "content": message["content"], "calls": calls,
+                "role": message["role"], "tokens": [e["token"] for e in choice["logprobs"]["content"]],
+                **{k: reply[k] for k in ("prompt_token_ids", "generation_token_ids", "weight_version", "model")},
+                "usage": {k: reply["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+
+    for (ps, plain), (ts, tracked) in asyncio.run(scenario()):
+        assert ps == ts == 200, (plain, tracked)
+        assert shape(tracked) == shape(plain)
+        err = max(abs(a - b) for a, b in zip(plain["generation_log_probs"], tracked["generation_log_probs"]))
+        assert err < 1e-4

@@ -1,0 +1,116 @@
+"""The model participant's generation cuts: taken as admission closes, never blocking, saved in the
+episode's record, continued once after a restore, forgotten with their rollout.
+
+The cut source here is a named fake (``FakeCutBackend``): it isolates the participant from a backend;
+the real backends are tested in tests/functional/test_generation_cuts.py and test_prefix_recovery.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gym_patches.checkpoint.cuts import GenerationCut
+from gym_patches.checkpoint.identity import EpisodeId
+from gym_patches.checkpoint.model import ModelRecord, PolicyModelParticipant
+from gym_patches.checkpoint.records import plain
+
+
+class FakeCutBackend:
+    """A named fake: answers cuts from a table, or fails/hangs as told."""
+
+    def __init__(self, tokens: dict[str, list[int]], *, fail: Exception | None = None, hang: bool = False):
+        self.tokens, self.fail, self.hang, self.asked = tokens, fail, hang, []
+
+    async def __call__(self, call_ids: list[str]) -> dict[str, GenerationCut]:
+        self.asked.append(sorted(call_ids))
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.fail is not None:
+            raise self.fail
+        return {c: GenerationCut.build(c, "a" * 64, self.tokens[c], [-0.5] * len(self.tokens[c]), 2)
+                for c in call_ids if self.tokens.get(c)}
+
+
+async def _generating(model: PolicyModelParticipant, keys: list[str]):
+    """One call per key, parked inside the backend (generating) until the returned event is set."""
+    release = asyncio.Event()
+    started = []
+
+    async def one(key: str) -> None:
+        async with model.call(key) as ticket:
+            ticket.call_id = f"{key}.c"
+            started.append(key)
+            await model.run(ticket, release.wait())
+
+    tasks = [asyncio.ensure_future(one(k)) for k in keys]
+    while len(started) < len(keys):
+        await asyncio.sleep(0)
+    return release, tasks
+
+
+async def test_a_cut_is_taken_at_close_and_saved_in_the_episode_record():
+    model = PolicyModelParticipant()
+    model.cut_source = backend = FakeCutBackend({"r1.c": [1, 2, 3], "r2.c": []})
+    release, tasks = await _generating(model, ["r1", "r2"])
+    await model.close_admission("block")
+    summary = await model.take_cut()
+    assert backend.asked == [["r1.c", "r2.c"]]
+    assert (summary.in_flight, summary.cut, summary.empty, summary.tokens, summary.failed) == (2, 1, 1, 3, 0)
+    records = {r["episode_id"]["rollout_id"]: plain(r) for r in await model.export(None)}
+    assert set(records) == {"r1"}  # r2 had no token yet and no reply: nothing to save
+    rec = ModelRecord.model_validate(records["r1"])
+    assert rec.delivered_calls == 0 and rec.cut_tokens == 3 and rec.cut.unpack()[0] == [1, 2, 3]
+    captured = {c.key: plain(c.record) for c in await model.capture_records()}
+    assert captured == records
+    await model.open_admission()
+    assert await model.export(None) == [] and model.cut_summary() is None  # the cut belongs to that prepare
+    release.set()
+    await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("backend, why", [
+    (None, "does not support generation cuts"),
+    (FakeCutBackend({}, fail=RuntimeError("policy backend http://x/v1/ng-cuts returned 500")), "returned 500"),
+    (FakeCutBackend({}, hang=True), "did not answer the cut within 0.2s"),
+])
+async def test_a_cut_that_fails_never_blocks_and_says_why(backend, why):
+    model = PolicyModelParticipant()
+    model.cut_source, model.cut_timeout_s = backend, 0.2
+    release, tasks = await _generating(model, ["r1"])
+    await model.close_admission("block")
+    summary = await asyncio.wait_for(model.take_cut(), 2.0)
+    assert why in summary.error and summary.failed == 1 and summary.cut == 0
+    assert model.is_ready()  # generation never blocks a snapshot, cut or not
+    release.set()
+    await model.open_admission()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_restored_cut_is_handed_out_once_for_the_call_it_was_cut_from():
+    model = PolicyModelParticipant()
+    cut = GenerationCut.build("r1.c", "a" * 64, [4, 5], [-1.0, -2.0], 1)
+    record = {"episode_id": {"rollout_id": "r1", "attempt": 0}, "delivered_calls": 2,
+              "cut": cut.model_dump(), "cut_tokens": 2}
+    assert await model.install([record]) == ["r1-a1"]
+    new = EpisodeId.from_capture_key("r1-a1")
+    assert model.take_restored_cut(new) == cut
+    assert model.take_restored_cut(new) is None  # once
+    # a cut whose call is no longer the next one (a reply was delivered since) is dropped unused
+    await model.install([{**record, "episode_id": {"rollout_id": "r2", "attempt": 0}}])
+    model._delivered[EpisodeId.from_capture_key("r2-a1")] += 1
+    assert model.take_restored_cut(EpisodeId.from_capture_key("r2-a1")) is None
+    # a trained or abandoned rollout's cut is forgotten with it
+    await model.install([{**record, "episode_id": {"rollout_id": "r3", "attempt": 0}}])
+    assert model.forget({"r3"}) >= 2
+    assert model.take_restored_cut(EpisodeId.from_capture_key("r3-a1")) is None
+
+
+async def test_a_record_whose_cut_count_disagrees_is_refused_naming_it():
+    model = PolicyModelParticipant()
+    cut = GenerationCut.build("r1.c", "a" * 64, [4, 5], [-1.0, -2.0], 1)
+    bad = {"episode_id": {"rollout_id": "r1", "attempt": 0}, "delivered_calls": 0, "cut": cut.model_dump(),
+           "cut_tokens": 3}
+    with pytest.raises(Exception, match="model record 0 is invalid.*cut_tokens"):
+        await model.install([bad])

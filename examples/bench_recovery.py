@@ -28,6 +28,8 @@ Measurements (see docs/benchmarks.md for the method behind each):
   bookkeeping    8. bytes read and seconds of trainer-checkpoint bookkeeping per save and restore lookup
   async_throughput 9. async (lookahead 1) against sync on the main job: steps/hour, snapshot overhead,
                  coverage, learning (preset ``async``: real model and trainer, not the scripted backend)
+  prefix_work_lost 10. regenerated tokens per restored call at prefix against turn, and the cut's pause
+                 at N=512 (preset ``prefix``: the torch worker with long generations)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -60,6 +62,7 @@ from bench import (  # noqa: E402
     async_throughput,
     bookkeeping,
     overhead,
+    prefix_work_lost,
     relaunch,
     setup_check,
     snapshot_cost,
@@ -71,7 +74,7 @@ from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
-                               bookkeeping, async_throughput)}
+                               bookkeeping, async_throughput, prefix_work_lost)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -243,6 +246,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
                      f"{passes('max_restore_passes')}")
     if "async_throughput" in results:
         lines.append("9. " + async_throughput.verdict(results["async_throughput"]["goal"]))
+    if "prefix_work_lost" in results:
+        lines.append("10. " + prefix_work_lost.verdict(results["prefix_work_lost"]["goal"]))
     return lines
 
 

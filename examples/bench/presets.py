@@ -71,4 +71,16 @@ ASYNC_TINY: dict[str, dict[str, Any]] = {
                          "learning_overrides": ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"]},
 }
 
-PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY}
+# Measurement 10, work lost per crash at prefix against turn and the cut's pause at N = 512, on the torch
+# worker: a preset of its own (about 5 minutes on 2 cores); ``prefix_tiny`` is its smoke test.
+PREFIX: dict[str, dict[str, Any]] = {
+    "prefix_work_lost": {"calls": 8, "max_tokens": 400, "interval_s": 0.5, "crashes": 3,
+                         "pause_calls": (64, 512), "pause_tokens": 200, "repeats": 5},
+}
+PREFIX_TINY: dict[str, dict[str, Any]] = {
+    "prefix_work_lost": {"calls": 4, "max_tokens": 160, "interval_s": 0.3, "crashes": 1,
+                         "pause_calls": (16,), "pause_tokens": 40, "pause_max_tokens": 96, "repeats": 2},
+}
+
+PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
+           "prefix": PREFIX, "prefix_tiny": PREFIX_TINY}

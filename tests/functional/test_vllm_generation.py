@@ -12,6 +12,12 @@ this file there.
   its KV cache and finishes on the new weights (its tokens are exactly what
   old-weights KV + new weights give), reports the old version; requests sent
   during and after the refit get the new weights, never stale prefix blocks.
+* Generation cuts (``gym_patches.checkpoint.cuts``), as the torch worker's
+  ``test_generation_cuts.py``: a cut reads calls in flight without altering
+  them, a call sent with its cut continues after the prefix (only the tail is
+  decoded, by vLLM, on prompt + prefix), a continued call can be cut again, a
+  cut that does not match is discarded; a tracked (streamed) call replies as
+  the plain path does.
 * The whole job: the Workplace config with ``backend=vllm``, a committed
   snapshot while vLLM serves turn-level rollouts, SIGKILL, restore, finish;
   ``gen_logprob_abs_err`` of every step below 1e-3.
@@ -627,7 +633,8 @@ def test_vllm_a_tracked_call_replies_as_the_plain_path(cut_server):
     def shape(reply: dict) -> dict:
         choice = reply["choices"][0]
         message = choice["message"]
-        calls = [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        calls = [(c["type"], c["function"]["name"], c["function"]["arguments"])
+                 for c in message.get("tool_calls") or []]
         return {"finish": choice["finish_reason"], "content": message["content"], "calls": calls,
                 "role": message["role"], "tokens": [e["token"] for e in choice["logprobs"]["content"]],
                 **{k: reply[k] for k in ("prompt_token_ids", "generation_token_ids", "weight_version", "model")},
@@ -638,3 +645,18 @@ def test_vllm_a_tracked_call_replies_as_the_plain_path(cut_server):
         assert shape(tracked) == shape(plain)
         err = max(abs(a - b) for a, b in zip(plain["generation_log_probs"], tracked["generation_log_probs"]))
         assert err < 1e-4
+
+
+def test_vllm_ignore_eos_follows_the_settings_and_the_request(tmp_path):
+    """Runs without vLLM: ``policy.generation.ignore_eos`` or a request's ``ignore_eos`` reaches vLLM."""
+    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = VllmGenerationServer({"generation": {"backend": "vllm"}}, str(tmp_path), None, 0, 0, "tiny")
+    assert "ignore_eos" not in plain._vllm_body({"messages": msgs})
+    assert plain._vllm_body({"messages": msgs, "ignore_eos": True})["ignore_eos"] is True
+    always = VllmGenerationServer({"generation": {"backend": "vllm", "ignore_eos": True}}, str(tmp_path), None,
+                                  0, 0, "tiny")
+    assert always._vllm_body({"messages": msgs, "ignore_eos": False})["ignore_eos"] is True

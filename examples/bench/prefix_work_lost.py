@@ -1,0 +1,256 @@
+"""Measurement 10: work lost per crash at ``target_level: prefix`` against ``turn``, and what a cut adds to the pause.
+
+Real parts: the torch generation worker as a Ray actor (the embedded model's architecture, randomly
+initialised: what it writes does not matter, how long it takes does), its HTTP routes, and Gym's
+model participant (``PolicyModelParticipant.take_cut``, the step a prefix-level prepare adds).
+
+Part 1, work lost. ``calls`` long calls (``max_tokens`` each, ``ignore_eos``) decode at once; every
+``interval_s`` a snapshot's cut reads each call's tokens so far (``POST /v1/ng-cuts``) and keeps it as
+the newest snapshot would. At a seeded random moment the run "crashes": a last read gives the tokens
+each call had decoded then. The same calls are then restored: each is sent again with its newest cut
+(``ng_prefix``), and the reply must continue it (``prefix_continuation.token_count`` = the cut's, total =
+``max_tokens``). Regenerated tokens per restored call, to get back to where the crash stopped it:
+prefix = decoded at the crash - the cut's tokens; turn = decoded at the crash (the whole call restarts).
+Goal: at prefix, at most the tokens one call decodes in one snapshot interval (measured: the rate of
+each call times the longest gap between two cuts); at turn it is the whole call so far.
+
+Part 2, the pause. ``pause_calls`` calls decode at once until each has at least ``pause_tokens`` tokens;
+then, ``repeats`` times, the participant closes admission and takes its cut of every call (HTTP round
+trip, the worker packing each call's tokens, the reply parsed and filed per episode), timed. Goal: at
+most 5 ms at N = 512.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.common import Log, fmt, make_log, md_table, summary
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CUT_ROUTE, CutReply, CutRequest, GenerationCut
+from gym_patches.checkpoint.model import PolicyModelParticipant
+
+NAME = "prefix_work_lost"
+TITLE = "10. Work lost per crash, prefix against turn (regenerated tokens per restored call), and the cut's pause"
+GOAL_PAUSE_MS = 5.0
+MESSAGES = [{"role": "user", "content": "Write the long report of the quarterly planning sync."}]
+
+
+def _model_dir(workdir: Path) -> Path:
+    from nemo_rl.algorithms.grpo_config import TinyModelRecipe
+    from nemo_rl.models.tiny_model import init_model, train_tokenizer
+
+    path = workdir / "prefix-bench-model"
+    if not (path / "config.json").exists():
+        tok = train_tokenizer([MESSAGES[0]["content"], "tool_call report sync planning quarterly"] * 50, 300)
+        model = init_model(TinyModelRecipe(), tok)
+        path.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(path)
+        model.save_pretrained(path)
+    return path
+
+
+class _Worker:
+    """The torch generation worker as a Ray actor, owned by this object (started and stopped here)."""
+
+    def __init__(self, workdir: Path, batch: int, max_seq_len: int):
+        import ray
+
+        from nemo_rl.algorithms.grpo_config import GenerationConfig, PolicyConfig
+        from nemo_rl.models.generation.worker import GenerationWorker, model_files
+
+        repo = str(Path(__file__).resolve().parents[2])
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+        cfg = PolicyConfig(device="cpu", max_seq_len=max_seq_len,
+                           generation=GenerationConfig(max_batch_size=batch, batch_window_ms=20.0, ignore_eos=True))
+        directory = _model_dir(workdir)
+        from nemo_rl.models.policy import load_policy
+
+        weights = load_policy(str(directory), "float32", "cpu", max_seq_len).state_dict_cpu()
+        self.ray = ray
+        self.handle = GenerationWorker.options(num_cpus=1).remote(cfg.model_dump(), model_files(directory), weights,
+                                                                   1, 0, "bench")
+        self.base_url = ray.get(self.handle.start.remote())
+
+    def close(self) -> None:
+        try:
+            self.ray.get(self.handle.stop.remote())
+        finally:
+            self.ray.shutdown()
+
+
+async def _chat(session: aiohttp.ClientSession, base_url: str, call_id: str, max_tokens: int,
+                cut: GenerationCut | None = None) -> dict:
+    body: dict[str, Any] = {"model": "bench", "messages": MESSAGES, "max_tokens": max_tokens}
+    if cut is not None:
+        body["ng_prefix"] = cut.model_dump()
+    async with session.post(base_url + "/chat/completions", json=body, headers={CALL_ID_HEADER: call_id}) as r:
+        out = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"call {call_id}: {r.status} {out}")
+        return out
+
+
+async def _cut(session: aiohttp.ClientSession, base_url: str, call_ids: list[str]) -> dict[str, GenerationCut]:
+    async with session.post(base_url + CUT_ROUTE, data=CutRequest(call_ids=call_ids).model_dump_json(),
+                            headers={"Content-Type": "application/json"}) as r:
+        return CutReply.model_validate_json(await r.read()).cuts
+
+
+async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: float, rng: random.Random,
+                      log: Log) -> dict[str, Any]:
+    ids = [f"crash{rng.randrange(1 << 30):x}-{i}.c" for i in range(calls)]
+    async with aiohttp.ClientSession() as s:
+        started = time.monotonic()
+        live = [asyncio.ensure_future(_chat(s, base_url, cid, max_tokens)) for cid in ids]
+        saved: dict[str, GenerationCut] = {}
+        cut_times: list[float] = []
+        # crash somewhere after the second snapshot and before the calls can end (at 90 % of the budget)
+        while True:
+            await asyncio.sleep(interval_s)
+            cuts = await _cut(s, base_url, ids)
+            cut_times.append(time.monotonic())
+            saved.update(cuts)
+            if len(cut_times) >= 2 and min((c.token_count for c in cuts.values()), default=0) > 0:
+                break
+        first_full = min(c.token_count for c in saved.values())
+        rate = first_full / max(1e-9, cut_times[-1] - started)
+        horizon = max(0.0, (0.9 * max_tokens - first_full) / rate)
+        await asyncio.sleep(rng.uniform(0.0, horizon))
+        while True:  # the snapshots go on until the crash moment
+            next_cut = cut_times[-1] + interval_s
+            crash_at = time.monotonic()
+            if next_cut > crash_at:
+                break
+            cuts = await _cut(s, base_url, ids)
+            cut_times.append(time.monotonic())
+            saved.update(cuts)
+        at_crash = await _cut(s, base_url, ids)  # what each call had decoded when the crash hit
+        crashed_s = time.monotonic() - started
+        finals = await asyncio.gather(*live)  # the crashed run's calls: their replies are lost with it
+        call_s = time.monotonic() - started
+        per_call_rate = statistics.median(len(f["generation_token_ids"]) for f in finals) / call_s
+        gaps = [b - a for a, b in zip(cut_times, cut_times[1:])] or [interval_s]
+        # restore: each call again, continuing from its newest saved cut
+        restored = await asyncio.gather(*(_chat(s, base_url, cid.replace("crash", "restored"), max_tokens, saved[cid])
+                                          for cid in ids))
+    lost_prefix, lost_turn, problems = [], [], []
+    for cid, out in zip(ids, restored):
+        truth = at_crash[cid].token_count if cid in at_crash else max_tokens
+        cont = out.get("prefix_continuation") or {}
+        if cont.get("token_count") != saved[cid].token_count or len(out["generation_token_ids"]) != max_tokens:
+            problems.append(f"{cid}: continued {cont} to {len(out['generation_token_ids'])} tokens")
+        if out["generation_token_ids"][:saved[cid].token_count] != saved[cid].unpack()[0]:
+            problems.append(f"{cid}: the restored reply does not start with the saved prefix")
+        lost_prefix.append(truth - saved[cid].token_count)
+        lost_turn.append(truth)
+    interval_tokens = per_call_rate * max(gaps)
+    log(f"crash at {crashed_s:.1f}s: {len(cut_times)} cuts before it; per restored call regenerated "
+        f"{statistics.median(lost_prefix):.0f} (prefix) vs {statistics.median(lost_turn):.0f} (turn) tokens; "
+        f"one interval = {interval_tokens:.0f} tokens")
+    return {"crash_s": crashed_s, "cuts": len(cut_times), "lost_prefix": lost_prefix, "lost_turn": lost_turn,
+            "decode_tok_per_s_per_call": per_call_rate, "max_cut_gap_s": max(gaps),
+            "interval_tokens": interval_tokens, "problems": problems}
+
+
+async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repeats: int, log: Log) -> dict[str, Any]:
+    ids = [f"pause-{i}.c" for i in range(calls)]
+    model = PolicyModelParticipant()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        model.cut_source = lambda call_ids: _cut(s, base_url, call_ids)
+
+        async def tracked(cid: str) -> None:  # one episode's call, generating in the backend
+            async with model.call(cid.removesuffix(".c")) as ticket:
+                ticket.call_id = cid
+                await model.run(ticket, _chat(s, base_url, cid, max_tokens))
+
+        live = [asyncio.ensure_future(tracked(cid)) for cid in ids]
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(0.5)
+            cuts = await _cut(s, base_url, ids)
+            if len(cuts) == calls and min(c.token_count for c in cuts.values()) >= at_least:
+                break
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError(f"{calls} calls did not reach {at_least} tokens in 600 s")
+        times, tokens = [], []
+        for _ in range(repeats):
+            await model.close_admission("block")
+            t = time.perf_counter()
+            summary_ = await model.take_cut()
+            times.append(time.perf_counter() - t)
+            tokens.append(summary_.tokens)
+            if summary_.error or summary_.cut != calls:
+                raise RuntimeError(f"the cut took {summary_.cut} of {calls}: {summary_.error}")
+            await model.open_admission()
+        await asyncio.gather(*live)
+    log(f"N={calls}: cut of {statistics.median(tokens):.0f} tokens in {statistics.median(times) * 1e3:.2f} ms (median)")
+    return {"calls": calls, "cut_ms": summary([t * 1e3 for t in times]), "tokens": summary(tokens)}
+
+
+def measure(*, workdir: Path, log: Log | None = None, calls: int = 8, max_tokens: int = 400, interval_s: float = 1.0,
+            crashes: int = 3, seed: int = 0, pause_calls: tuple[int, ...] = (64, 512), pause_tokens: int = 200,
+            pause_max_tokens: int = 320, repeats: int = 5) -> dict[str, Any]:
+    log = log or make_log(NAME)
+    rng = random.Random(seed)
+    worker = _Worker(workdir, batch=max(calls, *pause_calls), max_seq_len=max_tokens + pause_max_tokens + 64)
+    try:
+        crashes_out = []
+        for i in range(crashes):
+            log(f"crash {i + 1}/{crashes}: {calls} calls of {max_tokens} tokens, a cut every {interval_s:g} s")
+            crashes_out.append(asyncio.run(_crash_once(worker.base_url, calls, max_tokens, interval_s, rng, log)))
+        pauses = []
+        for n in pause_calls:
+            log(f"pause: {n} calls decoding, each cut at >= {pause_tokens} tokens, {repeats} times")
+            pauses.append(asyncio.run(_pause(worker.base_url, n, pause_max_tokens, pause_tokens, repeats, log)))
+    finally:
+        worker.close()
+    prefix = [x for c in crashes_out for x in c["lost_prefix"]]
+    turn = [x for c in crashes_out for x in c["lost_turn"]]
+    bound = min(c["interval_tokens"] for c in crashes_out)
+    at_512 = next((p for p in pauses if p["calls"] == 512), None)
+    goal = {
+        "prefix_lost_max": max(prefix), "interval_tokens_min": bound,
+        "prefix_within_one_interval": max(prefix) <= bound and not any(c["problems"] for c in crashes_out),
+        "turn_lost_median": statistics.median(turn), "prefix_lost_median": statistics.median(prefix),
+        "cut_ms_at_512": None if at_512 is None else at_512["cut_ms"]["median"],
+        "pause_met": None if at_512 is None else at_512["cut_ms"]["max"] <= GOAL_PAUSE_MS,
+        "problems": [p for c in crashes_out for p in c["problems"]],
+    }
+    return {"name": NAME, "title": TITLE,
+            "config": {"calls": calls, "max_tokens": max_tokens, "interval_s": interval_s, "crashes": crashes,
+                       "seed": seed, "pause_tokens": pause_tokens},
+            "crashes": crashes_out, "pauses": pauses,
+            "lost": {"prefix": summary(prefix), "turn": summary(turn)}, "goal": goal}
+
+
+def table(res: dict[str, Any]) -> str:
+    cfg = res["config"]
+    rows = [[f"{i + 1}", f"{c['crash_s']:.1f} s", str(c["cuts"]), f"{c['decode_tok_per_s_per_call']:.0f}",
+             f"{c['interval_tokens']:.0f}", fmt(summary(c["lost_prefix"])), fmt(summary(c["lost_turn"])),
+             "none" if not c["problems"] else f"{len(c['problems'])}"]
+            for i, c in enumerate(res["crashes"])]
+    part1 = md_table(["crash", "at", "cuts before it", "tokens/s per call", "tokens in one interval",
+                      "regenerated per call, prefix", "regenerated per call, turn", "continuation problems"], rows)
+    part2 = md_table(["calls in flight", "tokens cut", "cut ms (added to the pause)"],
+                     [[str(p["calls"]), fmt(p["tokens"]), fmt(p["cut_ms"], 1, 2)] for p in res["pauses"]])
+    return (f"{cfg['calls']} calls of {cfg['max_tokens']} tokens, a snapshot every {cfg['interval_s']:g} s, "
+            f"{cfg['crashes']} crashes (seed {cfg['seed']}); medians (min–max):\n\n{part1}\n\n{part2}")
+
+
+def verdict(g: dict[str, Any]) -> str:
+    def yes(v: bool | None) -> str:
+        return "not measured" if v is None else ("met" if v else "NOT met")
+
+    pause = "—" if g["cut_ms_at_512"] is None else f"{g['cut_ms_at_512']:.2f} ms median"
+    return (f"prefix regenerates at most one interval's tokens per restored call: {yes(g['prefix_within_one_interval'])} "
+            f"(worst {g['prefix_lost_max']:.0f}, interval {g['interval_tokens_min']:.0f}; median {g['prefix_lost_median']:.0f} "
+            f"against {g['turn_lost_median']:.0f} at turn); the cut adds at most {GOAL_PAUSE_MS:g} ms to the pause at "
+            f"N=512: {yes(g['pause_met'])} ({pause})")

@@ -15,9 +15,10 @@ Goal: at prefix, at most the tokens one call decodes in one snapshot interval (m
 each call times the longest gap between two cuts); at turn it is the whole call so far.
 
 Part 2, the pause. ``pause_calls`` calls decode at once until each has at least ``pause_tokens`` tokens;
-then, ``repeats`` times, the participant closes admission and takes its cut of every call (HTTP round
-trip, the worker packing each call's tokens, the reply parsed and filed per episode), timed. Goal: at
-most 5 ms at N = 512.
+then, ``repeats`` times, the participant closes admission and takes its cut of every call, timed: the
+pin (an HTTP round trip that carries one count per call; what the pause pays) and, after reopening, the
+fetch of the pinned tokens (the worker packing each call's tokens, the reply parsed; what persist pays,
+rollouts running). Goal: the pin adds at most 5 ms to the pause at N = 512.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ from typing import Any
 import aiohttp
 
 from bench.common import Log, fmt, make_log, md_table, summary
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CUT_ROUTE, CutReply, CutRequest, GenerationCut
+from gym_patches.checkpoint.cuts import (
+    CALL_ID_HEADER,
+    CUT_FETCH_ROUTE,
+    CUT_ROUTE,
+    CutReply,
+    CutRequest,
+    FetchRequest,
+    GenerationCut,
+    PinReply,
+)
 from gym_patches.checkpoint.model import PolicyModelParticipant
 
 NAME = "prefix_work_lost"
@@ -98,52 +108,72 @@ async def _chat(session: aiohttp.ClientSession, base_url: str, call_id: str, max
         return out
 
 
+class _Cuts:
+    """The worker's cut routes as the model participant uses them (``CutSource``): pin, then fetch."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, owner: str = "bench"):
+        self.session, self.base_url, self.owner = session, base_url, owner
+
+    async def _post(self, route: str, body: str) -> bytes:
+        async with self.session.post(self.base_url + route, data=body,
+                                     headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{route}: {r.status} {await r.text()}")
+            return await r.read()
+
+    async def pin(self, pin: str, call_ids: list[str]) -> dict[str, int]:
+        body = CutRequest(owner=self.owner, pin=pin, call_ids=call_ids).model_dump_json()
+        return PinReply.model_validate_json(await self._post(CUT_ROUTE, body)).counts
+
+    async def fetch(self, pin: str) -> dict[str, GenerationCut]:
+        body = FetchRequest(owner=self.owner, pin=pin).model_dump_json()
+        return CutReply.model_validate_json(await self._post(CUT_FETCH_ROUTE, body)).cuts
+
+
 async def _cut(session: aiohttp.ClientSession, base_url: str, call_ids: list[str]) -> dict[str, GenerationCut]:
-    async with session.post(base_url + CUT_ROUTE, data=CutRequest(call_ids=call_ids).model_dump_json(),
-                            headers={"Content-Type": "application/json"}) as r:
-        return CutReply.model_validate_json(await r.read()).cuts
+    """A snapshot's whole cut: the pin (in the pause) and its fetch (after)."""
+    cuts = _Cuts(session, base_url)
+    await cuts.pin("snap", call_ids)
+    return await cuts.fetch("snap")
 
 
 async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: float, rng: random.Random,
                       log: Log) -> dict[str, Any]:
     ids = [f"crash{rng.randrange(1 << 30):x}-{i}.c" for i in range(calls)]
     async with aiohttp.ClientSession() as s:
+        snapshots, crash_read = _Cuts(s, base_url, owner="snapshots"), _Cuts(s, base_url, owner="crash")
         started = time.monotonic()
         live = [asyncio.ensure_future(_chat(s, base_url, cid, max_tokens)) for cid in ids]
-        saved: dict[str, GenerationCut] = {}
-        cut_times: list[float] = []
-        # crash somewhere after the second snapshot and before the calls can end (at 90 % of the budget)
+        pins: list[dict[str, int]] = []  # each snapshot's pinned counts, oldest first
+        crash_at = None
+        k = 0
         while True:
-            await asyncio.sleep(interval_s)
-            cuts = await _cut(s, base_url, ids)
-            cut_times.append(time.monotonic())
-            saved.update(cuts)
-            if len(cut_times) >= 2 and min((c.token_count for c in cuts.values()), default=0) > 0:
+            k += 1
+            due = started + k * interval_s
+            if crash_at is not None and due >= crash_at:
                 break
-        first_full = min(c.token_count for c in saved.values())
-        rate = first_full / max(1e-9, cut_times[-1] - started)
-        horizon = max(0.0, (0.9 * max_tokens - first_full) / rate)
-        await asyncio.sleep(rng.uniform(0.0, horizon))
-        while True:  # the snapshots go on until the crash moment
-            next_cut = cut_times[-1] + interval_s
-            crash_at = time.monotonic()
-            if next_cut > crash_at:
-                break
-            cuts = await _cut(s, base_url, ids)
-            cut_times.append(time.monotonic())
-            saved.update(cuts)
-        at_crash = await _cut(s, base_url, ids)  # what each call had decoded when the crash hit
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            pins.append(await snapshots.pin(f"s{k}", ids))
+            if crash_at is None and len(pins) >= 2 and len(pins[-1]) == calls:
+                # crash somewhere after this snapshot, before the calls can end (90 % of their budget)
+                decoded = min(pins[-1].values())
+                rate = decoded / max(1e-9, time.monotonic() - started)
+                crash_at = time.monotonic() + rng.uniform(0.0, max(0.0, (0.9 * max_tokens - decoded) / rate))
+        await asyncio.sleep(max(0.0, crash_at - time.monotonic()))
+        at_crash = await crash_read.pin("crash", ids)  # what each call had decoded when the crash hit
         crashed_s = time.monotonic() - started
-        finals = await asyncio.gather(*live)  # the crashed run's calls: their replies are lost with it
-        call_s = time.monotonic() - started
-        per_call_rate = statistics.median(len(f["generation_token_ids"]) for f in finals) / call_s
-        gaps = [b - a for a, b in zip(cut_times, cut_times[1:])] or [interval_s]
-        # restore: each call again, continuing from its newest saved cut
+        saved = await snapshots.fetch(f"s{len(pins)}")  # the newest snapshot's cuts, as its persist wrote them
+        if set(saved) != set(pins[-1]) or len(saved) != calls:
+            raise RuntimeError(f"snapshot s{len(pins)} pinned {len(pins[-1])} calls, its fetch gave {len(saved)}")
+        await asyncio.gather(*live)  # the crashed run's calls: their replies are lost with it
+        # restore: each call again, continuing from the newest snapshot's cut
         restored = await asyncio.gather(*(_chat(s, base_url, cid.replace("crash", "restored"), max_tokens, saved[cid])
                                           for cid in ids))
+    # the tokens one call decodes in one snapshot interval: the largest step between two snapshots' pins
+    interval_tokens = max(b[c] - a.get(c, 0) for a, b in zip(pins, pins[1:]) for c in b)
     lost_prefix, lost_turn, problems = [], [], []
     for cid, out in zip(ids, restored):
-        truth = at_crash[cid].token_count if cid in at_crash else max_tokens
+        truth = at_crash.get(cid, max_tokens)
         cont = out.get("prefix_continuation") or {}
         if cont.get("token_count") != saved[cid].token_count or len(out["generation_token_ids"]) != max_tokens:
             problems.append(f"{cid}: continued {cont} to {len(out['generation_token_ids'])} tokens")
@@ -151,20 +181,19 @@ async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: fl
             problems.append(f"{cid}: the restored reply does not start with the saved prefix")
         lost_prefix.append(truth - saved[cid].token_count)
         lost_turn.append(truth)
-    interval_tokens = per_call_rate * max(gaps)
-    log(f"crash at {crashed_s:.1f}s: {len(cut_times)} cuts before it; per restored call regenerated "
+    log(f"crash at {crashed_s:.1f}s: {len(pins)} snapshots before it; per restored call regenerated "
         f"{statistics.median(lost_prefix):.0f} (prefix) vs {statistics.median(lost_turn):.0f} (turn) tokens; "
-        f"one interval = {interval_tokens:.0f} tokens")
-    return {"crash_s": crashed_s, "cuts": len(cut_times), "lost_prefix": lost_prefix, "lost_turn": lost_turn,
-            "decode_tok_per_s_per_call": per_call_rate, "max_cut_gap_s": max(gaps),
-            "interval_tokens": interval_tokens, "problems": problems}
+        f"one interval = {interval_tokens} tokens")
+    return {"crash_s": crashed_s, "cuts": len(pins), "lost_prefix": lost_prefix, "lost_turn": lost_turn,
+            "decode_tok_per_s_per_call": interval_tokens / interval_s, "interval_tokens": interval_tokens,
+            "problems": problems}
 
 
 async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repeats: int, log: Log) -> dict[str, Any]:
     ids = [f"pause-{i}.c" for i in range(calls)]
     model = PolicyModelParticipant()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        model.cut_source = lambda call_ids: _cut(s, base_url, call_ids)
+        model.cut_source = _Cuts(s, base_url, owner="pause")
 
         async def tracked(cid: str) -> None:  # one episode's call, generating in the backend
             async with model.call(cid.removesuffix(".c")) as ticket:
@@ -180,19 +209,27 @@ async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repe
                 break
             if time.monotonic() - t0 > 600:
                 raise RuntimeError(f"{calls} calls did not reach {at_least} tokens in 600 s")
-        times, tokens = [], []
+        times, tokens, fetches = [], [], []
         for _ in range(repeats):
             await model.close_admission("block")
             t = time.perf_counter()
-            summary_ = await model.take_cut()
+            summary_ = await model.take_cut()  # what the pause pays: the pin
             times.append(time.perf_counter() - t)
             tokens.append(summary_.tokens)
             if summary_.error or summary_.cut != calls:
                 raise RuntimeError(f"the cut took {summary_.cut} of {calls}: {summary_.error}")
+            complete = model.capture_completion()
             await model.open_admission()
+            t = time.perf_counter()
+            got = await complete()  # after resume: the tokens, as persist fetches them
+            fetches.append(time.perf_counter() - t)
+            if len(got) != calls:
+                raise RuntimeError(f"the fetch returned {len(got)} of {calls} cuts")
         await asyncio.gather(*live)
-    log(f"N={calls}: cut of {statistics.median(tokens):.0f} tokens in {statistics.median(times) * 1e3:.2f} ms (median)")
-    return {"calls": calls, "cut_ms": summary([t * 1e3 for t in times]), "tokens": summary(tokens)}
+    log(f"N={calls}: pin of {statistics.median(tokens):.0f} tokens in {statistics.median(times) * 1e3:.2f} ms, "
+        f"their fetch after resume {statistics.median(fetches) * 1e3:.1f} ms (medians)")
+    return {"calls": calls, "cut_ms": summary([t * 1e3 for t in times]), "tokens": summary(tokens),
+            "fetch_ms": summary([t * 1e3 for t in fetches])}
 
 
 def measure(*, workdir: Path, log: Log | None = None, calls: int = 8, max_tokens: int = 400, interval_s: float = 1.0,
@@ -239,8 +276,9 @@ def table(res: dict[str, Any]) -> str:
             for i, c in enumerate(res["crashes"])]
     part1 = md_table(["crash", "at", "cuts before it", "tokens/s per call", "tokens in one interval",
                       "regenerated per call, prefix", "regenerated per call, turn", "continuation problems"], rows)
-    part2 = md_table(["calls in flight", "tokens cut", "cut ms (added to the pause)"],
-                     [[str(p["calls"]), fmt(p["tokens"]), fmt(p["cut_ms"], 1, 2)] for p in res["pauses"]])
+    part2 = md_table(["calls in flight", "tokens cut", "pin ms (added to the pause)", "fetch ms (after resume)"],
+                     [[str(p["calls"]), fmt(p["tokens"]), fmt(p["cut_ms"], 1, 2), fmt(p["fetch_ms"], 1, 1)]
+                      for p in res["pauses"]])
     return (f"{cfg['calls']} calls of {cfg['max_tokens']} tokens, a snapshot every {cfg['interval_s']:g} s, "
             f"{cfg['crashes']} crashes (seed {cfg['seed']}); medians (min–max):\n\n{part1}\n\n{part2}")
 

@@ -5,10 +5,16 @@ generation backend that supports cuts (the server; NeMo-RL's torch and vLLM
 workers):
 
 * The model server sends each backend call with the header ``X-NG-Call-Id``.
-* ``POST <policy_base_url>/ng-cuts`` with a ``CutRequest`` answers a
-  ``CutReply``: for each named call the backend is still decoding, its
-  ``GenerationCut`` (tokens and logprobs so far). Reading it neither stops nor
-  alters the call. A backend without the route answers 404: no cut support.
+* The cut has two halves, like a staged snapshot. Inside the pause,
+  ``POST <policy_base_url>/ng-cuts`` with a ``CutRequest`` *pins* the named
+  calls: the backend notes how many tokens each has decoded now and answers
+  only those counts (``PinReply``), so the pause costs a few bytes per call
+  whatever the calls' lengths. Decoded tokens never change, so after resume
+  ``POST <policy_base_url>/ng-cuts/fetch`` (``FetchRequest``) returns each
+  pinned call's ``GenerationCut`` up to its pinned count (``CutReply``), also
+  for calls that have finished since. A backend keeps the newest pin of each
+  owner (model server) until it is fetched or replaced. Neither request stops
+  or alters a call. A backend without the routes answers 404: no cut support.
 * A chat-completions body may carry ``ng_prefix``: a saved ``GenerationCut``.
   The backend checks its digests, renders the prompt, and if the prompt's
   token ids are those the cut was taken after, continues decoding after the
@@ -32,7 +38,8 @@ from typing import Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 CALL_ID_HEADER = "X-NG-Call-Id"
-CUT_ROUTE = "/ng-cuts"  # appended to the backend's base URL (``.../v1``)
+CUT_ROUTE = "/ng-cuts"  # appended to the backend's base URL (``.../v1``): pin
+CUT_FETCH_ROUTE = "/ng-cuts/fetch"  # ... and fetch
 PREFIX_FIELD = "ng_prefix"  # the chat-completions body field that carries a cut to continue
 CALL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,159}$"
 _HEX64 = r"^[0-9a-f]{64}$"
@@ -108,13 +115,32 @@ class GenerationCut(BaseModel):
 
 
 class CutRequest(BaseModel):
+    """Pin the named calls under ``pin``; the owner's older pin is dropped."""
+
     model_config = ConfigDict(extra="forbid")
 
+    owner: str = Field(min_length=1, max_length=200)  # the model server (one pin kept per owner)
+    pin: str = Field(min_length=1, max_length=200)
     call_ids: list[str] = Field(min_length=1, max_length=100_000)
 
 
+class PinReply(BaseModel):
+    """Tokens decoded now by each named call the backend is decoding with at least one; others left out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    counts: dict[str, int] = Field(default_factory=dict)
+
+
+class FetchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    owner: str = Field(min_length=1, max_length=200)
+    pin: str = Field(min_length=1, max_length=200)
+
+
 class CutReply(BaseModel):
-    """The calls the backend is decoding now, with at least one token; others are left out."""
+    """The pinned calls' cuts, each up to its pinned count (a pin not held, or replaced: empty)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar, get_args
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -44,7 +45,15 @@ T = TypeVar("T")
 TicketState = Literal["waiting", "generating", "held", "writing"]
 
 
-CutSource = Callable[[list[str]], Awaitable[dict[str, GenerationCut]]]
+logger = logging.getLogger(__name__)
+
+
+class CutSource(Protocol):
+    """The backend's generation cuts (``gym_patches.checkpoint.cuts``): pin in the pause, fetch after."""
+
+    async def pin(self, pin: str, call_ids: list[str]) -> dict[str, int]: ...
+
+    async def fetch(self, pin: str) -> dict[str, GenerationCut]: ...
 
 
 class ModelRecord(BaseModel):
@@ -119,7 +128,9 @@ class PolicyModelParticipant(CheckpointParticipant):
         # current prepare took (per episode, until reopen), and restored ones waiting for their call.
         self.cut_source: CutSource | None = None
         self.cut_timeout_s = 2.0
-        self._cuts: dict[EpisodeId, GenerationCut] = {}
+        self._pins = itertools.count(1)
+        self._cut_pin = ""
+        self._cuts: dict[EpisodeId, tuple[str, int]] = {}  # pinned: episode -> (call id, tokens)
         self._cut_summary: CutSummary | None = None
         self._restored_cuts: dict[EpisodeId, tuple[int, GenerationCut]] = {}
 
@@ -225,36 +236,68 @@ class PolicyModelParticipant(CheckpointParticipant):
 
     # -- generation cuts -----------------------------------------------------
     async def take_cut(self) -> CutSummary:
-        """Read, for every tracked call generating now, its tokens so far from the backend (the call
-        goes on untouched). Never raises: a backend without cuts, an error or a timeout is reported
-        in the summary, and those calls regenerate at turn level."""
+        """Pin, at the backend, every tracked call generating now at the tokens it has decoded (the calls go
+        on untouched); the tokens themselves are fetched after resume (``capture_completion``) or, for a
+        blocking commit, by ``export``. Never raises: a backend without cuts, an error or a timeout is
+        reported in the summary, and those calls regenerate at turn level."""
         calls = {t.call_id: t.episode for t in self._by_state["generating"].values()
                  if t.episode is not None and t.call_id is not None and not t.retired}
         summary = CutSummary(in_flight=len(calls))
-        self._cuts = {}
+        self._cuts, self._cut_pin = {}, f"cut-{next(self._pins)}"
         if calls and self.cut_source is None:
             summary.error = "the model server's backend does not support generation cuts"
         elif calls:
             try:
-                got = await asyncio.wait_for(self.cut_source(list(calls)), self.cut_timeout_s)
+                counts = await asyncio.wait_for(self.cut_source.pin(self._cut_pin, list(calls)), self.cut_timeout_s)
             except asyncio.TimeoutError:
                 summary.error = f"the backend did not answer the cut within {self.cut_timeout_s:g}s"
             except Exception as exc:  # noqa: BLE001 - a failed cut never fails the prepare
                 summary.error = f"{type(exc).__name__}: {exc}"[:500]
             else:
-                for call_id, cut in got.items():
+                for call_id, n in counts.items():
                     episode = calls.get(call_id)
-                    if episode is not None and cut.call_id == call_id:
-                        self._cuts[episode] = cut
+                    if episode is not None and n > 0:
+                        self._cuts[episode] = (call_id, n)
                 summary.cut = len(self._cuts)
-                summary.tokens = sum(c.token_count for c in self._cuts.values())
-                summary.empty = len(calls) - len(got)
+                summary.tokens = sum(n for _, n in self._cuts.values())
+                summary.empty = len(calls) - len(counts)
         self._cut_summary = summary
         return summary
 
     def cut_summary(self) -> CutSummary | None:
         """What the current prepare's cut took (None: none was asked for)."""
         return self._cut_summary
+
+    async def _fetch_cuts(self, pin: str, pinned: dict[EpisodeId, tuple[str, int]]) -> dict[EpisodeId, GenerationCut]:
+        """The pinned calls' tokens, each checked against its pinned count; {} if the fetch fails (logged:
+        those calls regenerate at turn level)."""
+        if not pinned or self.cut_source is None:
+            return {}
+        try:
+            got = await asyncio.wait_for(self.cut_source.fetch(pin), self.cut_timeout_s * 5)
+        except Exception as exc:  # noqa: BLE001 - a lost cut costs its call's tokens, never the snapshot
+            logger.warning("generation cut %s: fetching the tokens failed, %d calls regenerate at turn level: %s: %s",
+                           pin, len(pinned), type(exc).__name__, exc)
+            return {}
+        out = {}
+        for episode, (call_id, n) in pinned.items():
+            cut = got.get(call_id)
+            if cut is not None and cut.call_id == call_id and cut.token_count == n:
+                out[episode] = cut
+        return out
+
+    def capture_completion(self) -> Callable[[], Awaitable[dict[str, Record]]] | None:
+        """For a staged capture taken now: after resume, the fields its cut episodes' records gain (the cut
+        and its token count, by capture key), fetched from the backend outside the pause."""
+        if not self._cuts:
+            return None
+        pin, pinned = self._cut_pin, dict(self._cuts)
+
+        async def complete() -> dict[str, Record]:
+            return {e.capture_key: {"cut": fragment(cut), "cut_tokens": cut.token_count}
+                    for e, cut in (await self._fetch_cuts(pin, pinned)).items()}
+
+        return complete
 
     def take_restored_cut(self, episode: EpisodeId) -> GenerationCut | None:
         """The cut a restore installed for ``episode``'s next call, handed out once; dropped unused if
@@ -294,11 +337,12 @@ class PolicyModelParticipant(CheckpointParticipant):
         """One record per episode. Without a scope: every episode with delivered
         replies. With a scope: every in-scope episode that is not retired, also
         those with 0 delivered (an agent parked at its first call), so a restore
-        of that scope always finds a record."""
-        cuts = self._cuts
+        of that scope always finds a record. Cut episodes carry their cut, fetched now (a blocking commit
+        writes inside the pause anyway)."""
+        cuts = await self._fetch_cuts(self._cut_pin, self._cuts)
         if episodes is None:
             chosen = {e: n for e, n in self._delivered.items() if n > 0}
-            for episode in cuts:
+            for episode in self._cuts:
                 chosen.setdefault(episode, self._delivered.get(episode, 0))
         else:
             chosen = {}
@@ -314,8 +358,8 @@ class PolicyModelParticipant(CheckpointParticipant):
         out: list[Any] = []
         cache = self._capture_cache
         cuts = self._cuts
-        for episode, cut in cuts.items():  # a cut changes every snapshot: never cached
-            entry = capture_record(_model_record(episode, self._delivered.get(episode, 0), cut))
+        for episode in cuts:  # its cut joins after resume (``capture_completion``); never cached
+            entry = capture_record(_model_record(episode, self._delivered.get(episode, 0)))
             assert entry is not None, f"the record of {episode} cannot be captured"
             out.append(entry)
         for episode, calls in self._delivered.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar
 
 from gym_patches.checkpoint.cuts import CutSummary
 from gym_patches.checkpoint.errors import StaleAttemptError
@@ -76,6 +76,12 @@ class CheckpointParticipant(ABC):
         """For a staged capture (``capture_records()``, taken the moment the participant is
         prepared): how to make, later, the record of an in-scope episode the capture left out,
         as things stood when prepared. None (the default): such an episode has no record."""
+        return None
+
+    def capture_completion(self) -> Callable[[], Awaitable[dict[str, Record]]] | None:
+        """For a staged capture taken now: what, after resume and before ``persist`` writes, adds fields
+        to some captured records (capture key -> fields; the model's generation cuts, whose tokens are
+        fetched outside the pause). None (the default): the capture is complete as taken."""
         return None
 
     async def take_cut(self) -> CutSummary | None:

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CUT_ROUTE, CutReply, GenerationCut
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CUT_FETCH_ROUTE, CUT_ROUTE, CutReply, GenerationCut, PinReply
 from nemo_rl.algorithms.grpo_config import GenerationConfig, PolicyConfig
 from nemo_rl.models.generation.worker import GenerationWorker, model_files
 from nemo_rl.models.policy import load_policy
@@ -51,17 +51,31 @@ async def _chat(session, base_url, body, call_id=None):
         return r.status, await r.json()
 
 
-async def _cut(session, base_url, call_ids):
-    async with session.post(base_url + CUT_ROUTE, json={"call_ids": call_ids}) as r:
+async def _pin(session, base_url, call_ids, pin="p1", owner="test"):
+    async with session.post(base_url + CUT_ROUTE, json={"owner": owner, "pin": pin, "call_ids": call_ids}) as r:
+        assert r.status == 200, await r.text()
+        return PinReply.model_validate(await r.json()).counts
+
+
+async def _fetch(session, base_url, pin="p1", owner="test"):
+    async with session.post(base_url + CUT_FETCH_ROUTE, json={"owner": owner, "pin": pin}) as r:
         assert r.status == 200, await r.text()
         return CutReply.model_validate(await r.json()).cuts
 
 
+async def _cut(session, base_url, call_ids):
+    """Pin then fetch at once: the calls' cuts at the pin."""
+    counts = await _pin(session, base_url, call_ids)
+    cuts = await _fetch(session, base_url)
+    assert {c: cut.token_count for c, cut in cuts.items()} == counts
+    return cuts
+
+
 async def _cut_when_decoding(session, base_url, call_ids, at_least=8):
     for _ in range(2000):
-        cuts = await _cut(session, base_url, call_ids)
-        if len(cuts) == len(call_ids) and all(c.token_count >= at_least for c in cuts.values()):
-            return cuts
+        counts = await _pin(session, base_url, call_ids)
+        if len(counts) == len(call_ids) and min(counts.values()) >= at_least:
+            return await _fetch(session, base_url)
         await asyncio.sleep(0.005)
     raise AssertionError("the calls never had tokens to cut")
 
@@ -73,9 +87,16 @@ async def test_a_cut_reads_live_calls_without_altering_them(worker):
         calls = [asyncio.ensure_future(_chat(s, base_url, _body(), cid)) for cid in ids]
         cuts = await _cut_when_decoding(s, base_url, ids)
         assert await _cut(s, base_url, ["nobody-calls-this"]) == {}
+        # a pin holds the counts while the calls go on; its fetch, after they finished, gives exactly those
+        counts = await _pin(s, base_url, ids, pin="late")
         replies = await asyncio.gather(*calls)
+        late = await _fetch(s, base_url, pin="late")
+        assert {c: cut.token_count for c, cut in late.items()} == counts
+        assert await _fetch(s, base_url, pin="late") == {}  # fetched once, then forgotten
     for cid, (status, out) in zip(ids, replies):
         assert status == 200, out
+        tokens, logprobs = late[cid].unpack()
+        assert out["generation_token_ids"][:len(tokens)] == tokens and out["generation_log_probs"][:len(tokens)] == logprobs
         tokens, logprobs = cuts[cid].unpack()
         n = cuts[cid].token_count
         assert 0 < n < MAX_TOKENS and cuts[cid].weight_version == 3

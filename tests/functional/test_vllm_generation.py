@@ -458,21 +458,37 @@ async def _call(session, url: str, body: dict, call_id: str | None = None) -> tu
         return r.status, await r.json()
 
 
-async def _cut(session, url: str, call_ids: list[str]) -> dict:
-    from gym_patches.checkpoint.cuts import CUT_ROUTE, CutReply
+async def _pin(session, url: str, call_ids: list[str], pin: str = "p1") -> dict:
+    from gym_patches.checkpoint.cuts import CUT_ROUTE, PinReply
 
-    async with session.post(url + CUT_ROUTE, json={"call_ids": call_ids}) as r:
+    async with session.post(url + CUT_ROUTE, json={"owner": "test", "pin": pin, "call_ids": call_ids}) as r:
+        assert r.status == 200, await r.text()
+        return PinReply.model_validate(await r.json()).counts
+
+
+async def _fetch(session, url: str, pin: str = "p1") -> dict:
+    from gym_patches.checkpoint.cuts import CUT_FETCH_ROUTE, CutReply
+
+    async with session.post(url + CUT_FETCH_ROUTE, json={"owner": "test", "pin": pin}) as r:
         assert r.status == 200, await r.text()
         return CutReply.model_validate(await r.json()).cuts
 
 
+async def _cut(session, url: str, call_ids: list[str]) -> dict:
+    """Pin, then fetch: the calls' cuts at the pin (each exactly its pinned count)."""
+    counts = await _pin(session, url, call_ids)
+    cuts = await _fetch(session, url)
+    assert {c: cut.token_count for c, cut in cuts.items()} == counts
+    return cuts
+
+
 async def _cut_when_decoding(session, url: str, call_ids: list[str], at_least: int = 8) -> dict:
-    """Poll the cut route until every call is in flight with ``at_least`` tokens; returns that cut."""
+    """Pin until every call is in flight with ``at_least`` tokens; returns that pin's cuts."""
     deadline = asyncio.get_running_loop().time() + 120
     while asyncio.get_running_loop().time() < deadline:
-        cuts = await _cut(session, url, call_ids)
-        if len(cuts) == len(call_ids) and all(c.token_count >= at_least for c in cuts.values()):
-            return cuts
+        counts = await _pin(session, url, call_ids)
+        if len(counts) == len(call_ids) and min(counts.values()) >= at_least:
+            return await _fetch(session, url)
         await asyncio.sleep(0.005)
     raise AssertionError("the calls never had tokens to cut")
 

@@ -18,19 +18,27 @@ from gym_patches.checkpoint.records import plain
 
 
 class FakeCutBackend:
-    """A named fake: answers cuts from a table, or fails/hangs as told."""
+    """A named fake: pins and fetches cuts from a table, or fails/hangs as told."""
 
-    def __init__(self, tokens: dict[str, list[int]], *, fail: Exception | None = None, hang: bool = False):
-        self.tokens, self.fail, self.hang, self.asked = tokens, fail, hang, []
+    def __init__(self, tokens: dict[str, list[int]], *, fail: Exception | None = None, hang: bool = False,
+                 fail_fetch: bool = False):
+        self.tokens, self.fail, self.hang, self.fail_fetch, self.asked = tokens, fail, hang, fail_fetch, []
+        self.pinned: dict[str, dict[str, int]] = {}
 
-    async def __call__(self, call_ids: list[str]) -> dict[str, GenerationCut]:
+    async def pin(self, pin: str, call_ids: list[str]) -> dict[str, int]:
         self.asked.append(sorted(call_ids))
         if self.hang:
             await asyncio.Event().wait()
         if self.fail is not None:
             raise self.fail
-        return {c: GenerationCut.build(c, "a" * 64, self.tokens[c], [-0.5] * len(self.tokens[c]), 2)
-                for c in call_ids if self.tokens.get(c)}
+        self.pinned[pin] = {c: len(self.tokens[c]) for c in call_ids if self.tokens.get(c)}
+        return dict(self.pinned[pin])
+
+    async def fetch(self, pin: str) -> dict[str, GenerationCut]:
+        if self.fail_fetch:
+            raise RuntimeError("the backend went away")
+        return {c: GenerationCut.build(c, "a" * 64, self.tokens[c][:n], [-0.5] * n, 2)
+                for c, n in self.pinned.pop(pin, {}).items()}
 
 
 async def _generating(model: PolicyModelParticipant, keys: list[str]):
@@ -58,12 +66,19 @@ async def test_a_cut_is_taken_at_close_and_saved_in_the_episode_record():
     summary = await model.take_cut()
     assert backend.asked == [["r1.c", "r2.c"]]
     assert (summary.in_flight, summary.cut, summary.empty, summary.tokens, summary.failed) == (2, 1, 1, 3, 0)
+    # a staged capture: the record now, its cut's tokens after resume (they were pinned at 3)
+    captured = {c.key: plain(c.record) for c in await model.capture_records()}
+    assert captured == {"r1": {"episode_id": {"rollout_id": "r1", "attempt": 0}, "delivered_calls": 0}}
+    complete = model.capture_completion()
+    backend.tokens["r1.c"].append(4)  # the call decodes on; the cut stays what was pinned
+    late = await complete()
+    rec = ModelRecord.model_validate(plain({**captured["r1"], **late["r1"]}))
+    assert rec.delivered_calls == 0 and rec.cut_tokens == 3 and rec.cut.unpack()[0] == [1, 2, 3]
+    # a blocking commit's export fetches at once
+    await model.take_cut()
     records = {r["episode_id"]["rollout_id"]: plain(r) for r in await model.export(None)}
     assert set(records) == {"r1"}  # r2 had no token yet and no reply: nothing to save
-    rec = ModelRecord.model_validate(records["r1"])
-    assert rec.delivered_calls == 0 and rec.cut_tokens == 3 and rec.cut.unpack()[0] == [1, 2, 3]
-    captured = {c.key: plain(c.record) for c in await model.capture_records()}
-    assert captured == records
+    assert ModelRecord.model_validate(records["r1"]).cut.unpack()[0] == [1, 2, 3, 4]
     await model.open_admission()
     assert await model.export(None) == [] and model.cut_summary() is None  # the cut belongs to that prepare
     release.set()
@@ -83,6 +98,19 @@ async def test_a_cut_that_fails_never_blocks_and_says_why(backend, why):
     summary = await asyncio.wait_for(model.take_cut(), 2.0)
     assert why in summary.error and summary.failed == 1 and summary.cut == 0
     assert model.is_ready()  # generation never blocks a snapshot, cut or not
+    release.set()
+    await model.open_admission()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_failed_fetch_loses_only_the_cut():
+    model = PolicyModelParticipant()
+    model.cut_source = FakeCutBackend({"r1.c": [1, 2]}, fail_fetch=True)
+    release, tasks = await _generating(model, ["r1"])
+    await model.close_admission("block")
+    assert (await model.take_cut()).cut == 1
+    complete = model.capture_completion()
+    assert await complete() == {}  # logged; that call regenerates at turn level
     release.set()
     await model.open_admission()
     await asyncio.gather(*tasks)

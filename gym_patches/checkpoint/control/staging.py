@@ -8,7 +8,7 @@ persist write (``tasks``), which a newer capture or the server's stop closes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from gym_patches.checkpoint.control.scope import Job, TaskScope
 from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
@@ -24,7 +24,8 @@ class StagedCapture:
     already encoded), the keys reported unsaved at prepare, and the persist write it owns."""
 
     def __init__(self, instance: str, checkpoint_id: str, entries: dict[str, list[Record | bytes]], nbytes: int,
-                 fill: Callable[[EpisodeId], Record | None] | None, unsaved: frozenset[str]):
+                 fill: Callable[[EpisodeId], Record | None] | None, unsaved: frozenset[str],
+                 complete: Callable[[], Awaitable[dict[str, Record]]] | None = None):
         self.checkpoint_id = checkpoint_id
         self.keys = sorted(entries)
         self.nbytes = nbytes
@@ -32,6 +33,7 @@ class StagedCapture:
         self.tasks = TaskScope(f"capture {checkpoint_id!r}", instance)
         self._entries: dict[str, list[Record | bytes]] | None = entries  # None once written
         self._fill = fill
+        self._complete = complete  # fields some records gain after resume (the model's cuts)
 
     def persist(self, kind: str, instance: str, checkpoint_dir: str, scope: tuple[str, ...]) -> Job[dict[str, Any]]:
         """The write of ``scope`` to ``checkpoint_dir``: started by the first call (which fixes the
@@ -53,9 +55,10 @@ class StagedCapture:
 
         async def write(job: Job[dict[str, Any]]) -> dict[str, Any]:
             # no lock: it changes only this capture (freed once written), which nothing else writes
+            late = await self._complete() if self._complete is not None else {}
             try:
                 keys, manifest, cut_tokens = await job.in_thread(self._write, checkpoint_dir, kind, instance,
-                                                                 scope, job.stop.is_set)
+                                                                 scope, job.stop.is_set, late)
             except WriteStopped:
                 raise CheckpointError(f"persist for {self.checkpoint_id!r} was aborted",
                                       code="stale_checkpoint") from None
@@ -63,9 +66,11 @@ class StagedCapture:
 
         return self.tasks.spawn("persist", f"persist for {self.checkpoint_id!r}", args, write)
 
-    def select(self, scope: tuple[str, ...]) -> tuple[list[str], EncodedRecords, dict[str, int]]:
+    def select(self, scope: tuple[str, ...], late: dict[str, Record] | None = None
+               ) -> tuple[list[str], EncodedRecords, dict[str, int]]:
         """The scope's records as JSONL lines (in key order), the keys that have any, and the
-        generation cuts among them (capture key -> tokens)."""
+        generation cuts among them (capture key -> tokens). ``late``: fields a key's record gains."""
+        late = late or {}
         assert self._entries is not None, f"the capture of {self.checkpoint_id!r} was already written"
         keys: list[str] = []
         lines: list[bytes] = []
@@ -82,6 +87,8 @@ class StagedCapture:
                 if type(entry) is bytes:
                     lines.append(entry)
                     continue
+                if key in late:
+                    entry = {**entry, **late[key]}
                 tokens = entry.get("cut_tokens")
                 if type(tokens) is int and tokens > 0:
                     cut_tokens[key] = tokens
@@ -92,9 +99,10 @@ class StagedCapture:
         return keys, EncodedRecords(lines), cut_tokens
 
     def _write(self, checkpoint_dir: str, kind: str, instance: str, scope: tuple[str, ...],
-               should_stop: Callable[[], bool]) -> tuple[list[str], ParticipantManifest, dict[str, int]]:
+               should_stop: Callable[[], bool], late: dict[str, Record] | None = None,
+               ) -> tuple[list[str], ParticipantManifest, dict[str, int]]:
         """Select and write the scope (blocking: runs in the job's thread), then free the copy."""
-        keys, encoded, cut_tokens = self.select(scope)
+        keys, encoded, cut_tokens = self.select(scope, late)
         manifest = write_participant_state(checkpoint_dir, kind, instance, self.checkpoint_id, encoded,
                                            should_stop=should_stop)
         self._entries = None  # written: retries get the stored reply
@@ -134,12 +142,13 @@ async def take_capture(participant: CheckpointParticipant, instance: str, checkp
     record without a valid episode_id fails the prepare."""
     records: list[Any] = await participant.capture_records()
     fill = participant.scope_fill()
+    complete = participant.capture_completion()
     if all(type(record) is CapturedRecord for record in records):
         # the common case (every saving participant): one record per key, already checked and copied
         entries: dict[str, list[Record | bytes]] = {c.key: [c.record] for c in records}
         if len(entries) == len(records):
             return StagedCapture(instance, checkpoint_id, entries, sum(c.size for c in records), fill,
-                                 frozenset(unsaved))
+                                 frozenset(unsaved), complete)
     entries = {}
     nbytes = 0
     for index, record in enumerate(records):
@@ -160,4 +169,4 @@ async def take_capture(participant: CheckpointParticipant, instance: str, checkp
             size = len(kept)
         nbytes += size
         entries.setdefault(key, []).append(kept)
-    return StagedCapture(instance, checkpoint_id, entries, nbytes, fill, frozenset(unsaved))
+    return StagedCapture(instance, checkpoint_id, entries, nbytes, fill, frozenset(unsaved), complete)

@@ -37,7 +37,17 @@ import aiohttp
 from aiohttp import web
 from pydantic import Field, ValidationError
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CUT_ROUTE, PREFIX_FIELD, CutReply, CutRequest, GenerationCut
+from gym_patches.checkpoint.cuts import (
+    CALL_ID_HEADER,
+    CUT_FETCH_ROUTE,
+    CUT_ROUTE,
+    PREFIX_FIELD,
+    CutReply,
+    CutRequest,
+    FetchRequest,
+    GenerationCut,
+    PinReply,
+)
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.model import ModelTicket, PolicyModelParticipant
@@ -152,6 +162,47 @@ def backend_rejection(status: int, text: str) -> BackendRejected:
     return BackendRejected(status, message[:MAX_PASSED_MESSAGE_CHARS], type_, param, code)
 
 
+class BackendCuts:
+    """The policy backend's generation cuts, as the model participant asks for them: pin the calls in the
+    pause (counts only), fetch their tokens after resume. Any failure raises (a 404 says the backend has no
+    cut support); the participant reports it and never blocks on it."""
+
+    def __init__(self, server: "VLLMModelServer"):
+        self.server = server
+        self.owner = f"{server.name}-{uuid.uuid4().hex[:12]}"  # this process: one pin kept per owner
+
+    async def _post(self, route: str, body: str) -> bytes:
+        server = self.server
+        base = server.global_config.policy_base_url
+        if base is None or server._session is None:
+            raise BackendError("no policy backend is configured")
+        url = f"{base.rstrip('/')}{route}"
+        headers = {"Authorization": f"Bearer {server.global_config.policy_api_key}",
+                   "Content-Type": "application/json"}
+        async with server._session.post(url, data=body, headers=headers) as resp:
+            raw = await resp.read()
+            if resp.status == 404:
+                raise BackendError(f"policy backend {url} does not support generation cuts (404)")
+            if resp.status != 200:
+                raise BackendError(f"policy backend {url} returned {resp.status} to a cut: "
+                                   f"{raw[:MAX_ERROR_BODY_CHARS].decode(errors='replace')}")
+        return raw
+
+    async def pin(self, pin: str, call_ids: list[str]) -> dict[str, int]:
+        raw = await self._post(CUT_ROUTE, CutRequest(owner=self.owner, pin=pin, call_ids=call_ids).model_dump_json())
+        try:
+            return PinReply.model_validate_json(raw).counts
+        except ValidationError as exc:
+            raise BackendError(f"policy backend sent an unusable pin reply: {exc.errors()[0]['msg']}") from None
+
+    async def fetch(self, pin: str) -> dict[str, GenerationCut]:
+        raw = await self._post(CUT_FETCH_ROUTE, FetchRequest(owner=self.owner, pin=pin).model_dump_json())
+        try:
+            return CutReply.model_validate_json(raw).cuts
+        except ValidationError as exc:
+            raise BackendError(f"policy backend sent an unusable cut: {exc.errors()[0]['msg']}") from None
+
+
 class VLLMModelServer(GymServer):
     server_type = "responses_api_models"
     config_model = VLLMModelConfig
@@ -161,7 +212,7 @@ class VLLMModelServer(GymServer):
         super().__init__(instance, global_config)
         # The gate always runs; with checkpointing off nobody ever closes it.
         self.gate = PolicyModelParticipant()
-        self.gate.cut_source = self._cut_backend
+        self.gate.cut_source = BackendCuts(self)
         self._session: aiohttp.ClientSession | None = None
 
     def make_participant(self) -> PolicyModelParticipant:
@@ -262,27 +313,6 @@ class VLLMModelServer(GymServer):
                 502, f"policy backend {self.backend_url} sent an unusable reply: {exc}", code="backend_error"
             )
         return web.json_response(out)
-
-    async def _cut_backend(self, call_ids: list[str]) -> dict[str, GenerationCut]:
-        """The backend's generation cut of ``call_ids`` (those it no longer decodes are left out).
-        Raises if it has no cut route (404) or fails; the participant reports that, never blocks."""
-        base = self.global_config.policy_base_url
-        if base is None or self._session is None:
-            raise BackendError("no policy backend is configured")
-        url = f"{base.rstrip('/')}{CUT_ROUTE}"
-        headers = {"Authorization": f"Bearer {self.global_config.policy_api_key}", "Content-Type": "application/json"}
-        async with self._session.post(url, data=CutRequest(call_ids=call_ids).model_dump_json(),
-                                      headers=headers) as resp:
-            raw = await resp.read()
-            if resp.status == 404:
-                raise BackendError(f"policy backend {url} does not support generation cuts (404)")
-            if resp.status != 200:
-                raise BackendError(f"policy backend {url} returned {resp.status} to a cut: "
-                                   f"{raw[:MAX_ERROR_BODY_CHARS].decode(errors='replace')}")
-        try:
-            return CutReply.model_validate_json(raw).cuts
-        except ValidationError as exc:
-            raise BackendError(f"policy backend {url} sent an unusable cut: {exc.errors()[0]['msg']}") from None
 
     async def _post_backend(self, chat_body: dict[str, Any], call_id: str | None = None) -> Any:
         url = self.backend_url

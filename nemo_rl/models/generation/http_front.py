@@ -6,21 +6,22 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from gym_patches.checkpoint.cuts import CUT_ROUTE
+from gym_patches.checkpoint.cuts import CUT_FETCH_ROUTE, CUT_ROUTE
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 async def serve_openai_routes(host: str, port: int, *, chat: Handler, models: Handler,
-                              health: Handler, cuts: Handler | None = None) -> tuple[web.AppRunner, str]:
+                              health: Handler, cuts: tuple[Handler, Handler] | None = None) -> tuple[web.AppRunner, str]:
     """Serve the routes on ``host:port`` (0: any free port); returns the runner (its owner
-    cleans it up) and the base URL ending in ``/v1``. ``cuts`` serves generation cuts
-    (``gym_patches.checkpoint.cuts``) on ``/v1/ng-cuts``."""
+    cleans it up) and the base URL ending in ``/v1``. ``cuts`` (pin, fetch) serves generation
+    cuts (``gym_patches.checkpoint.cuts``) on ``/v1/ng-cuts`` and ``/v1/ng-cuts/fetch``."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/chat/completions", chat)
     if cuts is not None:
-        app.router.add_post("/v1" + CUT_ROUTE, cuts)
+        app.router.add_post("/v1" + CUT_ROUTE, cuts[0])
+        app.router.add_post("/v1" + CUT_FETCH_ROUTE, cuts[1])
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)

@@ -14,10 +14,11 @@ private loopback port, and serves a thin front on the run's policy port:
   ``generation_token_ids``, ``generation_log_probs`` (vLLM's logprob of each
   sampled token, after temperature: ``--logprobs-mode processed_logprobs``)
   and ``weight_version``.
-* ``POST /v1/ng-cuts``: generation cuts (``gym_patches.checkpoint.cuts``). A
+* ``POST /v1/ng-cuts`` and ``/v1/ng-cuts/fetch``: generation cuts
+  (``gym_patches.checkpoint.cuts``: pin the counts, fetch the tokens later). A
   chat request named by ``X-NG-Call-Id`` (or carrying ``ng_prefix``) is sent to
   vLLM with ``stream: true``: the front accumulates each chunk's ``token_ids``
-  and logprobs as vLLM samples them, so a cut reads the tokens so far without
+  and logprobs as vLLM samples them, so a pin reads the tokens so far without
   touching the request in vLLM, and the reply is assembled from the chunks in
   the shape above (text decoded from the token ids, tool calls parsed from it by
   the hermes parser the torch worker uses, ``nemo_rl.models.chat.parse_reply``:
@@ -79,7 +80,9 @@ from gym_patches.checkpoint.cuts import (
     PREFIX_FIELD,
     CutReply,
     CutRequest,
+    FetchRequest,
     GenerationCut,
+    PinReply,
     PrefixContinuation,
     prompt_digest,
 )
@@ -157,6 +160,12 @@ _TEMPLATE_KEYS = ("tools", "add_generation_prompt", "continue_final_message", "a
                   "chat_template_kwargs", "mm_processor_kwargs")
 
 
+def _invalid(exc: ValidationError) -> web.Response:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "body"
+    return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
+
+
 @dataclass
 class _LiveCall:
     """A call named by ``X-NG-Call-Id``, from arrival to reply: what a cut of it reads.
@@ -173,18 +182,24 @@ class _LiveCall:
     lps: list[float] = field(default_factory=list)
     version: int | None = None  # the weights serving when the request was sent to vLLM
 
-    def cut(self, call_id: str) -> GenerationCut | None:
-        """The tokens so far (prefix + streamed), or None if there are none yet."""
+    def decoded(self) -> int:
+        """Tokens so far, prefix included (0 until the prompt's ids are known)."""
         if self.prompt_sha is None:
-            return None
+            return 0
+        own = min(len(self.ids), len(self.lps)) if self.version is not None else 0
+        return len(self.prefix_ids) + own
+
+    def cut(self, call_id: str, upto: int) -> GenerationCut:
+        """The first ``upto`` tokens (prefix + streamed), as a pin counted them: streamed tokens are only
+        ever appended, so this is what the call held at the pin, also once it has finished."""
+        assert self.prompt_sha is not None, "a pinned call knows its prompt"
         ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
-        n = min(len(self.ids), len(self.lps))
-        if n and self.version is not None:
-            ids, lps = ids + self.ids[:n], lps + self.lps[:n]
+        own = upto - len(ids)
+        if own > 0 and self.version is not None:
+            ids, lps = ids + self.ids[:own], lps + self.lps[:own]
             version = self.version if version is None else min(version, self.version)
-        if not ids or version is None:
-            return None
-        return GenerationCut.build(call_id, self.prompt_sha, ids, lps, version)
+        assert version is not None, "a pinned call has tokens"
+        return GenerationCut.build(call_id, self.prompt_sha, ids[:upto], lps[:upto], version)
 
 
 @dataclass
@@ -262,6 +277,8 @@ class VllmGenerationServer:
         self.created = int(time.time())
         # Calls named by X-NG-Call-Id, from arrival to reply: what a generation cut reads.
         self._live: dict[str, _LiveCall] = {}
+        # owner (a model server) -> its newest pin: (pin id, {call id: (call, tokens pinned)}), until fetched
+        self._pins: dict[str, tuple[str, dict[str, tuple[_LiveCall, int]]]] = {}
         self._tokenizer: Any = None  # loaded when a tracked call first needs it (decoding, stop tokens)
         self._stop_ids: frozenset[int] = frozenset()
         self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "refits_in_flight": 0, "load_s": None,
@@ -333,7 +350,7 @@ class VllmGenerationServer:
         self.stats["load_s"] = round(time.monotonic() - t0, 2)
         self._runner, self.base_url = await serve_openai_routes(
             host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
-            cuts=self._handle_cuts)
+            cuts=(self._handle_pin, self._handle_fetch))
         return self.base_url
 
     def server_log_tail(self, n: int = 4000) -> str:
@@ -514,20 +531,34 @@ class VllmGenerationServer:
                 del self._live[call_id]
         return web.json_response(reply, status=status)
 
-    async def _handle_cuts(self, request: web.Request) -> web.Response:
-        """``POST /v1/ng-cuts``: the tokens so far of each named call still in flight (read, not stopped)."""
+    async def _handle_pin(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts``: pin each named call in flight at the tokens streamed so far (read, not
+        stopped) and answer the counts; the owner's older pin is dropped."""
         try:
             req = CutRequest.model_validate_json(await request.read())
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "body"
-            return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
-        cuts: dict[str, GenerationCut] = {}
+            return _invalid(e)
+        pinned: dict[str, tuple[_LiveCall, int]] = {}
         for call_id in req.call_ids:
             live = self._live.get(call_id)
-            cut = None if live is None else live.cut(call_id)
-            if cut is not None:
-                cuts[call_id] = cut
+            n = 0 if live is None else live.decoded()
+            if n:
+                pinned[call_id] = (live, n)
+        self._pins[req.owner] = (req.pin, pinned)
+        return web.Response(body=PinReply(counts={c: n for c, (_, n) in pinned.items()}).model_dump_json(),
+                            content_type="application/json")
+
+    async def _handle_fetch(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts/fetch``: the owner's pinned cuts, each up to its pinned count; then forgotten."""
+        try:
+            req = FetchRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            return _invalid(e)
+        held = self._pins.get(req.owner)
+        cuts: dict[str, GenerationCut] = {}
+        if held is not None and held[0] == req.pin:
+            del self._pins[req.owner]
+            cuts = {call_id: live.cut(call_id, n) for call_id, (live, n) in held[1].items()}
         self.stats["cuts"] += len(cuts)
         self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
         return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")

@@ -46,7 +46,9 @@ from gym_patches.checkpoint.cuts import (
     CALL_ID_HEADER,
     CutReply,
     CutRequest,
+    FetchRequest,
     GenerationCut,
+    PinReply,
     PrefixContinuation,
     prompt_digest,
 )
@@ -85,19 +87,24 @@ class _LiveCall:
     prefix_version: int | None = None
     job: _Job | None = None
 
-    def cut(self, call_id: str) -> GenerationCut | None:
-        """The tokens so far (prefix + the job's), or None if there are none yet."""
+    def decoded(self) -> int:
+        """Tokens so far, prefix included (the job's logprobs are appended after their token ids, so its
+        first ``len(logprobs)`` ids are complete)."""
+        job = self.job
+        own = len(job.out.logprobs) if job is not None and job.version is not None else 0
+        return len(self.prefix_ids) + own
+
+    def cut(self, call_id: str, upto: int) -> GenerationCut:
+        """The first ``upto`` tokens (prefix + the job's), as a pin counted them: decoded tokens never
+        change, so this is what the call held at the pin, also once it has finished."""
         job = self.job
         ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
-        if job is not None and job.version is not None:
-            out = job.out
-            n = len(out.logprobs)  # appended after its token id: the first n ids are complete
-            if n:
-                ids, lps = ids + out.token_ids[:n], lps + out.logprobs[:n]
-                version = job.version if version is None else min(version, job.version)
-        if not ids or version is None:
-            return None
-        return GenerationCut.build(call_id, self.prompt_sha, ids, lps, version)
+        own = upto - len(ids)
+        if own > 0 and job is not None and job.version is not None:
+            ids, lps = ids + job.out.token_ids[:own], lps + job.out.logprobs[:own]
+            version = job.version if version is None else min(version, job.version)
+        assert version is not None, "a pinned call has tokens"
+        return GenerationCut.build(call_id, self.prompt_sha, ids[:upto], lps[:upto], version)
 
 
 @dataclass
@@ -117,6 +124,12 @@ def _settle(fut: asyncio.Future, version: int | None, err: BaseException | None)
         fut.set_exception(err)
     else:
         fut.set_result(version)
+
+
+def _invalid(exc: ValidationError) -> web.Response:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "body"
+    return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
 
 
 class _BadRequest(Exception):
@@ -222,6 +235,8 @@ class GenerationServer:
         # boundaries passed (the points where an in-flight refit can land), all batches together
         # Calls named by X-NG-Call-Id, from arrival to reply: what a generation cut reads.
         self._live: dict[str, _LiveCall] = {}
+        # owner (a model server) -> its newest pin: (pin id, {call id: (call, tokens pinned)}), until fetched
+        self._pins: dict[str, tuple[str, dict[str, tuple[_LiveCall, int]]]] = {}
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "refits": 0, "refits_in_flight": 0,
                       "decoding_rows": 0, "decode_steps": 0, "cuts": 0, "cut_tokens": 0,
                       "continued": 0, "continued_tokens": 0, "discarded": 0}
@@ -235,7 +250,7 @@ class GenerationServer:
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
         self._runner, self.base_url = await serve_openai_routes(
             host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
-            cuts=self._handle_cuts)
+            cuts=(self._handle_pin, self._handle_fetch))
         return self.base_url
 
     async def stop(self) -> None:
@@ -432,20 +447,34 @@ class GenerationServer:
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self._version})
 
-    async def _handle_cuts(self, request: web.Request) -> web.Response:
-        """``POST /v1/ng-cuts``: the tokens so far of each named call still in flight (read, not stopped)."""
+    async def _handle_pin(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts``: pin each named call in flight at the tokens it has decoded now (read, not
+        stopped) and answer the counts; the owner's older pin is dropped."""
         try:
             req = CutRequest.model_validate_json(await request.read())
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "body"
-            return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
-        cuts = {}
+            return _invalid(e)
+        pinned: dict[str, tuple[_LiveCall, int]] = {}
         for call_id in req.call_ids:
             live = self._live.get(call_id)
-            cut = None if live is None else live.cut(call_id)
-            if cut is not None:
-                cuts[call_id] = cut
+            n = 0 if live is None else live.decoded()
+            if n:
+                pinned[call_id] = (live, n)
+        self._pins[req.owner] = (req.pin, pinned)
+        return web.Response(body=PinReply(counts={c: n for c, (_, n) in pinned.items()}).model_dump_json(),
+                            content_type="application/json")
+
+    async def _handle_fetch(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts/fetch``: the owner's pinned cuts, each up to its pinned count; then forgotten."""
+        try:
+            req = FetchRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            return _invalid(e)
+        held = self._pins.get(req.owner)
+        cuts = {}
+        if held is not None and held[0] == req.pin:
+            del self._pins[req.owner]
+            cuts = {call_id: live.cut(call_id, n) for call_id, (live, n) in held[1].items()}
         self.stats["cuts"] += len(cuts)
         self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
         return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")

@@ -277,9 +277,48 @@ def async_throughput(res: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def prefix_work_lost(res: dict[str, Any], path: Path) -> Path:
+    """Regenerated tokens per restored call, prefix against turn, per crash (with one interval's tokens); and
+    what the cut adds to the pause against what it costs after resume, per calls in flight."""
+    crashes, pauses = res["crashes"], res["pauses"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.38
+    xs = range(len(crashes))
+    for off, key, color, label in ((-0.5, "lost_turn", "C7", "turn"), (0.5, "lost_prefix", "C0", "prefix")):
+        meds = [sorted(c[key])[len(c[key]) // 2] for c in crashes]
+        lows = [m - min(c[key]) for m, c in zip(meds, crashes)]
+        highs = [max(c[key]) - m for m, c in zip(meds, crashes)]
+        ax1.bar([x + off * width for x in xs], meds, width, yerr=[lows, highs], capsize=3, color=color, label=label)
+    ax1.scatter([x + 0.5 * width for x in xs], [c["interval_tokens"] for c in crashes], marker="_", s=400,
+                color="red", label="tokens one call decodes in one interval (prefix goal)", zorder=3)
+    ax1.set_xticks(list(xs))
+    ax1.set_xticklabels([f"crash {i + 1}" for i in xs])
+    ax1.set_ylabel("regenerated tokens per restored call")
+    ax1.set_title(f"{res['config']['calls']} calls of {res['config']['max_tokens']} tokens, a snapshot every "
+                  f"{res['config']['interval_s']:g} s", fontsize=9)
+    ax1.legend(fontsize=7)
+    ax1.grid(True, axis="y", alpha=0.3)
+    labels = [str(p["calls"]) for p in pauses]
+    _bars(ax2, labels, [p["cut_ms"] for p in pauses], color="C0")
+    ax2.axhline(5.0, color="red", linestyle=":", label="goal: 5 ms added to the pause")
+    for i, p in enumerate(pauses):
+        ax2.text(i, p["cut_ms"]["max"], f"{p['cut_ms']['median']:.2f} ms\n(pin + fetch after resume: "
+                 f"{p['fetch_ms']['median']:.0f} ms)", ha="center", va="bottom", fontsize=7)
+    ax2.set_xlabel("calls in flight")
+    ax2.set_ylabel("ms added to the pause")
+    ax2.set_title("What the cut adds to the pause", fontsize=9)
+    ax2.legend(fontsize=7)
+    ax2.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("Prefix-level recovery: work lost per crash and the cut's cost (median, bars: min–max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 PLOTTERS = {"snapshot_cost": snapshot_cost, "stall": stall, "work_lost": work_lost, "alternative": alternative,
             "overhead": overhead, "setup_check": setup_check, "relaunch": relaunch,
-            "async_throughput": async_throughput}
+            "async_throughput": async_throughput, "prefix_work_lost": prefix_work_lost}
 
 
 def plot(name: str, res: dict[str, Any], out_dir: Path) -> Path:

@@ -15,10 +15,12 @@ Goal: at prefix, at most the tokens one call decodes in one snapshot interval (m
 each call times the longest gap between two cuts); at turn it is the whole call so far.
 
 Part 2, the pause. ``pause_calls`` calls decode at once until each has at least ``pause_tokens`` tokens;
-then, ``repeats`` times, the participant closes admission and takes its cut of every call, timed: the
-pin (an HTTP round trip that carries one count per call; what the pause pays) and, after reopening, the
-fetch of the pinned tokens (the worker packing each call's tokens, the reply parsed; what persist pays,
-rollouts running). Goal: the pin adds at most 5 ms to the pause at N = 512.
+then, ``repeats`` times, the participant closes admission and takes its cut, timed: what the pause pays
+(``take_cut``: note the calls in flight and start their pin, no wait on the backend) and, after
+reopening, what persist pays while rollouts run (the pin lands, the pinned tokens are fetched: the
+worker packing each call's tokens, the reply parsed). Goal: the cut adds at most 5 ms to the pause at
+N = 512. (Awaiting the pin inside the pause measured 3.95-5.70 ms at N = 512 here, median 5.29: the
+worker's event loop waits on the GIL its decode thread holds; hence the pin is not awaited there.)
 """
 
 from __future__ import annotations
@@ -153,6 +155,9 @@ async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: fl
             if crash_at is not None and due >= crash_at:
                 break
             await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if crash_at is None and all(t.done() for t in live):
+                raise RuntimeError(f"the {calls} calls of {max_tokens} tokens ended before two snapshots caught them "
+                                   f"all ({len(pins)} snapshots every {interval_s:g} s): use longer calls")
             pins.append(await snapshots.pin(f"s{k}", ids))
             if crash_at is None and len(pins) >= 2 and len(pins[-1]) == calls:
                 # crash somewhere after this snapshot, before the calls can end (90 % of their budget)
@@ -213,21 +218,21 @@ async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repe
         for _ in range(repeats):
             await model.close_admission("block")
             t = time.perf_counter()
-            summary_ = await model.take_cut()  # what the pause pays: the pin
+            summary_ = await model.take_cut()  # what the pause pays: note the calls, start the pin
             times.append(time.perf_counter() - t)
-            tokens.append(summary_.tokens)
-            if summary_.error or summary_.cut != calls:
-                raise RuntimeError(f"the cut took {summary_.cut} of {calls}: {summary_.error}")
+            if summary_.error or summary_.in_flight != calls:
+                raise RuntimeError(f"the cut noted {summary_.in_flight} of {calls}: {summary_.error}")
             complete = model.capture_completion()
             await model.open_admission()
             t = time.perf_counter()
-            got = await complete()  # after resume: the tokens, as persist fetches them
+            late, failed, why = await complete()  # after resume: the pin lands, the tokens are fetched
             fetches.append(time.perf_counter() - t)
-            if len(got) != calls:
-                raise RuntimeError(f"the fetch returned {len(got)} of {calls} cuts")
-        await asyncio.gather(*live)
-    log(f"N={calls}: pin of {statistics.median(tokens):.0f} tokens in {statistics.median(times) * 1e3:.2f} ms, "
-        f"their fetch after resume {statistics.median(fetches) * 1e3:.1f} ms (medians)")
+            if len(late) != calls or failed:
+                raise RuntimeError(f"the cut completed {len(late)} of {calls}: {why}")
+            tokens.append(sum(fields["cut_tokens"] for fields in late.values()))
+        await asyncio.gather(*live)  # every call to its end before the session closes
+    log(f"N={calls}: the cut adds {statistics.median(times) * 1e3:.3f} ms to the pause; its {statistics.median(tokens):.0f} "
+        f"tokens are pinned and fetched after resume in {statistics.median(fetches) * 1e3:.1f} ms (medians)")
     return {"calls": calls, "cut_ms": summary([t * 1e3 for t in times]), "tokens": summary(tokens),
             "fetch_ms": summary([t * 1e3 for t in fetches])}
 
@@ -251,14 +256,17 @@ def measure(*, workdir: Path, log: Log | None = None, calls: int = 8, max_tokens
         worker.close()
     prefix = [x for c in crashes_out for x in c["lost_prefix"]]
     turn = [x for c in crashes_out for x in c["lost_turn"]]
-    bound = min(c["interval_tokens"] for c in crashes_out)
+    # per crash: what its calls lost against what one of its calls decodes in one of its intervals
+    worst = max(crashes_out, key=lambda c: max(c["lost_prefix"]) - c["interval_tokens"])
     at_512 = next((p for p in pauses if p["calls"] == 512), None)
     goal = {
-        "prefix_lost_max": max(prefix), "interval_tokens_min": bound,
-        "prefix_within_one_interval": max(prefix) <= bound and not any(c["problems"] for c in crashes_out),
+        "prefix_lost_max": max(worst["lost_prefix"]), "interval_tokens_min": worst["interval_tokens"],
+        "prefix_within_one_interval": all(max(c["lost_prefix"]) <= c["interval_tokens"] for c in crashes_out)
+        and not any(c["problems"] for c in crashes_out),
         "turn_lost_median": statistics.median(turn), "prefix_lost_median": statistics.median(prefix),
         "cut_ms_at_512": None if at_512 is None else at_512["cut_ms"]["median"],
         "pause_met": None if at_512 is None else at_512["cut_ms"]["max"] <= GOAL_PAUSE_MS,
+        "fetch_ms_at_512": None if at_512 is None else at_512["fetch_ms"]["median"],
         "problems": [p for c in crashes_out for p in c["problems"]],
     }
     return {"name": NAME, "title": TITLE,
@@ -276,8 +284,8 @@ def table(res: dict[str, Any]) -> str:
             for i, c in enumerate(res["crashes"])]
     part1 = md_table(["crash", "at", "cuts before it", "tokens/s per call", "tokens in one interval",
                       "regenerated per call, prefix", "regenerated per call, turn", "continuation problems"], rows)
-    part2 = md_table(["calls in flight", "tokens cut", "pin ms (added to the pause)", "fetch ms (after resume)"],
-                     [[str(p["calls"]), fmt(p["tokens"]), fmt(p["cut_ms"], 1, 2), fmt(p["fetch_ms"], 1, 1)]
+    part2 = md_table(["calls in flight", "tokens cut", "ms added to the pause", "pin + fetch ms (rollouts running)"],
+                     [[str(p["calls"]), fmt(p["tokens"]), fmt(p["cut_ms"], 1, 3), fmt(p["fetch_ms"], 1, 1)]
                       for p in res["pauses"]])
     return (f"{cfg['calls']} calls of {cfg['max_tokens']} tokens, a snapshot every {cfg['interval_s']:g} s, "
             f"{cfg['crashes']} crashes (seed {cfg['seed']}); medians (min–max):\n\n{part1}\n\n{part2}")
@@ -289,6 +297,6 @@ def verdict(g: dict[str, Any]) -> str:
 
     pause = "—" if g["cut_ms_at_512"] is None else f"{g['cut_ms_at_512']:.2f} ms median"
     return (f"prefix regenerates at most one interval's tokens per restored call: {yes(g['prefix_within_one_interval'])} "
-            f"(worst {g['prefix_lost_max']:.0f}, interval {g['interval_tokens_min']:.0f}; median {g['prefix_lost_median']:.0f} "
+            f"(closest crash: {g['prefix_lost_max']:.0f} against its interval's {g['interval_tokens_min']:.0f}; median {g['prefix_lost_median']:.0f} "
             f"against {g['turn_lost_median']:.0f} at turn); the cut adds at most {GOAL_PAUSE_MS:g} ms to the pause at "
             f"N=512: {yes(g['pause_met'])} ({pause})")

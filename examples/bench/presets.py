@@ -75,10 +75,10 @@ ASYNC_TINY: dict[str, dict[str, Any]] = {
 # worker: a preset of its own (about 5 minutes on 2 cores); ``prefix_tiny`` is its smoke test.
 PREFIX: dict[str, dict[str, Any]] = {
     "prefix_work_lost": {"calls": 8, "max_tokens": 400, "interval_s": 0.5, "crashes": 3,
-                         "pause_calls": (64, 512), "pause_tokens": 200, "repeats": 5},
+                         "pause_calls": (64, 512), "pause_tokens": 200, "repeats": 7},
 }
 PREFIX_TINY: dict[str, dict[str, Any]] = {
-    "prefix_work_lost": {"calls": 4, "max_tokens": 160, "interval_s": 0.3, "crashes": 1,
+    "prefix_work_lost": {"calls": 4, "max_tokens": 320, "interval_s": 0.25, "crashes": 1,
                          "pause_calls": (16,), "pause_tokens": 40, "pause_max_tokens": 96, "repeats": 2},
 }
 

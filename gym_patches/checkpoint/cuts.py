@@ -5,16 +5,18 @@ generation backend that supports cuts (the server; NeMo-RL's torch and vLLM
 workers):
 
 * The model server sends each backend call with the header ``X-NG-Call-Id``.
-* The cut has two halves, like a staged snapshot. Inside the pause,
-  ``POST <policy_base_url>/ng-cuts`` with a ``CutRequest`` *pins* the named
-  calls: the backend notes how many tokens each has decoded now and answers
-  only those counts (``PinReply``), so the pause costs a few bytes per call
-  whatever the calls' lengths. Decoded tokens never change, so after resume
-  ``POST <policy_base_url>/ng-cuts/fetch`` (``FetchRequest``) returns each
-  pinned call's ``GenerationCut`` up to its pinned count (``CutReply``), also
-  for calls that have finished since. A backend keeps the newest pin of each
-  owner (model server) until it is fetched or replaced. Neither request stops
-  or alters a call. A backend without the routes answers 404: no cut support.
+* The cut has two halves. As admission closes the model server sends
+  ``POST <policy_base_url>/ng-cuts`` with a ``CutRequest`` (without waiting for
+  it there): the backend *pins* the named calls at the tokens each has decoded
+  and answers only those counts (``PinReply``). Decoded tokens never change,
+  so after resume ``POST <policy_base_url>/ng-cuts/fetch`` (``FetchRequest``)
+  returns each pinned call's ``GenerationCut`` up to its pinned count
+  (``CutReply``), also for calls that have finished since. Any prefix of a
+  call's own tokens is a valid cut (the restored call decodes the rest again),
+  so the pin may land a round trip after admission closed. A backend keeps the
+  newest pin of each owner (model server) until it is fetched or replaced.
+  Neither request stops or alters a call. A backend without the routes
+  answers 404: no cut support.
 * A chat-completions body may carry ``ng_prefix``: a saved ``GenerationCut``.
   The backend checks its digests, renders the prompt, and if the prompt's
   token ids are those the cut was taken after, continues decoding after the
@@ -159,17 +161,10 @@ class PrefixContinuation(BaseModel):
 
 
 class CutSummary(BaseModel):
-    """What a model server's cut took at prepare (``PrepareReply.cut``)."""
+    """What a model server's cut noted at prepare (``PrepareReply.cut``); the tokens come after resume,
+    and what could not be had then is in ``PersistReply.cut_failed`` / ``cut_error``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    in_flight: int = Field(default=0, ge=0)  # tracked calls generating when the cut was asked for
-    cut: int = Field(default=0, ge=0)  # calls saved with >= 1 token
-    empty: int = Field(default=0, ge=0)  # calls the backend had not decoded a token of yet: nothing to save
-    tokens: int = Field(default=0, ge=0)
-    error: str | None = None  # why the cut failed (every call then regenerates at turn level)
-
-    @property
-    def failed(self) -> int:
-        """Calls in flight that got no cut though they had tokens (or may have had)."""
-        return max(0, self.in_flight - self.cut - self.empty)
+    in_flight: int = Field(default=0, ge=0)  # tracked calls generating when admission closed
+    error: str | None = None  # why none can be cut (no cut support): every such call regenerates at turn level

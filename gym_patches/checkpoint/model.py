@@ -56,6 +56,21 @@ class CutSource(Protocol):
     async def fetch(self, pin: str) -> dict[str, GenerationCut]: ...
 
 
+@dataclass
+class _PendingCut:
+    """A prepare's cut: the calls it noted (call id -> episode) and the task pinning them at the backend."""
+
+    pin: str
+    calls: dict[str, EpisodeId]
+    task: asyncio.Future[dict[str, int]]
+
+
+def _observed(task: asyncio.Future) -> None:
+    """A pin's failure is reported where its tokens are asked for; one nobody asks for is not an error."""
+    if not task.cancelled():
+        task.exception()
+
+
 class ModelRecord(BaseModel):
     """What the model saves per episode: replies delivered, and the cut of the call in flight, if any
     (the call numbered ``delivered_calls``; ``cut_tokens`` is its token count, 0 without a cut)."""
@@ -129,8 +144,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         self.cut_source: CutSource | None = None
         self.cut_timeout_s = 2.0
         self._pins = itertools.count(1)
-        self._cut_pin = ""
-        self._cuts: dict[EpisodeId, tuple[str, int]] = {}  # pinned: episode -> (call id, tokens)
+        self._cut: _PendingCut | None = None  # the newest prepare's cut, until its tokens are asked for
         self._cut_summary: CutSummary | None = None
         self._restored_cuts: dict[EpisodeId, tuple[int, GenerationCut]] = {}
 
@@ -230,72 +244,82 @@ class PolicyModelParticipant(CheckpointParticipant):
 
     async def open_admission(self) -> None:
         self.accepting = True
-        self._cuts, self._cut_summary = {}, None
+        self._cut_summary = None  # the cut itself stays: a staged capture fetches its tokens after resume
         self._wake_all()
         self.notify_changed()
 
     # -- generation cuts -----------------------------------------------------
     async def take_cut(self) -> CutSummary:
-        """Pin, at the backend, every tracked call generating now at the tokens it has decoded (the calls go
-        on untouched); the tokens themselves are fetched after resume (``capture_completion``) or, for a
-        blocking commit, by ``export``. Never raises: a backend without cuts, an error or a timeout is
-        reported in the summary, and those calls regenerate at turn level."""
+        """Note every tracked call generating now and start pinning them at the backend (the calls go on
+        untouched). Nothing here waits on the backend, so the cut adds nothing to the pause: the pin lands
+        a round trip later, while the calls still decode (any prefix of a call's own tokens is a valid
+        cut: the restored call continues from it and only the rest is decoded again), and the tokens are
+        fetched after resume (``capture_completion``) or by a blocking commit's ``export``. A backend
+        without cuts is reported here; a pin or fetch that fails, when the tokens are asked for."""
         calls = {t.call_id: t.episode for t in self._by_state["generating"].values()
                  if t.episode is not None and t.call_id is not None and not t.retired}
         summary = CutSummary(in_flight=len(calls))
-        self._cuts, self._cut_pin = {}, f"cut-{next(self._pins)}"
+        if self._cut is not None:
+            self._cut.task.cancel()  # an older cut nobody asked the tokens of
+        self._cut = None
         if calls and self.cut_source is None:
             summary.error = "the model server's backend does not support generation cuts"
         elif calls:
-            try:
-                counts = await asyncio.wait_for(self.cut_source.pin(self._cut_pin, list(calls)), self.cut_timeout_s)
-            except asyncio.TimeoutError:
-                summary.error = f"the backend did not answer the cut within {self.cut_timeout_s:g}s"
-            except Exception as exc:  # noqa: BLE001 - a failed cut never fails the prepare
-                summary.error = f"{type(exc).__name__}: {exc}"[:500]
-            else:
-                for call_id, n in counts.items():
-                    episode = calls.get(call_id)
-                    if episode is not None and n > 0:
-                        self._cuts[episode] = (call_id, n)
-                summary.cut = len(self._cuts)
-                summary.tokens = sum(n for _, n in self._cuts.values())
-                summary.empty = len(calls) - len(counts)
+            pin = f"cut-{next(self._pins)}"
+            task = asyncio.ensure_future(self._pin(pin, list(calls)))
+            task.add_done_callback(_observed)
+            self._cut = _PendingCut(pin, calls, task)
         self._cut_summary = summary
         return summary
 
+    async def _pin(self, pin: str, call_ids: list[str]) -> dict[str, int]:
+        assert self.cut_source is not None
+        return await asyncio.wait_for(self.cut_source.pin(pin, call_ids), self.cut_timeout_s)
+
     def cut_summary(self) -> CutSummary | None:
-        """What the current prepare's cut took (None: none was asked for)."""
+        """What the current prepare's cut noted (None: none was asked for)."""
         return self._cut_summary
 
-    async def _fetch_cuts(self, pin: str, pinned: dict[EpisodeId, tuple[str, int]]) -> dict[EpisodeId, GenerationCut]:
-        """The pinned calls' tokens, each checked against its pinned count; {} if the fetch fails (logged:
-        those calls regenerate at turn level)."""
-        if not pinned or self.cut_source is None:
-            return {}
+    def _cut_episodes(self) -> set[EpisodeId]:
+        return set() if self._cut is None else set(self._cut.calls.values())
+
+    async def _cuts_of(self, cut: "_PendingCut | None") -> tuple[dict[EpisodeId, GenerationCut], int, str | None]:
+        """The pinned calls' cuts (each checked against its pinned count), how many calls in flight got none
+        though the backend was asked, and why; the owner of the pin task (it is awaited or cancelled here)."""
+        if cut is None:
+            return {}, 0, None
         try:
-            got = await asyncio.wait_for(self.cut_source.fetch(pin), self.cut_timeout_s * 5)
-        except Exception as exc:  # noqa: BLE001 - a lost cut costs its call's tokens, never the snapshot
-            logger.warning("generation cut %s: fetching the tokens failed, %d calls regenerate at turn level: %s: %s",
-                           pin, len(pinned), type(exc).__name__, exc)
-            return {}
-        out = {}
-        for episode, (call_id, n) in pinned.items():
-            cut = got.get(call_id)
-            if cut is not None and cut.call_id == call_id and cut.token_count == n:
-                out[episode] = cut
-        return out
+            counts = await cut.task
+            got = await asyncio.wait_for(self.cut_source.fetch(cut.pin), self.cut_timeout_s * 5) if counts else {}
+        except asyncio.CancelledError:
+            if not cut.task.cancelled():
+                raise
+            return {}, len(cut.calls), "the cut was superseded by a newer one before its tokens were fetched"
+        except asyncio.TimeoutError:
+            why = f"the backend did not answer the cut within {self.cut_timeout_s:g}s"
+        except Exception as exc:  # noqa: BLE001 - a lost cut costs its calls' tokens, never the snapshot
+            why = f"{type(exc).__name__}: {exc}"[:500]
+        else:
+            out = {}
+            for call_id, episode in cut.calls.items():
+                c, n = got.get(call_id), counts.get(call_id)
+                if c is not None and c.call_id == call_id and c.token_count == n:
+                    out[episode] = c
+            return out, len(counts) - len(out), None  # calls with no token yet had nothing to save
+        logger.warning("generation cut %s: %d calls regenerate at turn level: %s", cut.pin, len(cut.calls), why)
+        return {}, len(cut.calls), why
 
-    def capture_completion(self) -> Callable[[], Awaitable[dict[str, Record]]] | None:
+    def capture_completion(self) -> Callable[[], Awaitable[tuple[dict[str, Record], int, str | None]]] | None:
         """For a staged capture taken now: after resume, the fields its cut episodes' records gain (the cut
-        and its token count, by capture key), fetched from the backend outside the pause."""
-        if not self._cuts:
+        and its token count, by capture key), the calls that got no cut, and why."""
+        cut = self._cut
+        if cut is None:
             return None
-        pin, pinned = self._cut_pin, dict(self._cuts)
 
-        async def complete() -> dict[str, Record]:
-            return {e.capture_key: {"cut": fragment(cut), "cut_tokens": cut.token_count}
-                    for e, cut in (await self._fetch_cuts(pin, pinned)).items()}
+        async def complete() -> tuple[dict[str, Record], int, str | None]:
+            cuts, failed, why = await self._cuts_of(cut)
+            return ({e.capture_key: {"cut": fragment(c), "cut_tokens": c.token_count} for e, c in cuts.items()},
+                    failed, why)
 
         return complete
 
@@ -339,10 +363,11 @@ class PolicyModelParticipant(CheckpointParticipant):
         those with 0 delivered (an agent parked at its first call), so a restore
         of that scope always finds a record. Cut episodes carry their cut, fetched now (a blocking commit
         writes inside the pause anyway)."""
-        cuts = await self._fetch_cuts(self._cut_pin, self._cuts)
+        pending, self._cut = self._cut, None
+        cuts, _, _ = await self._cuts_of(pending)
         if episodes is None:
             chosen = {e: n for e, n in self._delivered.items() if n > 0}
-            for episode in self._cuts:
+            for episode in cuts:
                 chosen.setdefault(episode, self._delivered.get(episode, 0))
         else:
             chosen = {}
@@ -357,7 +382,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         capture key); an episode's is made again only once its count has changed since the last."""
         out: list[Any] = []
         cache = self._capture_cache
-        cuts = self._cuts
+        cuts = self._cut_episodes()
         for episode in cuts:  # its cut joins after resume (``capture_completion``); never cached
             entry = capture_record(_model_record(episode, self._delivered.get(episode, 0)))
             assert entry is not None, f"the record of {episode} cannot be captured"

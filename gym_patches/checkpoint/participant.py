@@ -78,10 +78,11 @@ class CheckpointParticipant(ABC):
         as things stood when prepared. None (the default): such an episode has no record."""
         return None
 
-    def capture_completion(self) -> Callable[[], Awaitable[dict[str, Record]]] | None:
+    def capture_completion(self) -> Callable[[], Awaitable[tuple[dict[str, Record], int, str | None]]] | None:
         """For a staged capture taken now: what, after resume and before ``persist`` writes, adds fields
         to some captured records (capture key -> fields; the model's generation cuts, whose tokens are
-        fetched outside the pause). None (the default): the capture is complete as taken."""
+        fetched outside the pause), with how many generation cuts it could not complete and why. None
+        (the default): the capture is complete as taken."""
         return None
 
     async def take_cut(self) -> CutSummary | None:

@@ -172,6 +172,8 @@ class PersistReply(BaseModel):
     manifest: ParticipantManifest
     episode_ids: list[str]  # capture keys actually written
     cut_tokens: dict[str, int] = Field(default_factory=dict)  # written records with a generation cut: its tokens
+    cut_failed: int = Field(default=0, ge=0)  # calls in flight whose cut could not be completed (turn level)
+    cut_error: str | None = None  # ... and why
 
 
 class RestoreReply(BaseModel):

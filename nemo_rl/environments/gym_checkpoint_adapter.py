@@ -13,6 +13,7 @@ names the replica.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,8 @@ class GymCheckpointCommitSummary:
     exported_by_server: dict[str, list[str]]
     agent_exported: list[str]  # episodes an agent saved: these continue at turn level
     cut_tokens: dict[str, int] = field(default_factory=dict)  # of those, the ones with a generation cut -> tokens
+    cut_failed: int = 0  # calls in flight whose cut could not be completed (they regenerate at turn level)
+    cut_error: str | None = None  # ... and why, naming the server
 
     def episodes_for(self, server: str) -> list[EpisodeId]:
         return [EpisodeId.from_capture_key(k) for k in self.exported_by_server.get(server, [])]
@@ -143,7 +146,10 @@ class GymCheckpointAdapter:
         match request:
             case CommitCall() | PersistCall():
                 cuts = {k: n for r in replies.values() for k, n in r.cut_tokens.items()}
-                return self._summary(request, {name: r.episode_ids for name, r in replies.items()}, cuts)
+                summary = self._summary(request, {name: r.episode_ids for name, r in replies.items()}, cuts)
+                errors = [f"{name}: {r.cut_error}" for name, r in sorted(replies.items()) if getattr(r, "cut_error", None)]
+                return dataclasses.replace(summary, cut_failed=sum(getattr(r, "cut_failed", 0) for r in replies.values()),
+                                           cut_error="; ".join(errors) or None)
             case RestoreCall():
                 agents = {p.name for p in self.participants.by_kind("agent")}
                 return sorted({k for name, r in replies.items() if name in agents for k in r.restored})

@@ -30,11 +30,11 @@ from bench import (  # noqa: E402
     stall,
     work_lost,
 )
-from bench import async_throughput  # noqa: E402
+from bench import async_throughput, prefix_work_lost  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
-from bench.presets import ASYNC_TINY  # noqa: E402
+from bench.presets import ASYNC_TINY, PREFIX_TINY  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -407,3 +407,23 @@ def test_async_throughput_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert table.startswith("**Part 1") and "| async | 1 s |" in table and "**Part 2" in table
     assert plot(async_throughput.NAME, res, tmp_path).stat().st_size > 1000
     assert any(line.startswith("9. Goals with snapshots every 1 s") for line in bench_recovery.goal_lines({async_throughput.NAME: res}))
+
+
+def test_prefix_work_lost_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 10 on its own (the torch worker, not the scripted backend): one crash, one pause size."""
+    params = PREFIX_TINY["prefix_work_lost"]
+    res = prefix_work_lost.measure(workdir=tmp_path, log=_quiet, **params)
+    assert res["name"] == prefix_work_lost.NAME and len(res["crashes"]) == params["crashes"]
+    for crash in res["crashes"]:
+        assert crash["problems"] == []  # every restored call continued its cut: prefix + tail, max_tokens in all
+        assert crash["cuts"] >= 2 and crash["interval_tokens"] > 0
+        assert len(crash["lost_prefix"]) == len(crash["lost_turn"]) == params["calls"]
+        # a restored call never regenerates more at prefix than at turn, and at turn it redoes everything
+        assert all(0 <= p <= t for p, t in zip(crash["lost_prefix"], crash["lost_turn"]))
+        assert max(crash["lost_turn"]) > 0
+    (pause,) = res["pauses"]
+    assert pause["calls"] == params["pause_calls"][0] and pause["cut_ms"]["n"] == params["repeats"]
+    assert pause["tokens"]["min"] >= params["pause_tokens"] * pause["calls"]
+    assert _finite(pause["cut_ms"]["median"], pause["fetch_ms"]["median"])
+    assert res["goal"]["pause_met"] is None  # no N = 512 in the smoke configuration
+    assert "prefix" in prefix_work_lost.table(res) and plot(prefix_work_lost.NAME, res, tmp_path).exists()

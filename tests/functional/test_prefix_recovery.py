@@ -139,4 +139,4 @@ def test_prefix_without_cut_support_never_blocks_a_snapshot_and_says_why(tmp_pat
     failed = [r for r in rows if r["cut_failed"]]
     assert failed, "no snapshot caught a model call in flight"
     assert all("does not support generation cuts" in r["cut_error"] for r in failed)
-    assert "generation cut failed" in proc.stderr
+    assert "generation cuts incomplete" in proc.stderr

@@ -58,59 +58,79 @@ async def _generating(model: PolicyModelParticipant, keys: list[str]):
     return release, tasks
 
 
-async def test_a_cut_is_taken_at_close_and_saved_in_the_episode_record():
+async def test_a_cut_is_noted_at_close_and_its_tokens_join_the_record_after_resume():
     model = PolicyModelParticipant()
     model.cut_source = backend = FakeCutBackend({"r1.c": [1, 2, 3], "r2.c": []})
     release, tasks = await _generating(model, ["r1", "r2"])
     await model.close_admission("block")
     summary = await model.take_cut()
-    assert backend.asked == [["r1.c", "r2.c"]]
-    assert (summary.in_flight, summary.cut, summary.empty, summary.tokens, summary.failed) == (2, 1, 1, 3, 0)
-    # a staged capture: the record now, its cut's tokens after resume (they were pinned at 3)
+    assert (summary.in_flight, summary.error) == (2, None)  # nothing awaited on the backend in the pause
+    # a staged capture: a record for each episode in flight now, its cut's tokens after resume
     captured = {c.key: plain(c.record) for c in await model.capture_records()}
-    assert captured == {"r1": {"episode_id": {"rollout_id": "r1", "attempt": 0}, "delivered_calls": 0}}
+    assert captured == {k: {"episode_id": {"rollout_id": k, "attempt": 0}, "delivered_calls": 0} for k in ("r1", "r2")}
     complete = model.capture_completion()
-    backend.tokens["r1.c"].append(4)  # the call decodes on; the cut stays what was pinned
-    late = await complete()
+    await model.open_admission()
+    late, failed, why = await complete()
+    assert backend.asked == [["r1.c", "r2.c"]] and (failed, why) == (0, None)
+    assert set(late) == {"r1"}  # r2 had no token yet: nothing to save
     rec = ModelRecord.model_validate(plain({**captured["r1"], **late["r1"]}))
     assert rec.delivered_calls == 0 and rec.cut_tokens == 3 and rec.cut.unpack()[0] == [1, 2, 3]
-    # a blocking commit's export fetches at once
+    # a blocking commit's export asks for the tokens at once
+    backend.tokens["r1.c"].append(4)
+    await model.close_admission("block")
     await model.take_cut()
     records = {r["episode_id"]["rollout_id"]: plain(r) for r in await model.export(None)}
-    assert set(records) == {"r1"}  # r2 had no token yet and no reply: nothing to save
+    assert set(records) == {"r1"}
     assert ModelRecord.model_validate(records["r1"]).cut.unpack()[0] == [1, 2, 3, 4]
     await model.open_admission()
-    assert await model.export(None) == [] and model.cut_summary() is None  # the cut belongs to that prepare
     release.set()
     await asyncio.gather(*tasks)
 
 
 @pytest.mark.parametrize("backend, why", [
-    (None, "does not support generation cuts"),
     (FakeCutBackend({}, fail=RuntimeError("policy backend http://x/v1/ng-cuts returned 500")), "returned 500"),
     (FakeCutBackend({}, hang=True), "did not answer the cut within 0.2s"),
+    (FakeCutBackend({"r1.c": [1, 2]}, fail_fetch=True), "the backend went away"),
 ])
 async def test_a_cut_that_fails_never_blocks_and_says_why(backend, why):
     model = PolicyModelParticipant()
     model.cut_source, model.cut_timeout_s = backend, 0.2
     release, tasks = await _generating(model, ["r1"])
     await model.close_admission("block")
-    summary = await asyncio.wait_for(model.take_cut(), 2.0)
-    assert why in summary.error and summary.failed == 1 and summary.cut == 0
+    assert (await asyncio.wait_for(model.take_cut(), 0.1)).error is None
     assert model.is_ready()  # generation never blocks a snapshot, cut or not
+    complete = model.capture_completion()
+    await model.open_admission()
+    late, failed, error = await asyncio.wait_for(complete(), 5.0)
+    assert late == {} and failed == 1 and why in error
+    release.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_without_cut_support_the_prepare_says_so():
+    model = PolicyModelParticipant()
+    release, tasks = await _generating(model, ["r1"])
+    await model.close_admission("block")
+    summary = await model.take_cut()
+    assert summary.in_flight == 1 and "does not support generation cuts" in summary.error
+    assert model.capture_completion() is None
     release.set()
     await model.open_admission()
     await asyncio.gather(*tasks)
 
 
-async def test_a_failed_fetch_loses_only_the_cut():
+async def test_a_newer_cut_supersedes_one_whose_tokens_were_never_asked_for():
     model = PolicyModelParticipant()
-    model.cut_source = FakeCutBackend({"r1.c": [1, 2]}, fail_fetch=True)
+    model.cut_source = FakeCutBackend({"r1.c": [1, 2]}, hang=True)
     release, tasks = await _generating(model, ["r1"])
     await model.close_admission("block")
-    assert (await model.take_cut()).cut == 1
-    complete = model.capture_completion()
-    assert await complete() == {}  # logged; that call regenerates at turn level
+    await model.take_cut()
+    old = model.capture_completion()
+    await model.open_admission()
+    await model.close_admission("block")
+    await model.take_cut()  # the older pin task is cancelled by its owner
+    late, failed, why = await old()
+    assert late == {} and failed == 1 and "superseded" in why
     release.set()
     await model.open_admission()
     await asyncio.gather(*tasks)

@@ -25,7 +25,7 @@ class StagedCapture:
 
     def __init__(self, instance: str, checkpoint_id: str, entries: dict[str, list[Record | bytes]], nbytes: int,
                  fill: Callable[[EpisodeId], Record | None] | None, unsaved: frozenset[str],
-                 complete: Callable[[], Awaitable[dict[str, Record]]] | None = None):
+                 complete: Callable[[], Awaitable[tuple[dict[str, Record], int, str | None]]] | None = None):
         self.checkpoint_id = checkpoint_id
         self.keys = sorted(entries)
         self.nbytes = nbytes
@@ -55,14 +55,15 @@ class StagedCapture:
 
         async def write(job: Job[dict[str, Any]]) -> dict[str, Any]:
             # no lock: it changes only this capture (freed once written), which nothing else writes
-            late = await self._complete() if self._complete is not None else {}
+            late, cut_failed, cut_error = await self._complete() if self._complete is not None else ({}, 0, None)
             try:
                 keys, manifest, cut_tokens = await job.in_thread(self._write, checkpoint_dir, kind, instance,
                                                                  scope, job.stop.is_set, late)
             except WriteStopped:
                 raise CheckpointError(f"persist for {self.checkpoint_id!r} was aborted",
                                       code="stale_checkpoint") from None
-            return dump(PersistReply(manifest=manifest, episode_ids=keys, cut_tokens=cut_tokens))
+            return dump(PersistReply(manifest=manifest, episode_ids=keys, cut_tokens=cut_tokens,
+                                     cut_failed=cut_failed, cut_error=cut_error))
 
         return self.tasks.spawn("persist", f"persist for {self.checkpoint_id!r}", args, write)
 

@@ -78,16 +78,13 @@ from pydantic import ValidationError
 from gym_patches.checkpoint.cuts import (
     CALL_ID_HEADER,
     PREFIX_FIELD,
-    CutReply,
-    CutRequest,
-    FetchRequest,
     GenerationCut,
-    PinReply,
     PrefixContinuation,
     prompt_digest,
 )
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, template_messages, template_tools
+from nemo_rl.models.generation.cut_pins import CutPins
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import check_call_id, error_body
 
@@ -158,12 +155,6 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_pe
 # Chat-template settings ``/tokenize`` must get to render the prompt as the chat route does.
 _TEMPLATE_KEYS = ("tools", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
                   "chat_template_kwargs", "mm_processor_kwargs")
-
-
-def _invalid(exc: ValidationError) -> web.Response:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"]) or "body"
-    return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
 
 
 @dataclass
@@ -275,15 +266,11 @@ class VllmGenerationServer:
         self._inflight = 0
         self._refit_lock = asyncio.Lock()
         self.created = int(time.time())
-        # Calls named by X-NG-Call-Id, from arrival to reply: what a generation cut reads.
-        self._live: dict[str, _LiveCall] = {}
-        # owner (a model server) -> its newest pin: (pin id, {call id: (call, tokens pinned)}), until fetched
-        self._pins: dict[str, tuple[str, dict[str, tuple[_LiveCall, int]]]] = {}
         self._tokenizer: Any = None  # loaded when a tracked call first needs it (decoding, stop tokens)
         self._stop_ids: frozenset[int] = frozenset()
         self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "refits_in_flight": 0, "load_s": None,
-                                      "refit_s": [], "cuts": 0, "cut_tokens": 0, "continued": 0,
-                                      "continued_tokens": 0, "discarded": 0}
+                                      "refit_s": [], "continued": 0, "continued_tokens": 0, "discarded": 0}
+        self.cuts = CutPins(self.stats)  # calls named by X-NG-Call-Id, and their generation-cut pins
 
     # ----- lifecycle -----------------------------------------------------
     def _vllm_command(self, port: int) -> list[str]:
@@ -350,7 +337,7 @@ class VllmGenerationServer:
         self.stats["load_s"] = round(time.monotonic() - t0, 2)
         self._runner, self.base_url = await serve_openai_routes(
             host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
-            cuts=(self._handle_pin, self._handle_fetch))
+            cuts=self.cuts.routes)
         return self.base_url
 
     def server_log_tail(self, n: int = 4000) -> str:
@@ -522,46 +509,9 @@ class VllmGenerationServer:
                 return web.json_response(reply, status=status)
             return web.json_response(self._with_token_fields(reply, version, bool(body.get("logprobs"))))
         live = None if call_id is None else _LiveCall()
-        if live is not None:
-            self._live[call_id] = live
-        try:
+        with self.cuts.tracking(call_id, live):
             status, reply = await self._tracked_chat(body, vbody, cut, live)
-        finally:
-            if call_id is not None and self._live.get(call_id) is live:
-                del self._live[call_id]
         return web.json_response(reply, status=status)
-
-    async def _handle_pin(self, request: web.Request) -> web.Response:
-        """``POST /v1/ng-cuts``: pin each named call in flight at the tokens streamed so far (read, not
-        stopped) and answer the counts; the owner's older pin is dropped."""
-        try:
-            req = CutRequest.model_validate_json(await request.read())
-        except ValidationError as e:
-            return _invalid(e)
-        pinned: dict[str, tuple[_LiveCall, int]] = {}
-        for call_id in req.call_ids:
-            live = self._live.get(call_id)
-            n = 0 if live is None else live.decoded()
-            if n:
-                pinned[call_id] = (live, n)
-        self._pins[req.owner] = (req.pin, pinned)
-        return web.Response(body=PinReply(counts={c: n for c, (_, n) in pinned.items()}).model_dump_json(),
-                            content_type="application/json")
-
-    async def _handle_fetch(self, request: web.Request) -> web.Response:
-        """``POST /v1/ng-cuts/fetch``: the owner's pinned cuts, each up to its pinned count; then forgotten."""
-        try:
-            req = FetchRequest.model_validate_json(await request.read())
-        except ValidationError as e:
-            return _invalid(e)
-        held = self._pins.get(req.owner)
-        cuts: dict[str, GenerationCut] = {}
-        if held is not None and held[0] == req.pin:
-            del self._pins[req.owner]
-            cuts = {call_id: live.cut(call_id, n) for call_id, (live, n) in held[1].items()}
-        self.stats["cuts"] += len(cuts)
-        self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
-        return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")
 
     # ----- tracked calls: streamed, so a cut can read them ------------------
     def _load_tokenizer(self) -> None:

@@ -44,16 +44,13 @@ from pydantic import ValidationError
 
 from gym_patches.checkpoint.cuts import (
     CALL_ID_HEADER,
-    CutReply,
-    CutRequest,
-    FetchRequest,
     GenerationCut,
-    PinReply,
     PrefixContinuation,
     prompt_digest,
 )
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, render_prompt
+from nemo_rl.models.generation.cut_pins import CutPins
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import (
     ChatCompletionRequest,
@@ -124,12 +121,6 @@ def _settle(fut: asyncio.Future, version: int | None, err: BaseException | None)
         fut.set_exception(err)
     else:
         fut.set_result(version)
-
-
-def _invalid(exc: ValidationError) -> web.Response:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"]) or "body"
-    return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
 
 
 class _BadRequest(Exception):
@@ -233,13 +224,9 @@ class GenerationServer:
         # refits: weight loads applied; refits_in_flight: those applied while a batch decoded;
         # decoding_rows: rows of the batch decoding now (0 between batches); decode_steps: step
         # boundaries passed (the points where an in-flight refit can land), all batches together
-        # Calls named by X-NG-Call-Id, from arrival to reply: what a generation cut reads.
-        self._live: dict[str, _LiveCall] = {}
-        # owner (a model server) -> its newest pin: (pin id, {call id: (call, tokens pinned)}), until fetched
-        self._pins: dict[str, tuple[str, dict[str, tuple[_LiveCall, int]]]] = {}
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "refits": 0, "refits_in_flight": 0,
-                      "decoding_rows": 0, "decode_steps": 0, "cuts": 0, "cut_tokens": 0,
-                      "continued": 0, "continued_tokens": 0, "discarded": 0}
+                      "decoding_rows": 0, "decode_steps": 0, "continued": 0, "continued_tokens": 0, "discarded": 0}
+        self.cuts = CutPins(self.stats)  # calls named by X-NG-Call-Id, and their generation-cut pins
 
     # ----- lifecycle -----------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -250,7 +237,7 @@ class GenerationServer:
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
         self._runner, self.base_url = await serve_openai_routes(
             host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
-            cuts=(self._handle_pin, self._handle_fetch))
+            cuts=self.cuts.routes)
         return self.base_url
 
     async def stop(self) -> None:
@@ -447,38 +434,6 @@ class GenerationServer:
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self._version})
 
-    async def _handle_pin(self, request: web.Request) -> web.Response:
-        """``POST /v1/ng-cuts``: pin each named call in flight at the tokens it has decoded now (read, not
-        stopped) and answer the counts; the owner's older pin is dropped."""
-        try:
-            req = CutRequest.model_validate_json(await request.read())
-        except ValidationError as e:
-            return _invalid(e)
-        pinned: dict[str, tuple[_LiveCall, int]] = {}
-        for call_id in req.call_ids:
-            live = self._live.get(call_id)
-            n = 0 if live is None else live.decoded()
-            if n:
-                pinned[call_id] = (live, n)
-        self._pins[req.owner] = (req.pin, pinned)
-        return web.Response(body=PinReply(counts={c: n for c, (_, n) in pinned.items()}).model_dump_json(),
-                            content_type="application/json")
-
-    async def _handle_fetch(self, request: web.Request) -> web.Response:
-        """``POST /v1/ng-cuts/fetch``: the owner's pinned cuts, each up to its pinned count; then forgotten."""
-        try:
-            req = FetchRequest.model_validate_json(await request.read())
-        except ValidationError as e:
-            return _invalid(e)
-        held = self._pins.get(req.owner)
-        cuts = {}
-        if held is not None and held[0] == req.pin:
-            del self._pins[req.owner]
-            cuts = {call_id: live.cut(call_id, n) for call_id, (live, n) in held[1].items()}
-        self.stats["cuts"] += len(cuts)
-        self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
-        return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")
-
     async def _handle_chat(self, request: web.Request) -> web.Response:
         call_id = request.headers.get(CALL_ID_HEADER)
         try:
@@ -515,13 +470,8 @@ class GenerationServer:
             if gen_cfg.ignore_eos:
                 req.ignore_eos = True
             live = None if call_id is None else _LiveCall(prompt_digest(prompt_ids))
-            if live is not None:
-                self._live[call_id] = live
-            try:
+            with self.cuts.tracking(call_id, live):
                 out, continuation = await self._generate_call(req, prompt_ids, max_new, temperature, live)
-            finally:
-                if call_id is not None and self._live.get(call_id) is live:
-                    del self._live[call_id]
         except _BadRequest as e:
             return web.json_response(error_body(str(e), e.param, e.code), status=400)
         body = self._completion_body(req, prompt_ids, out)

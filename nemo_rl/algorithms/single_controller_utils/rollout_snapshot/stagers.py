@@ -139,15 +139,13 @@ def count_cuts(index: GymCheckpointIndex, outcome: SnapshotOutcome) -> None:
 
 
 def note_cut(prepared: PreparedGym, outcome: SnapshotOutcome) -> None:
-    """What each model server's cut took at prepare: calls it could not cut, and why."""
+    """What each model server's cut noted at prepare: calls it cannot cut (no cut support), and why."""
     outcome.cut_asked = True
     errors = []
     for iid in prepared.instance_ids:
         for server, reply in sorted(prepared.results[iid].replies.items()):
-            if reply.cut is None:
-                continue
-            outcome.cut_failed += reply.cut.failed
-            if reply.cut.error:
+            if reply.cut is not None and reply.cut.error:
+                outcome.cut_failed += reply.cut.in_flight
                 errors.append(f"{iid}/{server}: {reply.cut.error}")
     if errors:
         outcome.cut_error = "; ".join(errors)[:1000]
@@ -313,14 +311,23 @@ class StagedStager(_GymStager):
         return PendingPersist(scopes, share.exported, unsaved)
 
     async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
-        index = await self.persist(cut.checkpoint_id, cut.tmp, cut.gym)
+        index = await self.persist(cut.checkpoint_id, cut.tmp, cut.gym, outcome)
         outcome.mark("persist")
         count_cuts(index, outcome)
         return index
 
-    async def persist(self, checkpoint_id: str, tmp: Path, pending: PendingPersist) -> GymCheckpointIndex:
+    async def persist(self, checkpoint_id: str, tmp: Path, pending: PendingPersist,
+                      outcome: SnapshotOutcome | None = None) -> GymCheckpointIndex:
         """Every Gym server writes its scope from its capture; every turn-level save must be written."""
         persisted = await self.coordinator.persist(checkpoint_id, str(tmp), episode_scopes(pending.scopes))
+        if outcome is not None:  # the model servers fetched their cuts' tokens just now
+            failed = {iid: s for iid, s in persisted.items() if s.cut_error or s.cut_failed}
+            outcome.cut_failed += sum(s.cut_failed for s in failed.values())
+            errors = [f"{iid}/{s.cut_error}" for iid, s in sorted(failed.items()) if s.cut_error]
+            if errors:
+                outcome.cut_error = "; ".join(filter(None, [outcome.cut_error, *errors]))[:1000]
+                logger.warning("snapshot %s: generation cuts incomplete (those calls regenerate at turn level): %s",
+                               checkpoint_id, "; ".join(errors))
         for iid, keys in pending.exported.items():
             lost = keys - set(persisted[iid].agent_exported)
             if lost:

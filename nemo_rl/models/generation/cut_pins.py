@@ -1,0 +1,93 @@
+"""The backend half of generation cuts (``gym_patches.checkpoint.cuts``), shared by both generation workers.
+
+A worker registers each call named by ``X-NG-Call-Id`` from arrival to reply (``tracking``); a pin
+notes how many tokens each named call has decoded and keeps a reference to it, so its fetch, later,
+returns exactly those tokens even if the call has finished meanwhile (decoded tokens are only ever
+appended). One pin is kept per owner (a model server) until it is fetched or replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Protocol
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from gym_patches.checkpoint.cuts import CutReply, CutRequest, FetchRequest, GenerationCut, PinReply
+from nemo_rl.models.generation.protocol import error_body
+
+
+class LiveCall(Protocol):
+    def decoded(self) -> int:
+        """Tokens decoded so far, a continued cut's prefix included (0: none yet)."""
+
+    def cut(self, call_id: str, upto: int) -> GenerationCut:
+        """The first ``upto`` tokens as a cut."""
+
+
+def invalid_body(exc: ValidationError) -> web.Response:
+    """A 400 in the OpenAI shape naming the first bad field."""
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "body"
+    return web.json_response(error_body(f"{loc}: {err['msg']}", loc), status=400)
+
+
+class CutPins:
+    """Live calls by call id, the newest pin of each owner, and the two routes (``routes``)."""
+
+    def __init__(self, stats: dict) -> None:
+        self.live: dict[str, LiveCall] = {}
+        self._pins: dict[str, tuple[str, dict[str, tuple[LiveCall, int]]]] = {}
+        self.stats = stats  # the worker's: ``cuts`` and ``cut_tokens`` count what fetches returned
+        stats.setdefault("cuts", 0)
+        stats.setdefault("cut_tokens", 0)
+
+    @property
+    def routes(self) -> tuple:
+        return self.handle_pin, self.handle_fetch
+
+    @contextlib.contextmanager
+    def tracking(self, call_id: str | None, live: LiveCall | None) -> Iterator[None]:
+        """``live`` can be pinned under ``call_id`` until the block ends (None: an unnamed call)."""
+        if call_id is None or live is None:
+            yield
+            return
+        self.live[call_id] = live
+        try:
+            yield
+        finally:
+            if self.live.get(call_id) is live:
+                del self.live[call_id]
+
+    async def handle_pin(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts``: pin each named call in flight at the tokens it has decoded now (read, not
+        stopped) and answer the counts; the owner's older pin is dropped."""
+        try:
+            req = CutRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            return invalid_body(e)
+        pinned: dict[str, tuple[LiveCall, int]] = {}
+        for call_id in req.call_ids:
+            live = self.live.get(call_id)
+            n = 0 if live is None else live.decoded()
+            if n:
+                pinned[call_id] = (live, n)
+        self._pins[req.owner] = (req.pin, pinned)
+        return web.Response(body=PinReply(counts={c: n for c, (_, n) in pinned.items()}).model_dump_json(),
+                            content_type="application/json")
+
+    async def handle_fetch(self, request: web.Request) -> web.Response:
+        """``POST /v1/ng-cuts/fetch``: the owner's pinned cuts, each up to its pinned count; then forgotten."""
+        try:
+            req = FetchRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            return invalid_body(e)
+        held = self._pins.get(req.owner)
+        cuts: dict[str, GenerationCut] = {}
+        if held is not None and held[0] == req.pin:
+            del self._pins[req.owner]
+            cuts = {call_id: live.cut(call_id, n) for call_id, (live, n) in held[1].items()}
+        self.stats["cuts"] += len(cuts)
+        self.stats["cut_tokens"] += sum(c.token_count for c in cuts.values())
+        return web.Response(body=CutReply(cuts=cuts).model_dump_json(), content_type="application/json")

@@ -78,10 +78,14 @@ class _Worker:
         from nemo_rl.models.generation.worker import GenerationWorker, model_files
 
         repo = str(Path(__file__).resolve().parents[2])
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+        self.owns_ray = not ray.is_initialized()  # a caller's Ray (a test session's) is used, never shut down
+        if self.owns_ray:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+        # a wide batch window: the calls an experiment sends at once decode in one batch (the torch worker
+        # starts a new batch only when the running one ends)
         cfg = PolicyConfig(device="cpu", max_seq_len=max_seq_len,
-                           generation=GenerationConfig(max_batch_size=batch, batch_window_ms=20.0, ignore_eos=True))
+                           generation=GenerationConfig(max_batch_size=batch, batch_window_ms=200.0, ignore_eos=True))
         directory = _model_dir(workdir)
         from nemo_rl.models.policy import load_policy
 
@@ -94,8 +98,10 @@ class _Worker:
     def close(self) -> None:
         try:
             self.ray.get(self.handle.stop.remote())
+            self.ray.kill(self.handle)
         finally:
-            self.ray.shutdown()
+            if self.owns_ray:
+                self.ray.shutdown()
 
 
 async def _chat(session: aiohttp.ClientSession, base_url: str, call_id: str, max_tokens: int,
@@ -143,10 +149,10 @@ async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: fl
                       log: Log) -> dict[str, Any]:
     ids = [f"crash{rng.randrange(1 << 30):x}-{i}.c" for i in range(calls)]
     async with aiohttp.ClientSession() as s:
-        snapshots, crash_read = _Cuts(s, base_url, owner="snapshots"), _Cuts(s, base_url, owner="crash")
+        crash_read = _Cuts(s, base_url, owner="crash")
         started = time.monotonic()
         live = [asyncio.ensure_future(_chat(s, base_url, cid, max_tokens)) for cid in ids]
-        pins: list[dict[str, int]] = []  # each snapshot's pinned counts, oldest first
+        pins: list[dict[str, int]] = []  # each snapshot's pinned counts, oldest first (snapshot k: owner snap-k)
         crash_at = None
         k = 0
         while True:
@@ -158,18 +164,24 @@ async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: fl
             if crash_at is None and all(t.done() for t in live):
                 raise RuntimeError(f"the {calls} calls of {max_tokens} tokens ended before two snapshots caught them "
                                    f"all ({len(pins)} snapshots every {interval_s:g} s): use longer calls")
-            pins.append(await snapshots.pin(f"s{k}", ids))
-            if crash_at is None and len(pins) >= 2 and len(pins[-1]) == calls:
-                # crash somewhere after this snapshot, before the calls can end (90 % of their budget)
+            counts = await _Cuts(s, base_url, owner=f"snap-{k}").pin("s", ids)
+            if len(counts) < calls and crash_at is not None:  # a call ended: crash now, before the next snapshot
+                crash_at = time.monotonic()
+                break
+            pins.append(counts)
+            if crash_at is None and len(pins) >= 2 and len(pins[-1]) == calls and len(pins[-2]) == calls:
+                # crash somewhere after this snapshot, before the calls end (70 % of their budget), at the
+                # decode rate between the last two snapshots
                 decoded = min(pins[-1].values())
-                rate = decoded / max(1e-9, time.monotonic() - started)
-                crash_at = time.monotonic() + rng.uniform(0.0, max(0.0, (0.9 * max_tokens - decoded) / rate))
+                rate = max(1e-9, min(pins[-1][c] - pins[-2][c] for c in ids) / interval_s)
+                crash_at = time.monotonic() + rng.uniform(0.0, max(0.0, (0.7 * max_tokens - decoded) / rate))
         await asyncio.sleep(max(0.0, crash_at - time.monotonic()))
         at_crash = await crash_read.pin("crash", ids)  # what each call had decoded when the crash hit
         crashed_s = time.monotonic() - started
-        saved = await snapshots.fetch(f"s{len(pins)}")  # the newest snapshot's cuts, as its persist wrote them
+        newest = len(pins)  # the newest snapshot: its cuts, as its persist wrote them
+        saved = await _Cuts(s, base_url, owner=f"snap-{newest}").fetch("s")
         if set(saved) != set(pins[-1]) or len(saved) != calls:
-            raise RuntimeError(f"snapshot s{len(pins)} pinned {len(pins[-1])} calls, its fetch gave {len(saved)}")
+            raise RuntimeError(f"snapshot {newest} pinned {len(pins[-1])} calls, its fetch gave {len(saved)}")
         await asyncio.gather(*live)  # the crashed run's calls: their replies are lost with it
         # restore: each call again, continuing from the newest snapshot's cut
         restored = await asyncio.gather(*(_chat(s, base_url, cid.replace("crash", "restored"), max_tokens, saved[cid])

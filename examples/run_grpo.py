@@ -1,24 +1,23 @@
-"""GRPO with turn-level rollout recovery: ``python examples/run_grpo.py [--config X.yaml] [key=value ...]``.
+"""GRPO with turn-level rollout recovery: ``python examples/run_grpo.py [--config X.yaml] [--check] [key=value ...]``.
 
 With no arguments it runs the embedded default: local Ray, Gym servers on
 loopback, the tiny CPU policy, the Workplace setup with turn recovery. Running
 the same command again after a crash resumes from the newest checkpoint.
+``--help`` lists the shipped configs and the recovery keys.
 
-The run itself is ``nemo_rl.cli.run_grpo.main``; this command makes it work from
-any directory: the repository is put on ``sys.path`` and made the working
-directory (config paths such as ``examples/data/...`` are relative to it), unless
-``NEMO_RL_CHDIR_REPO=0``.
+The run itself is ``nemo_rl.cli.run_grpo.main`` (``python -m nemo_rl.cli.run_grpo``
+is the same command); this file only puts the repository on ``sys.path``, so it
+works from any directory without an install. Relative paths follow one rule
+either way: the current directory first, then the repository root
+(``nemo_rl/cli/preflight.py``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-os.chdir(REPO_ROOT) if os.environ.get("NEMO_RL_CHDIR_REPO", "1") == "1" else None
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nemo_rl.cli.run_grpo import main  # noqa: E402
 

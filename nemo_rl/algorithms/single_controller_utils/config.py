@@ -9,6 +9,7 @@ restart-only Gym servers at a level that never asks Gym to save (DESIGN §4.1).
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -29,6 +30,7 @@ from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
 from nemo_rl.experience.rollout_recovery import RecoveryTargetLevel
 
 DEFAULT_GYM_SHARD = "nemo_gym"
+REPO_ROOT = Path(__file__).resolve().parents[3]  # the shipped examples' paths fall back to it
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Keys renamed to upstream NeMo-RL's names: a config (or an override) that still uses one gets this.
 _RENAMED_KEYS = {
@@ -494,9 +496,11 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if data is None:
-        data = {}
+        raise ConfigError(f"{path}: the config file is empty (it needs at least data.train_data_path, "
+                          "or 'defaults: <file>' to inherit one)")
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{path}: the config file must be a mapping of sections (grpo:, data:, ...), "
+                          f"but its top level is a {type(data).__name__}")
     parents = data.pop("defaults", None)
     if parents is None:
         return data
@@ -552,6 +556,31 @@ def _section_type(annotation: Any) -> Any:
     return annotation
 
 
+def unknown_key_hint(parts: list[str]) -> str | None:
+    """For a dotted key the schema forbids: what to write instead (a did-you-mean over the section's
+    keys, else the section's keys). None where the path leaves the schema for a free-form mapping
+    (there ``++key=...`` adds the key)."""
+    current: Any = MasterConfig
+    for depth, part in enumerate(parts):
+        section = _section_type(current)
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            if get_origin(section) is list and part.isdigit():
+                current = get_args(section)[0]
+                continue
+            return None  # a free-form mapping (or a scalar): not the schema's to refuse
+        if part in section.model_fields:
+            current = section.model_fields[part].annotation
+            continue
+        where = ".".join(parts[:depth])
+        names = sorted(section.model_fields)
+        close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+        if close:
+            fixed = ".".join([*parts[:depth], close[0], *parts[depth + 1:]])
+            return f"did you mean '{fixed}'?"
+        return f"{where or 'the top level'} has only the keys {', '.join(names)}"
+    return None
+
+
 def _lookup(data: Any, parts: list[str]) -> bool:
     """Whether the path exists in the plain config (dict keys, list indices)."""
     node = data
@@ -599,10 +628,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {text!r}: {_RENAMED_KEYS[key]}")
         exists = _lookup(data, parts)
         if mode == "" and not (exists or _schema_knows(MasterConfig, parts)):
-            raise ConfigError(
-                f"override {text!r}: key '{key}' does not exist in the config "
-                f"(use '++{key}=...' to add it)"
-            )
+            unknown = unknown_key_hint(parts)
+            advice = unknown if unknown else f"use '++{key}=...' to add it"  # ++ only where the schema allows it
+            raise ConfigError(f"override {text!r}: key '{key}' does not exist in the config ({advice})")
         if mode == "+" and (exists or _schema_knows(MasterConfig, parts)):
             raise ConfigError(f"override {text!r}: key '{key}' already exists (use '++{key}=...')")
         _assign(data, parts, value, key)
@@ -615,7 +643,8 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (not part of the config schema)"
+            hint = unknown_key_hint([str(p) for p in err["loc"]])
+            msg = "unknown key (not part of the config schema)" + (f"; {hint}" if hint else "")
         lines.append(f"  - {loc}: {msg}")
     return "\n".join(lines)
 
@@ -641,12 +670,24 @@ def build_config(data: dict[str, Any], source: str = "<dict>") -> MasterConfig:
         raise ConfigError(_format_validation_error(exc, source)) from None
 
 
+def resolve_config_path(path: str | Path) -> Path:
+    """``--config``: relative to the current directory, else to the repository root (where the shipped
+    ``examples/configs`` are); neither: the error names both places tried."""
+    given = Path(path).expanduser()
+    if given.is_absolute() or given.exists():
+        return given.resolve()
+    fallback = REPO_ROOT / given
+    if fallback.exists():
+        return fallback
+    raise ConfigError(f"--config {path}: no such file ({Path.cwd() / given}, nor {fallback} under the repository root)")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> MasterConfig:
     """Load YAML (or the embedded default when ``path`` is None), apply overrides, validate."""
     if path is None:
         data, source = embedded_default_config(), "embedded default"
     else:
-        data, source = _read_yaml(Path(path)), str(path)
+        data, source = _read_yaml(resolve_config_path(path)), str(path)
     if overrides:
         data = apply_overrides(data, list(overrides))
         source += " + overrides"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
+import socket
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -38,15 +40,96 @@ class ShardSetupError(RuntimeError):
     """A Gym shard replica failed to start; names the shard and replica."""
 
 
-def init_ray(config: MasterConfig) -> None:
-    """Start (or join) Ray sized for this machine; torch threads stay at 1 in actors."""
+class RayConnectError(RuntimeError):
+    """``cluster.ray_address`` could not be joined within ``RAY_CONNECT_TIMEOUT_S``; names the key and address."""
+
+
+RAY_CONNECT_TIMEOUT_S = 20.0  # joining a cluster: the whole bound, the port probe and ray.init together
+
+
+def init_ray(config: MasterConfig, connect_timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Start (or join) Ray sized for this machine; torch threads stay at 1 in actors.
+
+    Joining ``cluster.ray_address`` is bounded: the GCS port is probed first (nothing listening
+    or an unknown host fails at once), then ``ray.init`` (which otherwise retries for ever) gets
+    what is left of ``connect_timeout_s``; either failure is a ``RayConnectError`` naming the key.
+    """
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
-    if config.cluster.ray_address:
-        ray.init(address=config.cluster.ray_address, **kwargs)
-    else:
+    address = config.cluster.ray_address
+    if not address:
         ray.init(num_cpus=config.cluster.num_cpus or 2, num_gpus=config.cluster.gpus_per_node, **kwargs)
+        return
+    deadline = time.monotonic() + connect_timeout_s
+    _probe_address(address, deadline, connect_timeout_s)
+    _init_within(address, kwargs, deadline, connect_timeout_s)
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _ray_connect_error(address: str, why: str) -> RayConnectError:
+    return RayConnectError(f"cluster.ray_address={address}: cannot join the Ray cluster: {why} (start it with "
+                           "'ray start --head --port=<port>', fix the address, or remove cluster.ray_address "
+                           "to start a local Ray)")
+
+
+def _probe_address(address: str, deadline: float, bound_s: float) -> None:
+    """Connect to the address's port once it answers, until ``deadline``; ``auto``/``local`` are not probed."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local", or a form ray.init itself resolves
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, min(2.0, left))):
+                return
+        except socket.gaierror as exc:
+            raise _ray_connect_error(address, f"unknown host {host!r} ({exc.strerror or exc})") from None
+        except ConnectionRefusedError:
+            raise _ray_connect_error(address, f"nothing listens on {host}:{port} (connection refused)") from None
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise _ray_connect_error(address, f"no answer from {host}:{port} within the "
+                                                  f"{bound_s:g}s bound ({exc.strerror or exc})") from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def _init_within(address: str, kwargs: dict[str, Any], deadline: float, bound_s: float) -> None:
+    """``ray.init(address=...)`` in a daemon thread, given until ``deadline`` (it retries for ever on a
+    port that answers but is no Ray GCS); a thread left behind dies with the process."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def join() -> None:
+        try:
+            ray.init(address=address, **kwargs)
+            outcome["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+
+    # Off the main thread Ray installs no SIGTERM handler of its own (a local ray.init replaces the
+    # process's with sys.exit) and warns so; the process keeps its own handler, so the warning is dropped.
+    quiet = _DropRecords("SIGTERM handler is not set")
+    ray_worker_log = logging.getLogger("ray._private.worker")
+    ray_worker_log.addFilter(quiet)
+    thread = threading.Thread(target=join, name="ray-init", daemon=True)
+    try:
+        thread.start()
+        thread.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        ray_worker_log.removeFilter(quiet)
+    if "error" not in outcome:
+        raise _ray_connect_error(address, f"no Ray GCS answered there within {bound_s:g}s")
+    if outcome["error"] is not None:
+        raise _ray_connect_error(address, f"{type(outcome['error']).__name__}: {outcome['error']}") from None
 
 
 def _resolve_path(path: str) -> Path:

@@ -23,6 +23,11 @@ class CheckpointParticipant(ABC):
     anything that ``readiness()`` reads changes, so prepare wakes at once."""
 
     kind: ClassVar[ParticipantKind]
+    # Whether a record this server saved can be installed by the same server on another replica of
+    # its shard (DESIGN §5.7, portable records): it names the episode, never this process (no port,
+    # pid, local path or in-process handle). A server whose records are not portable sets False and
+    # says so in its status; its episodes then continue only on the replica that saved them.
+    records_portable: bool = True
 
     def __init__(self) -> None:
         self.accepting: bool = True

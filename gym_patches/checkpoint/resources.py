@@ -100,6 +100,8 @@ class ResourcesParticipant(CheckpointParticipant):
             raise ValueError(f"{instance}: checkpoint_mode must be one of {CHECKPOINT_MODES}, got {mode!r}")
         self.mode: ResourcesCheckpointMode = mode
         self.hooks = hooks
+        # A server whose session states name what only its process has (a local file, a handle) says so.
+        self.records_portable = bool(getattr(hooks, "records_portable", True))
         self.instance = instance
         self.sessions: dict[str, LiveSession] = {}
         self._seeding: dict[object, _Seed] = {}

@@ -6,7 +6,7 @@ Requests forbid extra fields so a typo is an error, not a silent default.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -89,6 +89,11 @@ class RestoreRequest(CheckpointRequest):
     checkpoint_dir: str = Field(min_length=1, max_length=4096)
     episode_ids: list[EpisodeId] = Field(max_length=MAX_EPISODES_PER_REQUEST)
     source_checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    # More checkpoint dirs to read records from: other replicas' of the same shard, whose episodes
+    # continue here because their replica no longer runs (elastic restore, DESIGN §5.7). Each asked
+    # episode's record must be in exactly one of ``checkpoint_dir`` and these.
+    source_dirs: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(default_factory=list,
+                                                                                   max_length=1024)
 
 
 class PrepareReport(BaseModel):
@@ -125,6 +130,9 @@ class StatusReply(BaseModel):
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None
     report: PrepareReport
+    # False: this server's records hold something only its own process can use, so an episode it
+    # saved cannot continue on another replica of its shard (DESIGN §5.7, portable records).
+    records_portable: bool = True
 
 
 class PrepareReply(BaseModel):

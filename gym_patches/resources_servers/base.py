@@ -80,6 +80,9 @@ class SimpleResourcesServer(GymServer, SessionStateHooks):
     server_type: ClassVar[str] = "resources_servers"
     config_model: ClassVar[type[ServerConfigBase]] = ResourcesServerConfig
     checkpoint_mode: ClassVar[ResourcesCheckpointMode] = "restart_only"
+    # False for a server whose exported session states name what only its process has (a local
+    # path, a handle): its sessions then never move to another replica (DESIGN §5.7).
+    records_portable: ClassVar[bool] = True
     tool_schemas: ClassVar[list[dict[str, Any]]] = []
 
     def __init__(self, instance: ServerInstanceConfig, global_config: GymGlobalConfig):

@@ -85,6 +85,7 @@ class GymServerProbe:
     detail: str  # the error if it did not answer, else its phase and blocker count
     blocker_count: int = 0
     blockers: list[str] | None = None  # the first few blocking capture keys
+    records_portable: bool = True  # its status: its records can be installed on another replica (§5.7)
 
 
 def _is_restart_only(name: str, status: StatusReply) -> bool:
@@ -183,4 +184,5 @@ def _probe(status: StatusReply | BaseException) -> GymServerProbe:
     if isinstance(status, BaseException):
         return GymServerProbe(False, str(status))
     count = status.report.blocker_count
-    return GymServerProbe(True, f"phase {status.phase}, {count} blocking", count, list(status.report.blockers[:5]))
+    return GymServerProbe(True, f"phase {status.phase}, {count} blocking", count, list(status.report.blockers[:5]),
+                          status.records_portable)

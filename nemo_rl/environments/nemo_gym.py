@@ -63,15 +63,21 @@ class GymReplicaLost(RuntimeError):
     """A Gym replica's Ray actor died (its node was lost, or the actor crashed): the run stops, naming it.
 
     Nothing a committed snapshot holds is lost: the same command resumes from the newest
-    snapshot once the replica can be placed again (e.g. the node is back).
+    snapshot once the replica can be placed again (e.g. the node is back), or at once on
+    fewer replicas of its shard, whose saved rollouts then continue on the shard's other
+    replicas (elastic restore, docs/design.md §5.7).
     """
 
     def __init__(self, instance: str, cause: BaseException, node: dict[str, str] | None = None):
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         where = f" (Ray node {node['node_id']}, {node['ip']})" if node else ""
+        shard = instance.rsplit("/replica-", 1)[0]
         super().__init__(
             f"Gym replica {instance}{where} was lost: its Ray actor died ({detail}). The run stops; run the same "
-            "command again once its node is back: it resumes from the newest committed snapshot"
+            "command again once its node is back: it resumes from the newest committed snapshot. To go on "
+            f"without the node, run it with fewer replicas of shard {shard!r} (lower its `replicas` in "
+            "env.nemo_gym.shards, e.g. env.nemo_gym.shards.<index>.replicas=<n>): the rollouts saved on replicas "
+            "that no longer run continue on the shard's other replicas"
         )
         self.instance, self.node = instance, node
 

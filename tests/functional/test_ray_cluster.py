@@ -399,6 +399,7 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     print(error)
     assert error and f"Gym replica {lost} (Ray node {placement[lost]['node_id']}," in error[-1], text[-3000:]
     assert "was lost" in error[-1] and "run the same command again once its node is back" in error[-1]
+    assert "To go on without the node, run it with fewer replicas of shard" in error[-1]
     assert "Task exception was never retrieved" not in text
     # the run's own record of where each replica ran agrees with Ray's view
     recorded = json.loads((dirs.logs / "gym_placement.json").read_text())

@@ -121,6 +121,7 @@ class ParticipantControlPlane:
             checkpoint_id=self.checkpoint_id,
             lease_expires_at=self.lease_expires_at,
             report=self.participant.readiness(),
+            records_portable=self.participant.records_portable,
         )
         body = dict(self.participant.status_extra())
         body.update(dump(reply))  # control fields win over a clashing extra
@@ -306,7 +307,7 @@ class ParticipantControlPlane:
     async def _restore(self, req: RestoreRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
         wanted = _keys(req.episode_ids) or ()
-        args = (req.checkpoint_dir, wanted, req.source_checkpoint_id)
+        args = (req.checkpoint_dir, wanted, req.source_checkpoint_id, tuple(req.source_dirs))
         async with self._lock:
             stored = self._replay(cid, "restore", args)
             if stored is not None:

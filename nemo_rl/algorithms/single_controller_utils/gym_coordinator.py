@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
 import ray
@@ -43,7 +44,11 @@ from gym_patches.checkpoint.calls import (
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
 from gym_patches.checkpoint.coordination import CoordinationError, CoordinationFailures, PrepareResult
-from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary, GymServerProbe
+from nemo_rl.environments.gym_checkpoint_adapter import (
+    GymCheckpointCommitSummary,
+    GymCheckpointInstance,
+    GymServerProbe,
+)
 from nemo_rl.environments.nemo_gym import GymReplicaLost, NemoGymShardSet
 
 logger = logging.getLogger(__name__)
@@ -495,27 +500,54 @@ class GymCheckpointCoordinator:
                          "; ".join(f"{iid}: {exc}" for iid, exc in sorted(failures.items())))
         return failures
 
+    async def unportable_servers(self, shards: list[str]) -> dict[str, set[str]]:
+        """shard -> its Gym servers whose status says their records are not portable (asked of the
+        first running replica of each shard in ``shards``; an elastic restore asks before it moves any
+        episode). A replica that does not answer fails the restore, naming it."""
+        asked: dict[str, str] = {}
+        for iid in self.instance_ids:
+            shard = iid.rsplit("/replica-", 1)[0]
+            if shard in shards and shard not in asked:
+                asked[shard] = iid
+        deadline = time.time() + self.park_grace_s
+        probes = await self._collect("status", {iid: self._send(iid, ProbeCall(timeout_s=self.park_grace_s))
+                                                for iid in asked.values()}, deadline)
+        silent = {iid: name for iid, by_name in probes.items() for name, p in by_name.items() if not p.answered}
+        if silent:
+            raise GymCheckpointOperationError("status", {
+                iid: RuntimeError(f"Gym server {name!r} did not answer its status") for iid, name in silent.items()})
+        return {shard: {name for name, p in probes[iid].items() if not p.records_portable}
+                for shard, iid in asked.items()}
+
     async def restore(
-        self, restore_id: str, root: str, exported: dict[str, dict[str, list[str]]], source_checkpoint_id: str
+        self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],
+        source_checkpoint_id: str,
     ) -> dict[str, list[str]]:
-        """Restore every replica that saved something; returns new agent keys per instance."""
+        """Each running replica of ``sources`` installs what it is given (``sources[target][source][server]``:
+        its own saved episodes, and those of vanished replicas of its shard, read from their directories,
+        DESIGN §5.7); returns new agent keys per instance."""
         deadline = time.time() + self.prepare_timeout_s
-        unknown = sorted(set(exported) - set(self.instance_ids))
+        unknown = sorted(set(sources) - set(self.instance_ids))
         if unknown:
-            raise RuntimeError(f"snapshot names Gym instances that are not running: {unknown}")
+            raise RuntimeError(f"restore plan names Gym instances that are not running: {unknown}")
+        calls = {}
+        for iid, by_source in sources.items():
+            order = sorted(by_source, key=lambda s: (s != iid, s))  # its own directory first
+            dirs = [str(_replica_dir(source, root)) for source in order]
+            scope: dict[str, list[EpisodeId]] = {}
+            for source in order:
+                for name, keys in by_source[source].items():
+                    scope.setdefault(name, []).extend(EpisodeId.from_capture_key(k) for k in keys)
+            calls[iid] = self._send(iid, RestoreCall(
+                checkpoint_id=restore_id, deadline_ts=deadline, checkpoint_dir=dirs[0], source_dirs=dirs[1:],
+                episode_ids=scope, source_checkpoint_id=source_checkpoint_id))
         try:
-            return await self._collect(
-                "restore",
-                {
-                    iid: self._send(iid, RestoreCall(
-                        checkpoint_id=restore_id, deadline_ts=deadline,
-                        checkpoint_dir=self.shard_set.checkpoint_dir(iid, root),
-                        episode_ids={name: [EpisodeId.from_capture_key(k) for k in keys]
-                                     for name, keys in by_server.items()},
-                        source_checkpoint_id=source_checkpoint_id))
-                    for iid, by_server in exported.items()
-                },
-                deadline,
-            )
+            return await self._collect("restore", calls, deadline)
         finally:
             await self.resume(restore_id)
+
+
+def _replica_dir(instance_id: str, root: str) -> Path:
+    """Where ``<shard>/replica-<i>`` wrote under ``root``, whether or not it runs now."""
+    shard, _, index = instance_id.rpartition("/replica-")
+    return GymCheckpointInstance(shard, int(index)).checkpoint_dir(root)

@@ -350,20 +350,22 @@ class RolloutRecoveryLedger:
                     yield group, sibling.generation_index, attempt
 
     # ----- restart ----------------------------------------------------------
-    def prepare_for_restart(self, restored: set[RestoredEpisode] | None = None) -> RestartSummary:
+    def prepare_for_restart(self, restored: set[RestoredEpisode] | None = None,
+                            relocated: dict[str, str] | None = None) -> RestartSummary:
         """Apply the per-level restart rules to every generating group (DESIGN §4.5; ``restart``).
 
         ``restored`` holds ``(instance_id, base rollout_id, attempt)`` for each
         episode Gym restored, with the attempt number Gym gave it (the saved
         attempt + 1): attempt numbers are Gym's everywhere, the ledger never
         re-derives them. The ledger is only changed if every restored triple is
-        consumed; otherwise ValueError names them.
+        consumed; otherwise ValueError names them. ``relocated`` (base rollout id ->
+        replica): restored episodes Gym installed on another replica than the one they ran on.
         """
         staged = RolloutRecoveryLedger(self.max_attempts_per_sibling)
         staged.groups = {gid: g.model_copy(deep=True) for gid, g in self.groups.items()}
         staged.trained_positions = list(self.trained_positions)
         staged._reindex()
-        summary = apply_restart_rules(staged, restored)
+        summary = apply_restart_rules(staged, restored, relocated)
         self.groups = staged.groups
         self._reindex()
         return summary

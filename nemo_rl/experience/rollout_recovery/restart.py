@@ -42,16 +42,19 @@ class RestartSummary(BaseModel):
 
 
 def apply_restart_rules(
-    ledger: "RolloutRecoveryLedger", restored: set[RestoredEpisode] | None
+    ledger: "RolloutRecoveryLedger", restored: set[RestoredEpisode] | None,
+    relocated: dict[str, str] | None = None,
 ) -> RestartSummary:
     """Apply each generating group's restore level to ``ledger``, in place.
 
-    A restored triple that no attempt consumes raises ValueError naming them
-    all, after ``ledger`` was changed: pass a staged copy
-    (``RolloutRecoveryLedger.prepare_for_restart`` does, and adopts it only
-    when this returns).
+    A restored triple names the replica the attempt ran on; ``relocated`` (base rollout id -> replica)
+    says where Gym installed it instead, because that replica no longer runs (elastic restore,
+    DESIGN §5.7): the continued attempt is pinned there. A restored triple that no attempt consumes
+    raises ValueError naming them all, after ``ledger`` was changed: pass a staged copy
+    (``RolloutRecoveryLedger.prepare_for_restart`` does, and adopts it only when this returns).
     """
     pending = set(restored or ())
+    relocated = relocated or {}
     summary = RestartSummary()
     for group in ledger.groups.values():
         if group.status is not PromptGroupStatus.GENERATING:
@@ -61,7 +64,7 @@ def apply_restart_rules(
             _redo_group(ledger, group, summary)
             continue
         for sibling in group.siblings:
-            _restart_sibling(ledger, group, sibling, level, pending, summary)
+            _restart_sibling(ledger, group, sibling, level, pending, summary, relocated)
     if pending:
         raise ValueError(
             "Gym restored episodes that no ledger attempt consumes "
@@ -77,6 +80,7 @@ def _restart_sibling(
     level: RecoveryTargetLevel,
     pending: set[RestoredEpisode],
     summary: RestartSummary,
+    relocated: dict[str, str],
 ) -> None:
     """Turn and sibling rules for one sibling: kept, dispatched as planned, continued, or rerun."""
     gid, g = group.group_id, sibling.generation_index
@@ -94,6 +98,7 @@ def _restart_sibling(
                 update={
                     "status": RolloutAttemptStatus.RESERVED,
                     "gym_attempt": triple[2],
+                    "gym_instance_id": relocated.get(triple[1], attempt.gym_instance_id),
                 }
             )
             ledger._replace_current(group, sibling, restored)

@@ -3,7 +3,9 @@
 ``RunRestorer.restore`` selects once (``find_restore_point``), reads and
 validates once (``store.read_snapshot``), asks Gym to install what it saved,
 applies the restart rules of the ledger (docs/design.md §5.5) and returns a
-``RestoredState``; the controller only assigns it.
+``RestoredState``; the controller only assigns it. When the relaunch runs fewer
+replicas of a shard, the saved episodes of the replicas that no longer run are
+installed on the shard's others (``reshard.plan_restore``, §5.7).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import (
+    RestorePlan,
+    plan_restore,
+    replica_counts,
+    vanished,
+)
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
     read_snapshot,
@@ -26,6 +34,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.run_identity import record_replicas, replica_changes
 from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError, resolve_restore_point
 
 logger = logging.getLogger(__name__)
@@ -111,6 +120,32 @@ class RunRestorer:
             ledger.max_attempts_per_sibling = self.max_attempts
         return ledger
 
+    async def _plan(self, exported: dict[str, dict[str, list[str]]]) -> RestorePlan:
+        """Where each saved episode is installed; only a restore onto fewer replicas asks the servers
+        whether their records are portable (a same-shape restore sends exactly what it always did)."""
+        assert self.coordinator is not None
+        running = self.coordinator.instance_ids
+        plan = plan_restore(exported, running)  # refuses a removed shard first
+        gone = vanished(exported, running)
+        if not gone:
+            return plan
+        shards = sorted({iid.rsplit("/replica-", 1)[0] for iid in gone})
+        plan = plan_restore(exported, running, await self.coordinator.unportable_servers(shards))
+        for key, (source, target) in sorted(plan.moved.items()):
+            logger.info("rollout %s saved on %s (no longer running) continues on %s", key, source, target)
+        for key, why in sorted(plan.not_portable.items()):
+            logger.warning("rollout %s restarts from its prompt: %s", key, why)
+        return plan
+
+    def _record_replicas(self, record: dict[str, Any]) -> None:
+        """``resharded`` (shard -> {from, to}) in ``restore.json``, and the new counts in the run identity."""
+        if self.coordinator is None:
+            return
+        now = replica_counts(self.coordinator.instance_ids)
+        record["resharded"] = replica_changes(self.checkpoint_dir, now)
+        if record["resharded"]:
+            record_replicas(self.checkpoint_dir, now)
+
     async def restore(self, lookup: RestoreLookup | None = None) -> RestoredState | None:
         """None: nothing to restore (a new run). ``lookup``: the start's lookup, if the runner took it."""
         turn_level = self.coordinator is not None
@@ -154,6 +189,7 @@ class RunRestorer:
                    if not self.read_snapshots else "no valid rollout snapshot")
             record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
                           kept_siblings=len(summary.kept_siblings), snapshot_reason=why)
+            self._record_replicas(record)
             return RestoredState(step, ledger, dataloader, DataPlaneStore(), record,
                                  f"Resuming from trainer checkpoint step {point.step} ({why}).", metrics_row)
         snap = read_snapshot(selection.path, turn_level)
@@ -165,27 +201,35 @@ class RunRestorer:
         # A snapshot under an older anchor: the groups the restored step trained since leave it.
         dropped_groups, dropped = ledger.adopt_trained(trained)
         snap.data_plane.discard(s.rollout_id for g in dropped_groups for s in snap.data_plane.group_samples(g))
-        restored: set[tuple[str, str, int]] = set()  # (instance, rollout id, the attempt Gym restored it as)
+        restored: set[tuple[str, str, int]] = set()  # (instance it ran on, rollout id, the attempt Gym restored it as)
         restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
+        saved_on: dict[str, str] = {}  # new capture key -> the replica that saved it (another one if it moved)
+        relocated: dict[str, str] = {}  # base rollout id -> the replica it moved to
         exported = _without(snap.gym.exported() if snap.gym is not None else {}, set(dropped))
+        plan = RestorePlan({})
         if exported:
             assert self.coordinator is not None
+            plan = await self._plan(exported)
             new_keys = await self.coordinator.restore(
-                f"restore-{uuid.uuid4().hex[:12]}", str(snap.path), exported, snap.gym.checkpoint_id)
+                f"restore-{uuid.uuid4().hex[:12]}", str(snap.path), plan.sources, snap.gym.checkpoint_id)
             for iid, keys in new_keys.items():
                 for key in keys:
                     e = EpisodeId.from_capture_key(key)
-                    restored.add((iid, e.rollout_id, e.attempt))
-                    restored_on[key] = iid
+                    saved = EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key
+                    source = plan.source_of(iid, saved)
+                    restored.add((source, e.rollout_id, e.attempt))
+                    restored_on[key], saved_on[key] = iid, source
+                    if source != iid:
+                        relocated[e.rollout_id] = iid
         self.hooks.reached("restore")  # Gym restored, the ledger not applied
-        summary = ledger.prepare_for_restart(restored)
+        summary = ledger.prepare_for_restart(restored, relocated)
         snap.data_plane.discard(summary.discarded_rollout_ids)
         # Restored rollouts whose model call in flight was cut: their next call continues from its tokens.
         prefix = {}
         for key in summary.restored_turn:
             e = EpisodeId.from_capture_key(key)
             cut = 0 if snap.gym is None or e.attempt == 0 else snap.gym.cut_of(
-                restored_on[key], EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key)
+                saved_on[key], EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key)
             if cut:
                 prefix[key] = cut
         record.update(
@@ -203,6 +247,9 @@ class RunRestorer:
             redone_groups=len(summary.redone_groups),
             restored_rollout_ids=summary.restored_turn,
             restored_instances={key: restored_on[key] for key in summary.restored_turn},
+            moved_rollouts={key: {"from": saved_on[key], "to": restored_on[key]}
+                            for key in summary.restored_turn if saved_on[key] != restored_on[key]},
+            not_portable_rollouts=plan.not_portable,  # a vanished replica's, restarted from the prompt
             restarted_rollout_ids=summary.restarted_from_prompt,
             kept_rollout_ids=summary.kept_siblings,
         )
@@ -210,4 +257,8 @@ class RunRestorer:
                    f"{record['retrained_groups']} complete groups to train, {record['restored_turn']} continue at "
                    f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
                    f"{record['kept_siblings']} sealed kept.")
+        if record["moved_rollouts"] or plan.not_portable:
+            message += (f" {len(record['moved_rollouts'])} saved on replicas that no longer run continue on their "
+                        f"shard's others ({len(plan.not_portable)} restart from the prompt: records not portable).")
+        self._record_replicas(record)
         return RestoredState(step, ledger, dataloader, snap.data_plane, record, message, metrics_row)

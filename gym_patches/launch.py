@@ -32,7 +32,7 @@ from gym_patches.config import (
     load_gym_config,
     parse_gym_config,
 )
-from gym_patches.utils.processes import die_with_parent, listening_socket
+from gym_patches.utils.processes import die_with_parent, listening_socket, signals_blocked
 
 
 class GymStartupError(RuntimeError):
@@ -187,9 +187,14 @@ class GymDeployment:
 
     # -- stop ----------------------------------------------------------------
     def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``. Servers started while SIGTERM was blocked (a run
+        that keeps them alive through a scheduler's stop signal, docs/design.md §5.11) never see it,
+        so they get SIGKILL at once: they hold nothing to flush by the time their run tears down."""
+        if signals_blocked():
+            timeout_s = 0.0
         for proc in self._procs.values():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM if timeout_s > 0 else signal.SIGKILL)
         deadline = time.monotonic() + timeout_s
         for proc in self._procs.values():
             try:

@@ -17,6 +17,12 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def signals_blocked() -> bool:
+    """Whether SIGTERM is blocked here, and so in every child started from here: a launcher that
+    stops such children with SIGTERM would wait in vain (docs/design.md §5.11)."""
+    return signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (bound and released): another process may take it before
     it is bound again. A server this process starts itself should get a ``listening_socket``."""

@@ -63,6 +63,7 @@ from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
+from nemo_rl.utils.stop_signals import RunStopped
 from nemo_rl.utils.write_errors import as_write_error
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
@@ -168,6 +169,12 @@ class SingleController:
             else None
         )
         self.snapshotter: RolloutSnapshotter | None = None  # built after restore, over the restored state
+        # Stop signals (docs/design.md §5.11): the runner calls request_stop / request_snapshot on the loop.
+        self._stop_reason: str | None = None
+        self._stop_requested = asyncio.Event()
+        self._snapshot_request = asyncio.Event()
+        self._requested_by: str | None = None
+        self.stop_budget_s: Callable[[], float] = lambda: config.rollout_checkpointing.stop_grace_s
         self.watchdog = StallWatchdog(
             config.async_rl.stall_watchdog, in_flight=lambda: len(self._rollouts),
             transitions=lambda: self.changes.count, activity=self._gym_activity,
@@ -175,6 +182,8 @@ class SingleController:
 
     @property
     def dispatch_open(self) -> bool:
+        if self._stop_reason is not None:
+            return False  # stopping: admission closed for good
         return self.snapshotter is None or self.snapshotter.gate.is_open
 
     # ------------------------------------------------------------------ run
@@ -196,11 +205,13 @@ class SingleController:
             async with asyncio.TaskGroup() as tasks:
                 pump = tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
                 watchdog = tasks.create_task(self.watchdog.run(), name="stall-watchdog")
+                stopper = tasks.create_task(self._stop_when_asked(), name="stop-on-signal")
                 try:
                     await self._train(tasks)
                 finally:
                     pump.cancel()
                     watchdog.cancel()
+                    stopper.cancel()
                     for rollout in list(self._rollouts.values()):
                         rollout.cancel()
         except BaseExceptionGroup as group:
@@ -494,17 +505,64 @@ class SingleController:
         (training, refit, checkpoint write): a snapshot belongs to the newest durable trainer step.
         An error here stops the run."""
         interval = self.config.rollout_checkpointing.snapshot_attempt_interval_s
-        if self.snapshotter is None or interval is None:
+        if self.snapshotter is None:
             return
         while True:
-            await asyncio.sleep(interval)  # the schedule, not a poll
-            if not any(g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()):
+            requested = await self._next_snapshot(interval)  # the schedule or a SIGUSR1, not a poll
+            if self._stop_reason is not None:
+                return  # the final snapshot is the stop's own
+            if requested is None and not any(
+                    g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()):
                 continue
-            outcome = await self.snapshotter.attempt()
+            outcome = await self.snapshotter.attempt(requested=requested)
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
             if outcome.committed:
                 self._newest_snapshot_anchor = outcome.anchor_step
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
+
+    async def _next_snapshot(self, interval: float | None) -> str | None:
+        """Wait for the next scheduled snapshot (None; ``interval`` None: no schedule) or a request
+        (SIGUSR1: its name, recorded in the row)."""
+        try:
+            async with asyncio.timeout(interval):
+                await self._snapshot_request.wait()
+        except TimeoutError:
+            return None
+        self._snapshot_request.clear()
+        return self._requested_by
+
+    # ------------------------------------------------------------ stop signals
+    def request_snapshot(self, by: str) -> None:
+        """A snapshot now, out of cadence (SIGUSR1; docs/design.md §5.11). Called on the loop."""
+        self._requested_by = by
+        self._snapshot_request.set()
+
+    def request_stop(self, by: str) -> None:
+        """Stop as a scheduler asks (SIGTERM, a first Ctrl-C): close admission, take a final snapshot,
+        raise ``RunStopped`` (docs/design.md §5.11). Called on the loop; a second call changes nothing."""
+        if self._stop_reason is None:
+            self._stop_reason = by
+            self._stop_requested.set()
+
+    async def _stop_when_asked(self) -> None:
+        """Waits for ``request_stop``; then no new rollout starts, one last snapshot is taken through
+        the normal path within the grace, and the run ends with ``RunStopped`` (its tasks cancelled)."""
+        await self._stop_requested.wait()
+        stopped = RunStopped(self._stop_reason, step=self.step, anchor_step=self.anchor_step,
+                             in_flight=len(self._rollouts))
+        await self.changes.notify(transition=False)  # the dispatcher sees admission closed
+        if self.snapshotter is not None:
+            budget = self.stop_budget_s()
+            try:
+                async with asyncio.timeout(budget):
+                    stopped.outcome = await self.snapshotter.attempt(requested=self._stop_reason)
+            except TimeoutError:
+                stopped.error = f"it did not finish within {budget:.1f} s of the grace"
+            except Exception as exc:  # noqa: BLE001 - a failed final snapshot still ends the run as asked
+                stopped.error = f"{type(exc).__name__}: {exc}"
+            if stopped.outcome is not None and stopped.outcome.committed:
+                self.snapshot_counts["committed"] += 1
+        raise stopped
 
     def anchor_dir(self) -> Path:
         return anchor_dir(self.checkpoint_dir, self.anchor_step)
@@ -529,9 +587,12 @@ class SingleController:
         Returns ``checkpoint_s``: seconds of save + publish + prune (not the wait for a snapshot
         still persisting under an old anchor). The seal takes the digests of the files the trainer
         wrote through ``write_bytes_atomic`` as they were written, and pruning only stats: no
-        checkpoint is read back.
+        checkpoint is read back. ``step_N/config.yaml`` is the config the step was trained with.
         """
+        from nemo_rl.utils.snapshot_store import write_bytes_atomic
+
         step = self.step
+        config_yaml = self.config.to_yaml().encode()
         taken = [g for s in sorted(self._trained_pending) if s <= step for g in self._trained_pending[s]]
         # Trained positions only (ranges, no growing list). What is in flight is not kept: without a
         # snapshot it restarts from its prompt, the dataloader resuming at the first untrained position.
@@ -551,6 +612,7 @@ class SingleController:
             try:
                 with recording_digests(tmp) as digests:
                     self.trainer.save(tmp, extra)
+                    write_bytes_atomic(tmp / "config.yaml", config_yaml)
                 publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (startup would remove it too)
@@ -577,11 +639,14 @@ class SingleController:
             self.coverage.committed(time.monotonic(), step)
         # Older anchors go, but not under a snapshot that is still being persisted, nor the one
         # holding the newest snapshot (a restore needs it until one is published under a newer step).
+        # A snapshot begun before this publish and published after it under its own, older anchor is
+        # that newest one: the snapshotter notes its anchor before it releases ``busy`` (§5.9).
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
+            spare = self.snapshotter.newest_anchor if self.snapshotter is not None else self._newest_snapshot_anchor
             t1 = time.monotonic()
             try:
                 await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,
-                                        self.config.checkpointing.keep_top_k, step, self._newest_snapshot_anchor)
+                                        self.config.checkpointing.keep_top_k, step, spare)
             except OSError as exc:  # a read-only or failing disk: name what could not be removed
                 raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
             self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())

@@ -37,6 +37,13 @@ from nemo_rl.utils.run_identity import check_run_identity
 from nemo_rl.utils.run_lock import hold_run_dirs
 from nemo_rl.utils.snapshot_store import remove_stale_tmp_dirs
 from nemo_rl.utils.startup_clock import StartupClock
+from nemo_rl.utils.stop_signals import (
+    RunStopped,
+    StopSignals,
+    exit_status,
+    shutdown_shielded_ray,
+    unblock_in_child,
+)
 from nemo_rl.utils.write_errors import naming_write
 
 
@@ -45,6 +52,7 @@ def _warn_to_stderr(message, category, filename, lineno, file=None, line=None) -
 
 
 RUN_ID_ENV = "NEMO_RL_RUN_ID"
+TEARDOWN_RESERVE_S = 5.0  # of rollout_checkpointing.stop_grace_s, kept for stopping Gym, generation and Ray
 # The reaper: sleeps until the kernel tells it the driver died (parent-death signal), then SIGKILLs
 # every process of the run. argv: the run id, the driver pid, the driver's process group if the driver
 # led it (else 0).
@@ -78,7 +86,12 @@ def reap(*_):
                 pass
         time.sleep(0.2)
     os._exit(0)
-signal.signal(signal.SIGTERM, reap)
+def parent_death(*_):
+    if os.getppid() != driver:  # the driver is gone (parent-death signal); a SIGTERM sent to every process
+        reap()                  # of the run while the driver lives is the driver's to handle
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, parent_death)
 if os.getppid() != driver:  # the driver died before the parent-death signal was armed
     reap()
 while True:
@@ -114,6 +127,7 @@ class _RunReaper:
         def arm() -> None:
             import ctypes
 
+            unblock_in_child()  # the run blocks its stop signals in children; the reaper needs SIGTERM
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
         proc = subprocess.Popen(
@@ -135,11 +149,23 @@ def run(config: MasterConfig, *, launched_at: float | None = None, hooks: RunHoo
     hooks = hooks or RunHooks()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
     ckpt = config.checkpointing
-    with hold_run_dirs(config.logger.log_dir, ckpt.checkpoint_dir if ckpt.enabled else None):
-        return _run_locked(config, launched_at, hooks)
+    # Entered before any child starts: each inherits the blocked stop signals (docs/design.md §5.11).
+    with StopSignals(config.rollout_checkpointing.stop_grace_s) as stops:
+        try:
+            with hold_run_dirs(config.logger.log_dir, ckpt.checkpoint_dir if ckpt.enabled else None):
+                return _run_locked(config, launched_at, hooks, stops)
+        except RunStopped as stopped:  # everything started is stopped by now
+            print(stopped.line(), flush=True)
+            return exit_status(signal.Signals[stopped.by])
+        except KeyboardInterrupt:  # a stop while starting up or wrapping up (no controller loop to take it)
+            if stops.first is None:
+                raise
+            print(f"stopped by {stops.name} outside the training loop (while starting or finishing): no "
+                  "rollout was in flight; run the same command to continue", flush=True)
+            return exit_status(stops.first)
 
 
-def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> int:
+def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks, stops: StopSignals) -> int:
     check_run_identity(config)  # another run's checkpoint_dir is refused before anything starts
     lookup = RestoreLookup(None)
     if config.checkpointing.enabled:
@@ -171,7 +197,8 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> in
         # seconds naming its key; after the reaper, so a W&B service process is one of the run's own.
         # Closed on every way out, so the last rows reach the backends when the run fails too.
         with open_loggers(config.logger, config.to_dict()) as loggers:
-            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, hooks, startup, loggers, lookup)
+            summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, hooks, startup, loggers, lookup,
+                           stops)
     finally:
         reaper.stop()
     _report(config, summary)
@@ -180,7 +207,8 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks) -> in
 
 def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
          val_rows: list[dict[str, Any]], scripted: bool, hooks: RunHooks,
-         startup: StartupClock, loggers: MetricLoggers, lookup: RestoreLookup) -> dict[str, Any]:
+         startup: StartupClock, loggers: MetricLoggers, lookup: RestoreLookup,
+         stops: StopSignals) -> dict[str, Any]:
     init_ray(config)
     startup.mark("ray")
     generation = None
@@ -207,18 +235,18 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         startup.mark("model")
         freeze_startup_objects()  # imports, config and the model stay out of every later full collection
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                                              loggers, hooks, lookup))
+                                              loggers, hooks, lookup, stops))
     finally:
         if shard_set is not None:
             shard_set.shutdown()
         if generation is not None:
             generation.stop()
-        ray.shutdown()
+        shutdown_shielded_ray()  # Ray's processes ignore the SIGTERM of a graceful ray.shutdown()
     return summary
 
 
 async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                          loggers, hooks, lookup) -> dict[str, Any]:
+                          loggers, hooks, lookup, stops: StopSignals) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
@@ -226,7 +254,13 @@ async def _run_controller(config, shard_set, trainer, generation, rows, val_rows
         controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
                                       on_progress=progress.update, startup=startup, loggers=loggers,
                                       hooks=hooks, restore_lookup=lookup)
-        summary = await controller.run()
+        # The final snapshot gets the grace less what tearing the run down takes.
+        controller.stop_budget_s = lambda: max(1.0, stops.remaining_s() - TEARDOWN_RESERVE_S)
+        stops.attach(asyncio.get_running_loop(), controller.request_stop, controller.request_snapshot)
+        try:
+            summary = await controller.run()
+        finally:
+            stops.detach()
     return summary
 
 

@@ -107,7 +107,9 @@ def _free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the actor process dies (Linux)."""
+    """In the child before exec: SIGKILL it when the actor process dies (Linux). vLLM stops on SIGTERM
+    (``stop``), so it does not keep the run's block of stop signals (docs/design.md §5.11)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:

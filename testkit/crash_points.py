@@ -106,3 +106,40 @@ class CrashAt(RunHooks):
         if pgid == os.getpid():
             os.killpg(pgid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+SIGNAL_ENV = "NEMO_RL_TEST_ONLY_SIGNAL_AT"
+
+
+class SignalAt(RunHooks):
+    """``NEMO_RL_TEST_ONLY_SIGNAL_AT=<phase>[:<nth>]``: the ``nth`` time ``phase`` is reached (counted as
+    ``CrashAt`` counts), the run sends itself a SIGTERM and goes on, as a scheduler's stop landing
+    exactly there would (docs/design.md §5.11): ``train`` stops a run while a step trains and then
+    writes its checkpoint; ``persist`` sends a second SIGTERM while the final snapshot is written."""
+
+    def __init__(self, points: list[tuple[str, int]]):
+        self.points = points
+        self.reaches: Counter[tuple[str, object]] = Counter()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SignalAt | None":
+        """Several points, comma-separated (``train:2,persist``: a stop while step 2 trains, a second
+        SIGTERM while its final snapshot is written); None when unset."""
+        spec = environ.get(SIGNAL_ENV) or ""
+        points = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            try:
+                points.append(parse_crash_spec(part))
+            except ValueError as exc:
+                raise ValueError(str(exc).replace(CRASH_ENV, SIGNAL_ENV)) from None
+        return cls(points) if points else None
+
+    def reached(self, phase: str, scope: object = None) -> None:
+        for point, nth in self.points:
+            if phase != point:
+                continue
+            self.reaches[phase, scope] += 1
+            if self.reaches[phase, scope] == nth:
+                print(f"TEST-ONLY signal: {SIGNAL_ENV} {phase}:{nth} reached; SIGTERM to the driver",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)

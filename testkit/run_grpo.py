@@ -9,6 +9,8 @@ variables ask for, each validated before anything starts (a malformed one: one
 - ``NEMO_TEST_ONLY_WRITE_FAULT=<ENOSPC|EIO>:<fragment>[:<nth>]``: fail one write
   (``testkit/write_faults.py``); installed here for this process, and by
   ``testkit/inject/sitecustomize.py`` in the Gym servers;
+- ``NEMO_RL_TEST_ONLY_SIGNAL_AT=<phase>[:<nth>]``: the run sends itself a SIGTERM
+  there and goes on (``testkit/crash_points.py``: ``SignalAt``);
 - ``NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK=1``: a Gym setup the restart-only
   check refuses is logged and run anyway, so the RL-level stall regression (and
   the stall benchmark) reach the snapshot loop with restart-only servers under
@@ -24,7 +26,7 @@ import sys
 from collections.abc import Mapping
 
 from nemo_rl.utils.run_hooks import RunHooks
-from testkit.crash_points import CrashAt
+from testkit.crash_points import CrashAt, SignalAt
 from testkit.write_faults import fault_from_env, install
 
 SKIP_RESTART_ONLY_ENV = "NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK"
@@ -36,11 +38,15 @@ class TestRunHooks(RunHooks):
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, crash: CrashAt | None = None, *, accept_restart_only: bool = False):
+    def __init__(self, crash: CrashAt | None = None, *, accept_restart_only: bool = False,
+                 signal_at: SignalAt | None = None):
         self.crash = crash
         self.accept_restart_only = accept_restart_only
+        self.signal_at = signal_at
 
     def reached(self, phase: str, scope: object = None) -> None:
+        if self.signal_at is not None:
+            self.signal_at.reached(phase, scope)
         if self.crash is not None:
             self.crash.reached(phase, scope)
 
@@ -56,7 +62,8 @@ def hooks_from_env(environ: Mapping[str, str] = os.environ) -> TestRunHooks:
     skip = environ.get(SKIP_RESTART_ONLY_ENV, "")
     if skip not in ("", "0", "1"):
         raise ValueError(f"{SKIP_RESTART_ONLY_ENV}={skip!r} must be 1 (or 0, or unset)")
-    return TestRunHooks(CrashAt.from_env(environ), accept_restart_only=skip == "1")
+    return TestRunHooks(CrashAt.from_env(environ), accept_restart_only=skip == "1",
+                        signal_at=SignalAt.from_env(environ))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -149,6 +149,22 @@ class _ReadOnlyRestorer(RunRestorer):
             record["resharded"] = replica_changes(self.checkpoint_dir, replica_counts(self.coordinator.instance_ids))
 
 
+def _saved_config(anchors: list[dict[str, Any]]):
+    """The config the newest valid trainer step holds (``step_N/config.yaml``), if any: (config, path)."""
+    import yaml
+
+    from nemo_rl.algorithms.single_controller_utils.config import ConfigError, build_config
+
+    for anchor in anchors:
+        path = Path(anchor["path"]) / "config.yaml"
+        if anchor["valid"] and "config.yaml" in anchor.get("files", []):
+            try:
+                return build_config(yaml.safe_load(path.read_text()), str(path)), path
+            except (ConfigError, yaml.YAMLError, OSError):
+                continue  # an older schema's config: the directory's own evidence decides
+    return None, None
+
+
 def _recorded_instances(checkpoint_dir: Path, anchors: list[dict[str, Any]]) -> list[str]:
     """The replicas the run last ran (``run_identity.json``), else those its snapshots name."""
     from nemo_rl.utils.run_identity import IDENTITY_FILE, RunIdentity
@@ -199,18 +215,21 @@ def _age(seconds: float) -> str:
 def render(report: dict[str, Any]) -> str:
     record = report["restore"]
     chosen = {record.get("snapshot"), report.get("restore_anchor")} if record else set()
-    lines = [f"checkpoint dir: {report['checkpoint_dir']}  ({report['settings']})", ""]
+    lines = [f"checkpoint dir: {report['checkpoint_dir']}", f"({report['settings']})", ""]
     for anchor in report["anchors"]:
         mark = "  <- a restart uses this step" if anchor["path"] in chosen else ""
         state = "valid" if anchor["valid"] else f"INVALID: {anchor['reason']}"
-        lines.append(f"{Path(anchor['path']).name:<14} {_human_size(anchor['size_bytes']):>9}  "
-                     f"{_age(anchor['age_s']):>12}  {state}{mark}")
+        lines.append(f"{Path(anchor['path']).name:<20} {_human_size(anchor['size_bytes']):>9}  "
+                     f"{_age(anchor['age_s']):>11}  {state}{mark}")
         for snap in anchor["snapshots"]:
             mark = "  <- a restart uses this snapshot" if snap["path"] in chosen else ""
             state = "valid" if snap["valid"] else f"INVALID: {snap['reason']}"
-            lines.append(f"  {Path(snap['path']).name:<12} {_human_size(snap['size_bytes']):>9}  "
-                         f"{_age(snap['age_s']):>12}  {state}{mark}")
+            lines.append(f"  {Path(snap['path']).name:<18} {_human_size(snap['size_bytes']):>9}  "
+                         f"{_age(snap['age_s']):>11}  {state}{mark}")
     lines.append("")
+    if report.get("complete"):
+        lines.append(report["complete"])
+        return "\n".join(lines)
     if record is None:
         lines.append("A restart finds no intact trainer step: it starts a new run.")
         return "\n".join(lines)
@@ -265,12 +284,15 @@ def inspect(checkpoint_dir: str | None, config_path: str | None = None, override
     if not root.is_dir():
         raise ValueError(f"{root}: not a directory" + ("" if root.exists() else " (no such directory)"))
     anchors = list_directory(root)
+    settings = f"settings from --config {config_path}"
+    if config is None:
+        config, saved = _saved_config(anchors)
+        settings = f"settings from {saved}, the config the newest step was trained with" if saved else ""
     if config is not None:
         turn_level = config.rollout_recovery.turn_checkpointing_enabled
         read_snapshots = config.rollout_checkpointing.restore_mode != "trainer_checkpoint"
         max_attempts = config.async_rl.rollout_failure.max_infra_attempts_per_prompt
         instance_ids = config.env.nemo_gym.instance_ids()
-        settings = f"settings from --config {config_path}"
     else:
         from nemo_rl.algorithms.single_controller_utils.config import AsyncRLConfig
 
@@ -282,10 +304,19 @@ def inspect(checkpoint_dir: str | None, config_path: str | None = None, override
                     "--config FILE for the run's own settings")
     record = what_a_restart_restores(root, turn_level=turn_level, read_snapshots=read_snapshots,
                                      max_attempts=max_attempts, instance_ids=instance_ids)
+    complete = None
+    if record is not None and config is not None and record["trainer_step"] >= config.grpo.max_num_steps:
+        complete = (f"The run is complete: trainer step {record['trainer_step']} of grpo.max_num_steps="
+                    f"{config.grpo.max_num_steps}; a restart with these settings restores nothing and exits "
+                    "(raise grpo.max_num_steps to train further).")
     anchor = None if record is None else next(
         (a["path"] for a in anchors if a["step"] == record["trainer_step"] and a["kind"] != "temporary"), None)
+    for entry in anchors:  # the file lists were for the settings; the report keeps the directories
+        entry.pop("files", None)
+        for snap in entry["snapshots"]:
+            snap.pop("files", None)
     return {"checkpoint_dir": str(root.absolute()), "settings": settings, "turn_level": turn_level,
-            "anchors": anchors, "restore_anchor": anchor, "restore": record}
+            "anchors": anchors, "restore_anchor": anchor, "restore": record, "complete": complete}
 
 
 if __name__ == "__main__":

@@ -303,22 +303,22 @@ def test_a_checkpoint_dir_of_another_run_is_refused_naming_what_differs(dirs):
     started = time.monotonic()
     proc = run_grpo(base + [
         "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=2", "data.train_data_path=examples/data/mixed_train.jsonl",
-        "env.nemo_gym.shards=[{name: nemo_gym, replicas: 2}]",
+        "env.nemo_gym.shards=[{name: renamed, replicas: 2}]",
     ], env=env_for())
     assert proc.returncode == 1 and time.monotonic() - started < 30
     err = proc.stderr
     assert "holds checkpoints of a different run" in err
     for what in ("other training data", "another group size (grpo.num_generations_per_prompt 4, this run's 2)",
-                 "another Gym topology", "checkpointing.allow_different_run=true"):
+                 "Gym shard 'nemo_gym' was renamed to 'renamed'", "checkpointing.allow_different_run=true"):
         assert what in err, err[-2000:]
     assert "another model" not in err
     assert "Gym ready" not in proc.stdout  # refused before Ray or any Gym server started
     assert [m["step"] for m in dirs.records("metrics.jsonl")] == [1]
-    # The explicit override goes ahead (here: the same run on two replicas instead of one).
-    proc = run_grpo(base + ["grpo.max_num_steps=2", "env.nemo_gym.shards=[{name: nemo_gym, replicas: 2}]",
-                            "checkpointing.allow_different_run=true"], env=env_for())
+    # Another replica count is the same run (elastic restore, design §5.7): it goes ahead without a flag.
+    proc = run_grpo(base + ["grpo.max_num_steps=2", "env.nemo_gym.shards=[{name: nemo_gym, replicas: 2}]"],
+                    env=env_for())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming anyway" in proc.stderr
+    assert "resuming anyway" not in proc.stderr
     assert [m["step"] for m in dirs.records("metrics.jsonl")] == [1, 2]
 
 

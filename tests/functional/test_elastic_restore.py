@@ -100,6 +100,8 @@ def test_two_replicas_to_one_and_back_to_two(tmp_path):
     moved = _check_moves(r2, ["nemo_gym/replica-1"], ["nemo_gym/replica-0"])
     assert moved
     assert r2["not_portable_rollouts"] == {}
+    print(f"2 -> 1: {len(moved)} moved, {r2['restored_turn']} continued at turn level, "
+          f"{r2['restarted_from_prompt']} from the prompt, {r2['kept_siblings']} kept")
     assert "continue on their shard's others" in second.stdout
 
     # Two replicas again: nothing vanished, every saved rollout goes home (replica-0).
@@ -109,6 +111,8 @@ def test_two_replicas_to_one_and_back_to_two(tmp_path):
     assert r3["resharded"] == {"nemo_gym": {"from": 1, "to": 2}}
     assert r3["moved_rollouts"] == {}
     assert r3["restored_turn"] > 0 and set(r3["restored_instances"].values()) == {"nemo_gym/replica-0"}
+    print(f"1 -> 2: {r3['restored_turn']} continued at turn level on replica-0, "
+          f"{r3['restarted_from_prompt']} from the prompt")
     trained = _check_lineage(two, r2, r3)
     assert set(moved) <= trained  # the moved rollouts finished on replica-0 and were trained
 
@@ -139,5 +143,7 @@ def test_two_shards_of_two_replicas_to_one_each_and_a_removed_shard_is_refused(t
     assert moved
     # the mixed shard saves nothing (restart-only): its rollouts restart from the prompt, siblings kept
     assert not _saved_turn_level(record["snapshot"]).get("mixed/replica-1")
+    print(f"2x2 -> 2x1: {len(moved)} moved, {record['restored_turn']} continued at turn level, "
+          f"{record['restarted_from_prompt']} from the prompt, {record['kept_siblings']} kept")
     trained = _check_lineage(narrow, record)
     assert set(moved) <= trained

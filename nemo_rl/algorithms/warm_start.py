@@ -8,8 +8,12 @@ shapes; kept short on purpose, it leaves the policy sloppy enough that RL has
 room to improve it.
 
 Tool outputs come from the pure-Python worlds in ``gym_patches``: the
-workplace ``OfficeWorld`` for workplace rows and a real interpreter session for
-python_sandbox rows, so the demonstrations show exactly what rollouts show.
+workplace ``OfficeWorld`` for workplace rows, a real interpreter session for
+python_sandbox rows and the verifier's own ``calculate`` for arithmetic rows, so
+the demonstrations show exactly what rollouts show. A row of any other task
+source carries its tool outputs itself (``ground_truth_outputs``, one string per
+call) or has no calls; ``check_demonstrable`` says which rows have neither
+before a run starts anything (docs/design.md §5.6).
 """
 
 from __future__ import annotations
@@ -81,12 +85,28 @@ def _simulate_sandbox_many(rows: list[dict]) -> list[list[str]]:
     return _run_async(_simulate_sandbox_async, rows)
 
 
+def _simulate_arithmetic(row: dict) -> list[str]:
+    from gym_patches.resources_servers import ToolError
+    from gym_patches.resources_servers.arithmetic_verifier import call_tool
+
+    outs = []
+    for i, call in enumerate(row["ground_truth"]):
+        try:
+            outs.append(call_tool(call["name"], call["arguments"]))
+        except ToolError as e:
+            raise ValueError(f"row {row.get('id')!r}: ground_truth[{i}] is not a valid call: {e}") from e
+    return outs
+
+
 # task_source -> simulator over a list of rows (one list of tool outputs per row)
 BatchSimulator = Callable[[list[dict]], list[list[str]]]
 SIMULATORS: dict[str, BatchSimulator] = {
     "workplace": lambda rows: [_simulate_workplace(r) for r in rows],
     "python_sandbox": _simulate_sandbox_many,
+    "arithmetic": lambda rows: [_simulate_arithmetic(r) for r in rows],
 }
+# A row field that makes any row demonstrable: the output of each ground_truth call, in order.
+OUTPUTS_FIELD = "ground_truth_outputs"
 
 
 def _check_row(row: Any, i: int) -> dict:
@@ -97,10 +117,44 @@ def _check_row(row: Any, i: int) -> dict:
             raise ValueError(f"rows[{i}] (id {row.get('id')!r}) has no field {key!r}")
     if not isinstance(row["responses_create_params"].get("input"), list):
         raise ValueError(f"rows[{i}] field 'responses_create_params.input' must be a list of messages")
+    if not isinstance(row["ground_truth"], list):
+        raise ValueError(f"rows[{i}] (id {row.get('id')!r}) field 'ground_truth' must be a list of calls")
     for j, call in enumerate(row["ground_truth"]):
         if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
             raise ValueError(f"rows[{i}] field 'ground_truth[{j}]' needs 'name' and 'arguments'")
+    outs = row.get(OUTPUTS_FIELD)
+    if outs is not None and (not isinstance(outs, list) or len(outs) != len(row["ground_truth"])
+                             or not all(isinstance(o, str) for o in outs)):
+        raise ValueError(f"rows[{i}] (id {row.get('id')!r}) field {OUTPUTS_FIELD!r} must be a list of "
+                         f"{len(row['ground_truth'])} strings, one per ground_truth call")
     return row
+
+
+def _needs_simulator(row: dict) -> bool:
+    return bool(row["ground_truth"]) and row.get(OUTPUTS_FIELD) is None
+
+
+def check_demonstrable(rows: Iterable[Any], source: str = "rows",
+                       simulators: dict[str, BatchSimulator] | None = None) -> None:
+    """Raise ``ValueError`` (naming ``source``, the task sources and what to do) unless every row can
+    become a demonstration. Reads the rows only: no simulator runs, so it is cheap enough for startup."""
+    sims = {**SIMULATORS, **(simulators or {})}
+    missing: dict[str, list[Any]] = {}
+    for i, row in enumerate(rows):
+        try:
+            _check_row(row, i)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        src = row_task_source(row)
+        if _needs_simulator(row) and src not in sims:
+            missing.setdefault(src, []).append(row.get("id", f"rows[{i}]"))
+    if missing:
+        which = "; ".join(f"task_source {src!r} ({len(ids)} rows, e.g. {ids[0]!r})" for src, ids in missing.items())
+        raise ValueError(
+            f"{source}: the warm start cannot build demonstrations for {which}: their ground_truth calls need "
+            f"tool outputs and there is no tool simulator for that task source (have {sorted(sims)}). Give those "
+            f"rows a {OUTPUTS_FIELD!r} field (the output of each ground_truth call, in order), or train a model "
+            f"of your own (policy.model_name=<hub id or directory>: no warm start)")
 
 
 def _args_dict(arguments: Any) -> dict:
@@ -125,12 +179,16 @@ def simulate_rows(rows: Iterable[dict], simulators: dict[str, BatchSimulator] | 
     sims = {**SIMULATORS, **(simulators or {})}
     rows = [_check_row(r, i) for i, r in enumerate(rows)]
     by_source: dict[str, list[int]] = {}
+    outputs: dict[int, list[str]] = {}
     for i, row in enumerate(rows):
+        if not _needs_simulator(row):  # no calls, or outputs given in the row
+            outputs[i] = list(row.get(OUTPUTS_FIELD) or [])
+            continue
         src = row_task_source(row)
         if src not in sims:
-            raise ValueError(f"rows[{i}] has task_source {src!r}; no tool simulator for it (have {sorted(sims)})")
+            raise ValueError(f"rows[{i}] has task_source {src!r}; no tool simulator for it (have {sorted(sims)}) "
+                             f"and no {OUTPUTS_FIELD!r} field")
         by_source.setdefault(src, []).append(i)
-    outputs: dict[int, list[str]] = {}
     for src, idx in by_source.items():
         for i, outs in zip(idx, sims[src]([rows[i] for i in idx]), strict=True):
             outputs[i] = outs

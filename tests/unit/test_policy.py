@@ -300,4 +300,4 @@ def test_warm_start_rejects_bad_rows(policy):
         warm_start(policy, [], steps=1, label_smoothing=1.0)
     with pytest.raises(ValueError, match="task_source 'mystery'"):
         warm_start(policy, [{"task_source": "mystery", "responses_create_params": {"input": []},
-                             "ground_truth": []}], steps=1)
+                             "ground_truth": [{"name": "lookup", "arguments": {}}]}], steps=1)

@@ -175,7 +175,9 @@ def preflight(config: MasterConfig, point: RestorePoint | None) -> str | None:
 
     Returns a message when the run in ``checkpointing.checkpoint_dir`` already
     finished ``grpo.max_num_steps`` (nothing to do); raises ``ValueError``
-    naming ``policy.model_name`` when the model cannot be found or fetched.
+    naming ``policy.model_name`` when the model cannot be found or fetched, or
+    naming the training data file when the embedded default's warm start could
+    not build its demonstrations (``check_warm_start_data``).
     """
     from nemo_rl.models.policy import resolve_model_source
 
@@ -187,9 +189,22 @@ def preflight(config: MasterConfig, point: RestorePoint | None) -> str | None:
         return None
     if config.policy.model_name == SCRIPTED_TEST_BACKEND:  # no model to find; a finished run is still finished
         return None
-    if not config.policy.is_embedded:
+    if config.policy.is_embedded:
+        check_warm_start_data(config)
+    else:
         resolve_model_source(config.policy.model_name)
     return None
+
+
+def check_warm_start_data(config: MasterConfig) -> None:
+    """The embedded default builds its tokenizer and warm start from the training rows' demonstrations
+    only after Ray and Gym are up (docs/design.md §5.6); a row it cannot demonstrate fails here instead,
+    in a second, naming the file and the task source."""
+    from nemo_rl.algorithms.warm_start import check_demonstrable
+    from nemo_rl.data.dataloader import load_jsonl
+
+    path = config.data.train_data_path
+    check_demonstrable(load_jsonl(path), f"data.train_data_path={path}")
 
 
 def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, point: RestorePoint | None,

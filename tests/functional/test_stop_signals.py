@@ -4,8 +4,9 @@ Each case starts a run (scripted replies, snapshots every 30 s so that only a
 signal takes one), signals it while rollouts are in flight, then runs the same
 command to the end:
 
-- ``launcher``: one replica, sync: SIGUSR1 (a ``requested`` snapshot row, the
-  run goes on), then SIGTERM to the driver alone;
+- ``launcher``: one replica, sync, started by ``examples/slurm/grpo.sbatch``
+  under bash: SIGUSR1 (a ``requested`` snapshot row, the run goes on), then
+  SIGTERM, both to the batch shell alone as Slurm's ``--signal=B:`` sends them;
 - ``every_process``: two shards x two replicas with restart-only servers
   (``allow_restart_only_gym_servers=true``), async: SIGTERM to every process of
   the run at once, as Slurm's preemption sends it;
@@ -43,6 +44,7 @@ cm = load_crash_matrix()
 WORKPLACE = "examples/configs/grpo_workplace_turn.yaml"
 GRACE_S = 25.0  # rollout_checkpointing.stop_grace_s's default
 SIGNAL_ENV = "NEMO_RL_TEST_ONLY_SIGNAL_AT"
+SBATCH = REPO / "examples" / "slurm" / "grpo.sbatch"  # the batch script forwards its signals to the run
 
 
 @dataclass
@@ -61,12 +63,14 @@ class Stopped:
         return [r for r in self.rows if r.get("requested") == by]
 
 
-def _start(spec, *, env: dict[str, str], out: Path, ignore_sigint: bool = False) -> subprocess.Popen:
+def _start(spec, *, env: dict[str, str], out: Path, ignore_sigint: bool = False,
+           via_sbatch: bool = False) -> subprocess.Popen:
     def preexec() -> None:
         if ignore_sigint:  # as a background job of a non-interactive shell starts
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    return subprocess.Popen(grpo_command(spec.args()), cwd=REPO, env=env, stdout=out.open("wb"),
+    command = ["bash", str(SBATCH), *spec.args()] if via_sbatch else grpo_command(spec.args())
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=out.open("wb"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
 
 
@@ -86,7 +90,7 @@ def _in_flight_with_turns(spec) -> bool:
 
 
 def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_at: str | None = None,
-               usr1_first: bool = False, ignore_sigint: bool = False) -> Stopped:
+               usr1_first: bool = False, ignore_sigint: bool = False, via_sbatch: bool = False) -> Stopped:
     spec = cm.RunSpec(root, config=config, steps=3, interval_s=30.0, delay_s=0.6, lookahead=lookahead,
                       shuffle=lookahead == 0)
     root.mkdir(parents=True, exist_ok=True)
@@ -94,7 +98,7 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
     extra = {SIGNAL_ENV: signal_at} if signal_at else {}
     env = run_env(marker=marker, extra=extra)
     out = root / "stopped.out"
-    proc = _start(spec, env=env, out=out, ignore_sigint=ignore_sigint)
+    proc = _start(spec, env=env, out=out, ignore_sigint=ignore_sigint, via_sbatch=via_sbatch)
     notes: list[str] = []
     try:
         if signal_at is None:
@@ -138,7 +142,8 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
 
 
 CASES = {
-    "launcher": dict(config=WORKPLACE, lookahead=0, deliver="launcher", usr1_first=True),
+    # Slurm's --signal=B:TERM: the batch shell alone gets the signals and forwards them to the run
+    "launcher": dict(config=WORKPLACE, lookahead=0, deliver="launcher", usr1_first=True, via_sbatch=True),
     "every_process": dict(config=cm.TWO_SHARDS_CONFIG, lookahead=1, deliver="every_process"),
     "during_training": dict(config=cm.MIXED_CONFIG, lookahead=1, deliver="hook", signal_at="train:2,persist"),
     "ctrl_c": dict(config=WORKPLACE, lookahead=0, deliver="ctrl_c", ignore_sigint=True),

@@ -1,0 +1,75 @@
+"""The README's tables render as tables (GitHub-flavoured Markdown).
+
+A table is a header row, a delimiter row (``|---|``) and body rows with no
+blank line between them: a blank line ends the table, and rows after it render
+as plain text. Every row must have the header's column count (an unescaped
+``|`` splits a cell, also inside backticks).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DELIMITER = re.compile(r"^\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
+
+
+def cells(line: str) -> int:
+    inner = line.strip()
+    inner = inner[1:] if inner.startswith("|") else inner
+    inner = inner[:-1] if inner.endswith("|") and not inner.endswith("\\|") else inner
+    return len(re.split(r"(?<!\\)\|", inner))
+
+
+def table_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """(first line number, lines) of every run of consecutive ``|`` lines outside code fences."""
+    blocks: list[tuple[int, list[str]]] = []
+    fenced = False
+    current: list[str] = []
+    start = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        is_row = not fenced and line.lstrip().startswith("|")
+        if is_row:
+            if not current:
+                start = number
+            current.append(line)
+        elif current:
+            blocks.append((start, current))
+            current = []
+    if current:
+        blocks.append((start, current))
+    return blocks
+
+
+def problems(text: str, name: str) -> list[str]:
+    found = []
+    for start, rows in table_blocks(text):
+        if len(rows) < 2 or not DELIMITER.match(rows[1].strip()):
+            found.append(f"{name}:{start}: rows without a header and delimiter row (a blank line inside a "
+                         f"table?): {rows[0][:80]!r}")
+            continue
+        width = cells(rows[0])
+        if cells(rows[1]) != width:
+            found.append(f"{name}:{start + 1}: delimiter row has {cells(rows[1])} columns, the header {width}")
+        for offset, row in enumerate(rows[2:], 2):
+            if cells(row) != width:
+                found.append(f"{name}:{start + offset}: {cells(row)} columns, the header has {width}: {row[:80]!r}")
+    return found
+
+
+def test_the_readme_tables_parse_as_tables():
+    readme = REPO / "README.md"
+    assert problems(readme.read_text(), "README.md") == []
+    assert len(table_blocks(readme.read_text())) >= 4  # the checker saw the tables
+
+
+def test_the_checker_catches_a_blank_line_and_a_short_row():
+    good = "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    assert problems(good, "x") == []
+    assert problems(good + "\n| 3 | 4 |\n", "x")  # a blank line split the table: its last row is plain text
+    assert problems("| a | b |\n|---|---|\n| 1 |\n", "x")
+    assert problems("| a | b |\n|---|---|\n| `x | y` | 2 |\n", "x")  # a pipe in a code span splits the cell
+    assert problems("```\n| not | a table |\n```\n", "x") == []

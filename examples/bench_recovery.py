@@ -8,6 +8,8 @@
     python examples/bench_recovery.py --preset async --out bench_results/async   # 9. async against sync, the
                                                                                  # main job itself (about 30 min)
     python examples/bench_recovery.py --only snapshot_cost,stall --out /tmp/bench
+    python examples/bench_recovery.py --preset preemption --out bench_results/preemption   # 11. work lost per
+                                         # preemption, SIGTERM to exit at N = 512 and 8192 (about 30 min)
     python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
 
 Every snapshot measured as the product's is taken by the controller itself in
@@ -30,6 +32,9 @@ Measurements (see docs/benchmarks.md for the method behind each):
                  coverage, learning (preset ``async``: real model and trainer, not the scripted backend)
   prefix_work_lost 10. regenerated tokens per restored call at prefix against turn, and the cut's pause
                  at N=512 (preset ``prefix``: the torch worker with long generations)
+  preemption     11. finished turns regenerated per preemption, final snapshot (SIGTERM) against a SIGKILL
+                 (restore from the newest periodic snapshot), and seconds from SIGTERM to exit at N in
+                 flight (preset ``preemption``; ``preemption_smoke`` checks it works in 2-3 minutes)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -62,6 +67,7 @@ from bench import (  # noqa: E402
     async_throughput,
     bookkeeping,
     overhead,
+    preemption,
     prefix_work_lost,
     relaunch,
     setup_check,
@@ -74,7 +80,7 @@ from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
-                               bookkeeping, async_throughput, prefix_work_lost)}
+                               bookkeeping, async_throughput, prefix_work_lost, preemption)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -248,6 +254,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("9. " + async_throughput.verdict(results["async_throughput"]["goal"]))
     if "prefix_work_lost" in results:
         lines.append("10. " + prefix_work_lost.verdict(results["prefix_work_lost"]["goal"]))
+    if "preemption" in results:
+        lines.append("11. " + preemption.verdict(results["preemption"]["goal"]))
     return lines
 
 

@@ -316,9 +316,54 @@ def prefix_work_lost(res: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def preemption(res: dict[str, Any], path: Path) -> Path:
+    """Finished turns regenerated per in-flight rollout, before (SIGKILL) against the final snapshot (SIGTERM),
+    per snapshot interval; and seconds from SIGTERM to the final snapshot's row and to exit, per N in flight."""
+    from bench.preemption import BEFORE, FINAL
+
+    rows, exits = res["rows"], res["exit_rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    intervals = sorted({r["interval_s"] for r in rows})
+    width = 0.38
+    for off, behaviour, color in ((-0.5, BEFORE, "C7"), (0.5, FINAL, "C0")):
+        stats = [next((r["lost_calls_per_in_flight"] for r in rows
+                       if r["interval_s"] == i and r["behaviour"] == behaviour), None) for i in intervals]
+        meds = [s["median"] if s and s.get("median") is not None else 0.0 for s in stats]
+        lows = [m - s["min"] if s and s.get("median") is not None else 0.0 for m, s in zip(meds, stats)]
+        highs = [s["max"] - m if s and s.get("median") is not None else 0.0 for m, s in zip(meds, stats)]
+        label = "before: SIGKILL (newest periodic snapshot)" if behaviour == BEFORE else "SIGTERM: final snapshot"
+        ax1.bar([x + off * width for x in range(len(intervals))], meds, width, yerr=[lows, highs], capsize=3,
+                color=color, label=label)
+    ax1.set_xticks(list(range(len(intervals))))
+    ax1.set_xticklabels([f"snapshot every {i:g} s" for i in intervals])
+    ax1.set_ylabel("finished turns regenerated per in-flight rollout")
+    ax1.set_title("Work lost per preemption (model calls finished before the stop, redone)", fontsize=9)
+    ax1.legend(fontsize=7)
+    ax1.grid(True, axis="y", alpha=0.3)
+    measured = [r for r in exits if r["exit_s"]["n"]]
+    labels = [f"{r['n']:,}" for r in measured]
+    if measured:
+        _bars(ax2, labels, [r["exit_s"] for r in measured], color="C0")
+        for i, r in enumerate(measured):
+            if r["final_row_s"]["n"]:
+                ax2.scatter([i], [r["final_row_s"]["median"]], marker="_", s=500, color="C3", zorder=3,
+                            label="signal → final snapshot row" if i == 0 else None)
+        ax2.axhline(res["goal"].get("grace_s", 25.0), color="red", linestyle=":", label="stop_grace_s (default)")
+        ax2.legend(fontsize=7)
+    ax2.set_xlabel("rollouts in flight at the SIGTERM")
+    ax2.set_ylabel("seconds from SIGTERM to the driver's exit")
+    ax2.set_title("SIGTERM to exit (one replica, periodic snapshots off)", fontsize=9)
+    ax2.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("Preemption (median, bars: min–max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 PLOTTERS = {"snapshot_cost": snapshot_cost, "stall": stall, "work_lost": work_lost, "alternative": alternative,
             "overhead": overhead, "setup_check": setup_check, "relaunch": relaunch,
-            "async_throughput": async_throughput, "prefix_work_lost": prefix_work_lost}
+            "async_throughput": async_throughput, "prefix_work_lost": prefix_work_lost, "preemption": preemption}
 
 
 def plot(name: str, res: dict[str, Any], out_dir: Path) -> Path:

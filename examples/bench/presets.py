@@ -1,4 +1,4 @@
-"""Parameters of each measurement for the full run, ``--quick``, the smoke test and ``--preset n8192``."""
+"""Parameters of each measurement for the full run, ``--quick``, the smoke test and the other presets."""
 
 from __future__ import annotations
 
@@ -82,5 +82,21 @@ PREFIX_TINY: dict[str, dict[str, Any]] = {
                          "pause_calls": (16,), "pause_tokens": 40, "pause_max_tokens": 96, "repeats": 2},
 }
 
+# Measurement 11, work lost per preemption with the final snapshot against before it (a SIGKILL of the
+# group: restore from the newest periodic snapshot), at the main job's 5 s interval and at 120 s, 3 seeds
+# (12 stopped runs, each relaunched), and seconds from SIGTERM to exit at N = 512 and 8192 in flight: a
+# preset of its own (about 25-30 minutes on 2 cores). ``preemption_smoke`` checks that it works (2-3 min).
+PREEMPTION: dict[str, dict[str, Any]] = {
+    "preemption": {"intervals": (5.0, 120.0), "seeds": (0, 1, 2), "delay_s": 2.0, "steps": 3, "window": (1.0, 5.0),
+                   "sizes": (512, 8192), "exit_repeats": 1,
+                   "exit_delay_s": {512: 10.0, 8192: 60.0}, "exit_timeout_s": {512: 240.0, 8192: 480.0}},
+}
+PREEMPTION_SMOKE: dict[str, dict[str, Any]] = {
+    "preemption": {"intervals": (120.0,), "seeds": (0,), "delay_s": 0.4, "steps": 2, "window": (0.3, 0.6),
+                   "timeout_s": 180.0, "sizes": (32,), "exit_repeats": 1, "generations": 8,
+                   "exit_delay_s": 2.0, "exit_timeout_s": 150.0},
+}
+
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
-           "prefix": PREFIX, "prefix_tiny": PREFIX_TINY}
+           "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
+           "preemption_smoke": PREEMPTION_SMOKE}

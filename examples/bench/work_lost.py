@@ -29,10 +29,10 @@ import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, summary
-from testkit.run_harness import JsonlFollower, new_marker, run_env, run_once, scripted_overrides
+from testkit.run_harness import JsonlFollower, RunOutcome, new_marker, run_env, run_once, scripted_overrides
 
 NAME = "work_lost"
 TITLE = "3. Work lost per crash"
@@ -85,8 +85,18 @@ def _env(audit_dir: Path, marker: str) -> dict[str, str]:
     return run_env(marker=marker, pythonpath=[INSTRUMENT], extra={"BENCH_AUDIT_DIR": str(audit_dir)})
 
 
+# How the run is stopped at the crash point instead of SIGKILL of its group (``bench/preemption.py``):
+# ``stop(args, env, output_path, stop_when, timeout_s)`` runs it, stops it once ``stop_when(elapsed_s)``
+# holds, reaps it and returns its outcome (``killed_by`` None or "timeout": never stopped) and what it
+# measured about the stop.
+Stopper = Callable[[list[str], dict[str, str], Path, Callable[[float], bool], float], tuple[RunOutcome, dict[str, Any]]]
+
+
 def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Path, *, delay_s: float,
-                   interval_s: float, steps: int, log: Log, timeout_s: float = 240) -> dict[str, Any]:
+                   interval_s: float, steps: int, log: Log, timeout_s: float = 240, stop: Stopper | None = None,
+                   wait_for_snapshot: bool = True) -> dict[str, Any]:
+    """One crash and its relaunch. ``stop``: how the run is stopped (default: SIGKILL of its group);
+    ``wait_for_snapshot``: at turn level, the crash waits for a committed snapshot of step 2 too."""
     args = _args(setup, level, run_dir, interval_s, steps, delay_s)
     marker = new_marker()
     base = {"setup": setup, "level": level, "seed": seed, "planned_delay_s": delay,
@@ -105,18 +115,24 @@ def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Pat
             seen["step1"] = at
         if time.time() < seen["step1"] + delay:
             return False
-        if level == "turn" and not any(s.get("committed") and s.get("step") == 1 for _, s in snaps.items):
+        if wait_for_snapshot and level == "turn" and not any(s.get("committed") and s.get("step") == 1
+                                                              for _, s in snaps.items):
             return False  # turn recovery needs a committed snapshot of step 2's rollouts
         return True
 
-    crashed = run_once(args, env=_env(run_dir / "audit-crash", marker),
-                       stdout_path=run_dir / "crash-run.out", stderr_path=run_dir / "crash-run.out",
-                       kill_when=crash_point, timeout_s=timeout_s, poll_s=POLL_S)
+    stopped: dict[str, Any] = {}
+    if stop is None:
+        crashed = run_once(args, env=_env(run_dir / "audit-crash", marker),
+                           stdout_path=run_dir / "crash-run.out", stderr_path=run_dir / "crash-run.out",
+                           kill_when=crash_point, timeout_s=timeout_s, poll_s=POLL_S)
+    else:
+        crashed, stopped = stop(args, _env(run_dir / "audit-crash", marker), run_dir / "crash-run.out", crash_point,
+                                timeout_s)
     left = list(crashed.leftover)
-    if crashed.killed_by != "group":
+    if crashed.killed_by in (None, "timeout"):
         why = ("crash point never reached" if crashed.killed_by == "timeout"
                else f"run ended (rc {crashed.returncode}) before the crash point; see {crashed.stdout_path}")
-        return {**base, "error": why, "stragglers": left}
+        return {**base, "error": why, "stragglers": left, **({"stop": stopped} if stop else {})}
     snaps.poll()
     crashed_at, step1_at = crashed.killed_at, seen["step1"]
     crash_copy = run_dir / "ckpt-at-crash"
@@ -128,11 +144,13 @@ def run_experiment(setup: str, level: str, seed: int, delay: float, run_dir: Pat
     if rc != 0:
         tail = "\n".join((run_dir / "rerun.out").read_text(errors="replace").splitlines()[-12:])
         return {**base, "error": f"rerun exited {rc}; see {run_dir / 'rerun.out'}", "output_tail": tail,
-                "stragglers": left}
+                "stragglers": left, **({"stop": stopped} if stop else {})}
     res = analyse(run_dir, crash_copy, snaps.items, steps)
     cut = res.pop("snapshot_seen_at")
     res.update(base, crash_after_step1_s=crashed_at - step1_at, stragglers=left,
                crash_after_snapshot_s=None if cut is None else crashed_at - cut)
+    if stop is not None:
+        res["stop"] = stopped
     return res
 
 

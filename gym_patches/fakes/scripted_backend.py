@@ -41,6 +41,7 @@ from typing import Any, Iterable
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from gym_patches.utils.processes import signals_blocked
 
 FINAL_TEXT = "Done."
 NO_PLAN_TEXT = "I cannot help."
@@ -386,7 +387,8 @@ class ScriptedBackend:
         """Stop the process (idempotent) and remove its log."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            # Started with SIGTERM blocked (a run that keeps its children through a stop signal): kill.
+            proc.send_signal(signal.SIGKILL if signals_blocked() else signal.SIGTERM)
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from gym_patches.utils.processes import free_port
-from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, MasterConfig
+from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, ConfigError, MasterConfig
 from nemo_rl.utils.snapshot_store import RestorePoint
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,10 @@ def check_warm_start_data(config: MasterConfig) -> None:
     from nemo_rl.data.dataloader import load_jsonl
 
     path = config.data.train_data_path
-    check_demonstrable(load_jsonl(path), f"data.train_data_path={path}")
+    try:
+        check_demonstrable(load_jsonl(path), f"data.train_data_path={path}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, point: RestorePoint | None,

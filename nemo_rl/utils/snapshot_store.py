@@ -323,6 +323,12 @@ def next_snapshot_name(anchor_dir: str | Path, tag: str | None = None) -> str:
     return f"{seq:06d}" + (f"-{tag}" if tag else "")
 
 
+def next_snapshot_path(anchor_dir: str | Path) -> Path:
+    """Where the next snapshot under ``anchor_dir`` is published (nothing is created): for a snapshot
+    whose temporary directory was made under an older anchor (``commit_snapshot`` moves it here)."""
+    return snapshots_root(anchor_dir) / f"{SNAPSHOT_PREFIX}{next_snapshot_name(anchor_dir)}"
+
+
 def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = None) -> tuple[Path, Path]:
     """``(tmp_dir, final_dir)`` for a new snapshot; ``tmp_dir`` is created empty.
 
@@ -354,6 +360,8 @@ def commit_snapshot(
 ) -> DirectoryManifest:
     """Seal ``tmp_dir`` with a manifest, rename it to ``final_dir``, prune old ones.
 
+    ``final_dir`` may lie under another anchor than ``tmp_dir`` (a snapshot re-anchored to a trainer
+    step published while it was taken): the one rename moves it there, both parents are fsynced.
     ``digests`` (from ``recording_digests(tmp_dir)``) spares the seal reading those files back.
     """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
@@ -365,8 +373,14 @@ def commit_snapshot(
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
     manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests)
+    moved = tmp_dir.parent != final_dir.parent
+    if moved:
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        fsync_dir(final_dir.parent.parent)
     os.rename(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
+    if moved:
+        fsync_dir(tmp_dir.parent)
     _prune_snapshots(final_dir.parent, final_dir, keep_latest_k)
     return manifest
 

@@ -411,7 +411,7 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
         _newest_snapshot_anchor=None,
         coverage=SnapshotCoverage(None),
-        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2)),
+        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), to_yaml=lambda: "grpo:\n  seed: 7\n"),
     )
     seconds = []
     for step in (1, 2, 3):
@@ -419,6 +419,7 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
         seconds.append(asyncio.run(SingleController.save_trainer_checkpoint(controller)))
     assert all(isinstance(s, float) and s > 0 for s in seconds)
     assert controller.anchor_step == 3 and list_trainer_steps(ckpt) == [2, 3]
-    assert hashed == []  # the trainer's file came with its digest; pruning only stats
+    assert hashed == []  # the trainer's file and the config came with their digests; pruning only stats
     manifest = verify_directory(ckpt / "step_3", "trainer_step")
-    assert set(manifest.files) == {STATE_FILE}
+    assert set(manifest.files) == {STATE_FILE, "config.yaml"}  # the config the step was trained with, sealed
+    assert (ckpt / "step_3" / "config.yaml").read_text() == "grpo:\n  seed: 7\n"

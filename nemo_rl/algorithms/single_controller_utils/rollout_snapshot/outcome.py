@@ -16,8 +16,8 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 
 
 class SnapshotSuperseded(RuntimeError):
-    """A trainer checkpoint was published while this snapshot was being taken under the one before:
-    it is dropped, not failed (the next attempt goes under the new anchor)."""
+    """An attempt dropped because training moved on (``reason: superseded``, not a failure). Nothing
+    raises it since an overtaken snapshot is kept (docs/design.md §5.9); older rows still carry it."""
 
 
 @dataclass
@@ -33,6 +33,8 @@ class SnapshotOutcome:
     mode: str  # the stager's: staged | blocking | ledger_only
     step: int  # the controller's step when the attempt began (training may have moved on since)
     anchor_step: int = 0  # the durable trainer step it belongs to (restore re-trains any step after it)
+    requested: str | None = None  # the signal that asked for it (SIGUSR1; SIGTERM/SIGINT: the final one)
+    overtaken_by: int | None = None  # a newer trainer step published while it was taken (kept all the same)
     committed: bool = False
     reason: str = ""
     saved: int = 0
@@ -93,6 +95,8 @@ class SnapshotOutcome:
             **({"cut_error": self.cut_error} if self.cut_error else {}),
             step=self.step,
             anchor_step=self.anchor_step,
+            **({"overtaken_by": self.overtaken_by} if self.overtaken_by is not None else {}),
+            **({"requested": self.requested} if self.requested else {}),
             path=self.path,
             blocking_servers=sorted({s for v in self.blockers.values() for s in v}),
             **({"left_out": self.left_out, "left_out_rollouts": self.left_out_rollouts} if self.left_out else {}),

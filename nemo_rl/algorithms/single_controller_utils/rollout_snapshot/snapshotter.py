@@ -3,6 +3,11 @@
 gate -> prepare -> stage -> resume -> write -> publish. The stager
 (``stagers.py``) decides what each step does for this run's mode; this module
 owns the order, the dispatch gate, the failure count and the record.
+
+A trainer step published while an attempt runs does not drop it
+(docs/design.md §5.9): a cut taken after the publish belongs to the new step
+(the stager re-anchors it), one taken before stays under its own anchor, which
+pruning spares (``newest_anchor``). The row names the step in ``overtaken_by``.
 """
 
 from __future__ import annotations
@@ -46,14 +51,19 @@ class RolloutSnapshotter:
         # Held for a whole attempt: pruning old trainer anchors waits for it, so a snapshot still
         # being written under an anchor (it runs past the step's end) never loses its directory.
         self.busy = asyncio.Lock()
+        # The anchor of the newest published snapshot, set before ``busy`` is released: the prune that
+        # waited on ``busy`` reads it and spares that anchor (a restore needs it until a newer one has a snapshot).
+        self.newest_anchor: int | None = None
         self.consecutive_failures = 0
 
-    async def attempt(self) -> "SnapshotOutcome":
+    async def attempt(self, requested: str | None = None) -> "SnapshotOutcome":
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
         The pump awaits this, so at most one snapshot is ever being written."""
         async with self.busy:
+            begun_under = self.inputs.anchor_step()  # the capture may belong to a newer one (``stage``)
             outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}", self.stager.mode, self.inputs.step(),
-                                      anchor_step=self.inputs.anchor_step())
+                                      anchor_step=begun_under)
+            outcome.requested = requested  # a signal asked for it (SIGUSR1, or the stop's final one)
             try:
                 async with self.stager.hold(outcome.checkpoint_id) as prepared:  # gate closed, Gym prepared
                     outcome.mark("prepare")
@@ -64,6 +74,7 @@ class RolloutSnapshotter:
                 await self._write_and_publish(cut, outcome)
                 outcome.reason = "committed"
                 self.consecutive_failures = 0
+                self._note_overtaken(begun_under, outcome)
             except BaseException as exc:
                 self._failed(outcome, exc)
             finally:
@@ -86,8 +97,20 @@ class RolloutSnapshotter:
             shutil.rmtree(cut.tmp, ignore_errors=True)
             raise
         outcome.committed, outcome.path = True, str(cut.final)
+        self.newest_anchor = outcome.anchor_step
         outcome.mark("publish")
         outcome.persist_s = outcome.elapsed() - outcome.pause_s
+
+    def _note_overtaken(self, begun_under: int, outcome: SnapshotOutcome) -> None:
+        """A trainer step published since the attempt began: say so in the row (the snapshot stands)."""
+        now = self.inputs.anchor_step()
+        if now == begun_under:
+            return
+        outcome.overtaken_by = now
+        how = ("re-anchored to it: cut after its publish" if outcome.anchor_step == now
+               else f"kept under step {outcome.anchor_step}: cut before its publish")
+        logger.info("rollout snapshot %s began under trainer step %d; step %d was published meanwhile (%s)",
+                    outcome.checkpoint_id, begun_under, now, how)
 
     def _failed(self, outcome: SnapshotOutcome, exc: BaseException) -> None:
         """Record the failure; raise what must stop the run (a bug, a fatal error, too many in a row)."""

@@ -7,7 +7,7 @@ One stager per ``rollout_checkpointing.commit_mode``, chosen once at setup
   context: leaving it resumes Gym and reopens the gate, whatever happened);
 - ``stage(prepared, outcome)``: inside the pause, the exclusive cut: plan,
   Gym's share, drain, ownership check, the controller's state serialised in
-  memory; returns a ``StagedCut``;
+  memory with the anchor it belongs to; returns a ``StagedCut``;
 - ``write(cut, outcome)``: after resume, Gym's files that are not written yet;
   returns the ``GymCheckpointIndex`` the snapshot publishes (None: no Gym).
 
@@ -32,7 +32,7 @@ from gym_patches.utils.collector import CollectorHold
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator, PreparedGym
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, SnapshotSuperseded
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
     CutPlan,
     GymOwnershipError,
@@ -48,7 +48,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
 )
 from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import prepare_snapshot_paths
+from nemo_rl.utils.snapshot_store import next_snapshot_path, prepare_snapshot_paths
 
 logger = logging.getLogger(__name__)
 # How long the drain waits for in-scope rollouts Gym did not export (replies already on the wire).
@@ -62,7 +62,7 @@ class StagedCut:
     checkpoint_id: str
     step: int
     tmp: Path  # the snapshot's temporary directory (Gym's blocking commit already wrote into it)
-    final: Path
+    final: Path  # under the anchor the capture belongs to (it may differ from tmp's: ``_GymStager.stage``)
     capture: ControllerStateCapture
     gym: Any = None  # the stager's own part: BlockingStager: GymCheckpointIndex; StagedStager: PendingPersist
 
@@ -95,10 +95,13 @@ class Stager(ABC):
     async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex | None: ...
 
     def _capture(self, outcome: SnapshotOutcome) -> ControllerStateCapture:
-        """The controller's state, serialised (no awaits: a consistent cut of ledger and data plane).
-        Groups the trainer took after the anchor are still complete in the ledger, with their samples:
-        a restore re-trains them."""
+        """The controller's state, serialised (no awaits: a consistent cut of ledger and data plane),
+        with the anchor read in the same instant: the cut belongs to it (``outcome.anchor_step``), even
+        when a newer trainer step was published since the attempt began (docs/design.md §5.9). Groups
+        the trainer took after the anchor are still complete in the ledger, with their samples: a
+        restore re-trains them."""
         inputs = self.inputs
+        outcome.anchor_step = inputs.anchor_step()
         return ControllerStateCapture.take(inputs.step(), outcome.anchor_step, inputs.ledger.state_json(),
                                            inputs.dataloader.state_dict(), inputs.data_plane)
 
@@ -189,16 +192,12 @@ class _GymStager(Stager):
         return {iid: {agent for agent, servers in agents.items() if set(servers) & set(restart_only.get(iid, ()))}
                 for iid, agents in self.inputs.agent_servers.items()}
 
-    def _still_at(self, anchor: int, while_: str) -> None:
-        # A trainer checkpoint was published meanwhile: the ledger may have compacted groups this
-        # snapshot's anchor has not trained. Skip it; the next one goes under the new anchor.
-        if self.inputs.anchor_step() != anchor:
-            raise SnapshotSuperseded(f"trainer step {self.inputs.anchor_step()} was published while the snapshot "
-                                     f"under step {anchor} was being {while_}")
-
     async def stage(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> StagedCut:
+        """The cut. The temporary directory is made under the anchor of now; when a trainer step is
+        published during the awaits before the capture, the capture sees its groups trained and
+        belongs to it: it is published under the new anchor (re-anchored, exact), its directory
+        renamed there at the publish (docs/design.md §5.9)."""
         inputs, step = self.inputs, outcome.step
-        self._still_at(outcome.anchor_step, "prepared")
         self.hooks.reached("prepare", step)
         if self.coordinator.cut:
             note_cut(prepared, outcome)
@@ -220,14 +219,15 @@ class _GymStager(Stager):
             for iid, keys in (await self._drain(plan.scope, share.exported, prepared.deadline_ts)).items():
                 not_started[iid] |= keys
             outcome.mark("drain")
-            self._still_at(outcome.anchor_step, "committed")
-            # Exclusive cut: no awaits until the state is captured in memory.
+            # Exclusive cut: no awaits until the state is captured in memory (with its anchor).
             owned = check_cut(inputs.ledger, plan, share.exported, not_started)
             if plan.left_out:
                 outcome.left_out = dict(prepared.left_out)
                 outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
             counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned)
             capture = self._capture(outcome)
+            if inputs.anchor_dir() != tmp.parent.parent:  # a trainer step was published during the awaits
+                final = next_snapshot_path(inputs.anchor_dir())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -122,11 +122,10 @@ class _SavedEpisodes:
 
     async def restore(self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],
                       checkpoint_id: str) -> dict[str, list[str]]:
-        turn_level = GymCheckpointIndex.read(Path(root)).turn_level
+        saved = {iid: set(keys) for iid, keys in GymCheckpointIndex.read(Path(root)).turn_level.items()}
         return {target: sorted({next_attempt(EpisodeId.from_capture_key(key)).capture_key
                                 for source, by_server in from_sources.items()
-                                for keys in by_server.values() for key in keys
-                                if key in set(turn_level.get(source, []))})
+                                for keys in by_server.values() for key in keys if key in saved.get(source, ())})
                 for target, from_sources in sources.items()}
 
 

@@ -44,7 +44,7 @@ class RayConnectError(RuntimeError):
     """``cluster.ray_address`` could not be joined within ``RAY_CONNECT_TIMEOUT_S``; names the key and address."""
 
 
-RAY_CONNECT_TIMEOUT_S = 20.0  # joining a cluster: the whole bound, the port probe and ray.init together
+RAY_CONNECT_TIMEOUT_S = 15.0  # joining a cluster: the whole bound, the port probe and ray.init together
 
 
 def init_ray(config: MasterConfig, connect_timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
@@ -61,6 +61,7 @@ def init_ray(config: MasterConfig, connect_timeout_s: float = RAY_CONNECT_TIMEOU
     if not address:
         ray.init(num_cpus=config.cluster.num_cpus or 2, num_gpus=config.cluster.gpus_per_node, **kwargs)
         return
+    print(f"Joining the Ray cluster at {address} (cluster.ray_address), for up to {connect_timeout_s:g}s", flush=True)
     deadline = time.monotonic() + connect_timeout_s
     _probe_address(address, deadline, connect_timeout_s)
     _init_within(address, kwargs, deadline, connect_timeout_s)

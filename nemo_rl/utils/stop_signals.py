@@ -12,8 +12,9 @@ are still alive. So ``StopSignals``, entered before anything is started:
 - starts one listener thread that takes the signals with ``sigwait``: they
   reach the driver only there. The first SIGTERM or SIGINT is a stop: it goes
   to the controller's event loop (``attach``) or, before or after the loop,
-  interrupts the main thread (a ``KeyboardInterrupt`` the runner turns into its
-  one line). A second one, or the grace running out, exits the process at
+  interrupts the main thread (SIGUSR2 to that thread alone, whose handler
+  raises ``KeyboardInterrupt``, which the runner turns into its one line; a
+  real signal also wakes a blocking call such as a sleep). A second one, or the grace running out, exits the process at
   once with ``os._exit``: publishing is an atomic rename, so nothing torn is
   left, and the run's reaper (parent-death signal) then takes every child
   down, as after a SIGKILL. SIGUSR1 asks for a snapshot now.
@@ -25,7 +26,6 @@ Children that must not be shielded unblock the signals themselves
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import sys
@@ -36,6 +36,11 @@ from pathlib import Path
 
 HANDLED = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
 STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGUSR2 from the listener: a stop outside the controller's loop, as a Ctrl-C would be."""
+    raise KeyboardInterrupt
 
 
 def exit_status(signum: int) -> int:
@@ -68,6 +73,8 @@ class StopSignals:
         self._closing = False
         self._old_mask: set[int] | None = None
         self._old_int = None
+        self._old_usr2 = None
+        self._main = 0
         self._thread: threading.Thread | None = None
         self.exit_note: Callable[[], str] = lambda: "the newest published snapshot stays valid"
 
@@ -79,6 +86,8 @@ class StopSignals:
         # A background job of a non-interactive shell starts with SIGINT ignored; the interrupt the
         # listener raises in the main thread needs Python's own handler.
         self._old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._old_usr2 = signal.signal(signal.SIGUSR2, _interrupt)
+        self._main = threading.get_ident()
         self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
         self._thread = threading.Thread(target=self._listen, name="stop-signals", daemon=True)
         self._thread.start()
@@ -92,6 +101,7 @@ class StopSignals:
             self._thread.join(timeout=5)
         signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask or set())
         signal.signal(signal.SIGINT, self._old_int if self._old_int is not None else signal.default_int_handler)
+        signal.signal(signal.SIGUSR2, self._old_usr2 if self._old_usr2 is not None else signal.SIG_DFL)
 
     # ------------------------------------------------------------ the event loop
     def attach(self, loop, on_stop: Callable[[str], None], on_snapshot: Callable[[str], None]) -> None:
@@ -140,8 +150,8 @@ class StopSignals:
                 self._deadline = self.stopped_at + self.grace_s
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._on_stop, self.name)
-                else:
-                    _thread.interrupt_main()  # starting up or wrapping up: the runner stops what it started
+                else:  # starting up or wrapping up: the runner stops what it started
+                    signal.pthread_kill(self._main, signal.SIGUSR2)
 
     def _first_is_none(self) -> bool:
         return self.first is None

@@ -332,8 +332,11 @@ def preemption(res: dict[str, Any], path: Path) -> Path:
         lows = [m - s["min"] if s and s.get("median") is not None else 0.0 for m, s in zip(meds, stats)]
         highs = [s["max"] - m if s and s.get("median") is not None else 0.0 for m, s in zip(meds, stats)]
         label = "before: SIGKILL (newest periodic snapshot)" if behaviour == BEFORE else "SIGTERM: final snapshot"
-        ax1.bar([x + off * width for x in range(len(intervals))], meds, width, yerr=[lows, highs], capsize=3,
-                color=color, label=label)
+        xs = [x + off * width for x in range(len(intervals))]
+        ax1.bar(xs, meds, width, yerr=[lows, highs], capsize=3, color=color, label=label)
+        for x, m, s in zip(xs, meds, stats):
+            if s and s.get("median") is not None:
+                ax1.text(x, m, f"{m:.2f}", ha="center", va="bottom", fontsize=7)
     ax1.set_xticks(list(range(len(intervals))))
     ax1.set_xticklabels([f"snapshot every {i:g} s" for i in intervals])
     ax1.set_ylabel("finished turns regenerated per in-flight rollout")

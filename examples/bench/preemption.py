@@ -527,11 +527,16 @@ def table(res: dict[str, Any]) -> str:
                 for r in res["rows"] for p in r["problems"] + r["errors"]]
     problems += [f"- N={r['n']}: {p}" for r in res["exit_rows"] for p in r["problems"] + r["errors"]]
     seeds = ", ".join(str(s) for s in cfg["seeds"])
-    return (f"Work lost per preemption: {cfg['config']}, turn level, {cfg['backend_delay_s']:g} s per reply, "
-            f"stop {cfg['stop_window_after_step1_s'][0]:g}–{cfg['stop_window_after_step1_s'][1]:g} s after step 1's "
-            f"metrics line (seeds {seeds}), then the same command to completion. *Finished turns regenerated*: "
-            "model calls finished before the stop and generated again by the relaunch; *all*: also calls that "
-            f"finished while the run was stopping. Medians (min–max).\n\n{part1}\n\n"
-            f"Seconds from SIGTERM to exit, one Gym replica, all rollouts of step 1 in flight (each with a finished "
-            f"call), periodic snapshots off, stop_grace_s {cfg['stop_grace_s']}:\n\n{part2}"
-            + ("\n\nProblems:\n" + "\n".join(problems) if problems else ""))
+    parts = []
+    if body:
+        parts.append(f"Work lost per preemption: {cfg['config']}, turn level, {cfg['backend_delay_s']:g} s per reply, "
+                     f"stop {cfg['stop_window_after_step1_s'][0]:g}–{cfg['stop_window_after_step1_s'][1]:g} s after "
+                     f"step 1's metrics line (seeds {seeds}), then the same command to completion. *Finished turns "
+                     "regenerated*: model calls finished before the stop and generated again by the relaunch; "
+                     f"*all*: also calls that finished while the run was stopping. Medians (min–max).\n\n{part1}")
+    if body2:
+        parts.append("Seconds from SIGTERM to exit, one Gym replica, all rollouts of step 1 in flight (each with a "
+                     f"finished call), periodic snapshots off, stop_grace_s {cfg['stop_grace_s']}:\n\n{part2}")
+    if problems:
+        parts.append("Problems:\n" + "\n".join(problems))
+    return "\n\n".join(parts) or "Nothing measured."

@@ -304,6 +304,9 @@ def render(path: Path, out: Path) -> int:
                                                                         relaunch.GOAL_S))
     if "bookkeeping" in results:
         results["bookkeeping"]["goal"] = bookkeeping.goal_of(results["bookkeeping"]["results"])
+    if "preemption" in results:
+        r = results["preemption"]
+        r["goal"] = preemption.goal_of(r["rows"], r["exit_rows"])
     out.mkdir(parents=True, exist_ok=True)
     for name, res in results.items():
         if name in PLOTTERS:

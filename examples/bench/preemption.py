@@ -354,9 +354,12 @@ def exit_once(root: Path, n: int, *, generations: int, delay_s: float, fill: flo
     res: dict[str, Any] = {"n": n, "prompts": prompts, "generations": gens, "delay_s": delay_s, "command": command,
                            "with_finished_call_at_signal": state["had"], "seconds": time.monotonic() - t, **info}
     if outcome.killed_by != "SIGTERM":
-        res["error"] = ("never reached " + f"{need} rollouts with a finished call ({state['had']} at the "
-                        f"{timeout_s:g} s timeout)" if outcome.killed_by == "timeout"
-                        else f"the run ended (rc {outcome.returncode}) before the signal; see {root / 'run.out'}")
+        if outcome.killed_by == "timeout":
+            res["error"] = (f"never reached {need} rollouts with a finished call ({state['had']} at the "
+                            f"{timeout_s:g} s timeout)")
+        else:
+            res["error"] = (f"the run ended (rc {outcome.returncode}) before the signal "
+                            f"({_last_line(root / 'run.out')}); see {root / 'run.out'}")
         log(f"  N={n}: {res['error']}")
         return res
     final = info.get("final_row") or {}
@@ -379,6 +382,12 @@ def exit_once(root: Path, n: int, *, generations: int, delay_s: float, fill: flo
         f"{info['gone_after_exit_s']:.1f}s; load {info.get('loadavg_1m', float('nan')):.1f}"
         + (f"; PROBLEMS: {'; '.join(problems)}" if problems else ""))
     return res
+
+
+def _last_line(path: Path) -> str:
+    """The run's last unindented output line (a traceback's message), for an error row."""
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line and not line[0].isspace()]
+    return lines[-1][:200] if lines else "no output"
 
 
 def _s(v: Any) -> str:
@@ -470,12 +479,16 @@ def goal_of(rows: list[dict[str, Any]], exit_rows: list[dict[str, Any]]) -> dict
     worst = max((r["lost_calls"]["max"] for r in finals), default=None)
     exits = [r for r in exit_rows if r["runs"]]
     slowest = max((r["exit_s"]["max"] for r in exits if r["exit_s"]["n"]), default=None)
-    clean = (all(not r["problems"] and r["committed"] == r["runs"] and r["leftover"] == 0 for r in exits)
-             and all(not r["problems"] for r in finals)) if (exits or finals) else None
+    # a run that failed before its stop (e.g. Ray could not start on a loaded machine) counts against it too
+    clean = (all(not r["problems"] and not r["errors"] and r["committed"] == r["runs"] and r["leftover"] == 0
+                 for r in exit_rows)
+             and all(not r["problems"] and not r["errors"] for r in rows if r["behaviour"] == FINAL)) \
+        if (exits or finals) else None
     return {"final_regenerates_no_finished_turn": None if worst is None else worst == 0,
-            "max_finished_turns_regenerated_with_final": worst,
-            "before": {str(r["interval_s"]): r["lost_calls"]["median"] for r in rows if r["behaviour"] == BEFORE},
-            "final": {str(r["interval_s"]): r["lost_calls"]["median"] for r in finals},
+            "max_finished_turns_regenerated_with_final": None if worst is None else int(worst),
+            "before": {f"{r['interval_s']:g}": r["lost_calls"]["median"] for r in rows
+                       if r["behaviour"] == BEFORE and r["stops"]},
+            "final": {f"{r['interval_s']:g}": r["lost_calls"]["median"] for r in finals},
             "slowest_exit_s": slowest, "grace_s": GRACE_S,
             "exit_within_grace": None if slowest is None else slowest <= GRACE_S,
             "every_stop_clean": clean}
@@ -499,7 +512,7 @@ def table(res: dict[str, Any]) -> str:
     cfg = res["config"]
     head = ["snapshot interval", "behaviour", "stops", "rollouts in flight", "restored at turn",
             "restarted from prompt", "restored from", "age of the restored periodic snapshot s",
-            "finished turns regenerated", "…per in-flight rollout", "their tokens", "…per in-flight rollout",
+            "finished turns regenerated", "…per in-flight rollout", "their tokens", "tokens per in-flight rollout",
             "all calls regenerated (incl. after the signal)", "signal → exit s", "exit status", "load 1m"]
     body = []
     for r in res["rows"]:

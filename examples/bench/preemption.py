@@ -226,11 +226,7 @@ def measure_work_lost(*, intervals: list[float], seeds: list[int], workdir: Path
                     final_row = stop.get("final_row")
                     res["lost_before_stop"] = _lost_before(run_dir, stop["signalled_at"])
                     res["restored_from"] = _restored_kind(res, final_row)
-                    if how == "sigterm" and not stop.get("status_ok"):
-                        res["problem"] = (f"exit status {stop.get('returncode')} (expected {SIGTERM_STATUS}), "
-                                          f"{len(stop.get('stop_lines') or [])} 'stopped by' line(s)")
-                    if how == "sigterm" and (final_row is None or not final_row.get("committed")):
-                        res["problem"] = f"no committed final snapshot row: {final_row}"
+                    res["problems"] = _problems(res, stop, how)
                 results.append(res)
                 if res.get("error"):
                     log(f"{interval:g}s {behaviour} seed {seed}: {res['error']}")
@@ -242,9 +238,30 @@ def measure_work_lost(*, intervals: list[float], seeds: list[int], workdir: Path
                     f"finished turns regenerated {lb['calls']} ({lb['tokens']} tokens), all regenerated "
                     f"{res['regen_calls']}"
                     + (f"; signal -> exit {stop['exit_s']:.1f}s, status {stop.get('returncode')}" if how == "sigterm"
-                       else "") + (f"; PROBLEM: {res['problem']}" if res.get("problem") else "")
+                       else "") + (f"; PROBLEMS: {'; '.join(res['problems'])}" if res["problems"] else "")
                     + f" ({res['seconds']:.0f}s)")
     return results
+
+
+def _problems(res: dict[str, Any], stop: dict[str, Any], how: str) -> list[str]:
+    """What went wrong in one stop and relaunch that the numbers do not show."""
+    out = []
+    if how == "sigterm":
+        if not stop.get("status_ok"):
+            out.append(f"exit status {stop.get('returncode')} with {len(stop.get('stop_lines') or [])} 'stopped by' "
+                       f"line(s) (expected {SIGTERM_STATUS} and one)")
+        final_row = stop.get("final_row")
+        if final_row is None or not final_row.get("committed"):
+            out.append(f"no committed final snapshot: {final_row}")
+        elif res.get("restored_from") != "final":
+            out.append(f"the relaunch restored {res.get('restore_record', {}).get('snapshot')}, not the final snapshot")
+        if stop.get("hung"):
+            out.append("the driver did not exit within the grace + 60 s (killed)")
+    if not res.get("lineage_ok"):
+        out.append("the relaunch did not train every prompt group exactly once")
+    if res.get("stragglers"):
+        out.append(f"{len(res['stragglers'])} process(es) left running after a run (killed)")
+    return out
 
 
 def _lost_rows(results: list[dict[str, Any]], intervals: list[float]) -> list[dict[str, Any]]:
@@ -261,7 +278,7 @@ def _lost_rows(results: list[dict[str, Any]], intervals: list[float]) -> list[di
             rows.append({
                 "interval_s": interval, "behaviour": behaviour, "stops": len(ok),
                 "errors": [r["error"] for r in mine if r.get("error")],
-                "problems": [r["problem"] for r in ok if r.get("problem")],
+                "problems": [p for r in ok for p in r.get("problems") or []],
                 "stop_after_step1_s": summary(r["crash_after_step1_s"] for r in ok),
                 "in_flight": summary(r["in_flight"] for r in ok),
                 "restored": summary(r["restored"] for r in ok),

@@ -76,7 +76,9 @@ class StopSignals:
         self._old_usr2 = None
         self._main = 0
         self._thread: threading.Thread | None = None
-        self.exit_note: Callable[[], str] = lambda: "the newest published snapshot stays valid"
+        # False while the run tears down: a stop then only starts the grace (an interrupt would leave
+        # half of the teardown undone).
+        self.interruptible = True
 
     @property
     def name(self) -> str | None:
@@ -141,7 +143,7 @@ class StopSignals:
                     self._exit_now(f"the {self.grace_s:g} s grace "
                                    "(rollout_checkpointing.stop_grace_s) ran out")
                 if signum == signal.SIGUSR1:
-                    if self._loop is not None and self._first_is_none():
+                    if self._loop is not None and self.first is None:
                         self._loop.call_soon_threadsafe(self._on_snapshot, "SIGUSR1")
                     continue
                 if self.first is not None:
@@ -150,17 +152,15 @@ class StopSignals:
                 self._deadline = self.stopped_at + self.grace_s
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._on_stop, self.name)
-                else:  # starting up or wrapping up: the runner stops what it started
+                elif self.interruptible:  # starting up or wrapping up: the runner stops what it started
                     signal.pthread_kill(self._main, signal.SIGUSR2)
-
-    def _first_is_none(self) -> bool:
-        return self.first is None
 
     def _exit_now(self, why: str) -> None:
         first = self.name or "a signal"
         sys.stdout.flush()
-        print(f"stopped by {first}: {why}; exiting at once, nothing torn is published "
-              f"({self.exit_note()}); run the same command to continue", file=sys.stderr, flush=True)
+        print(f"stopped by {first}: {why}; exiting at once, nothing torn is published (the newest "
+              "complete snapshot stays the one a relaunch uses); run the same command to continue",
+              file=sys.stderr, flush=True)
         os._exit(exit_status(self.first or signal.SIGTERM))
 
 

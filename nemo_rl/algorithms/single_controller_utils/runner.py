@@ -237,6 +237,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
                                               loggers, hooks, lookup, stops))
     finally:
+        stops.interruptible = False  # a stop from here on waits for the teardown (within the grace)
         if shard_set is not None:
             shard_set.shutdown()
         if generation is not None:

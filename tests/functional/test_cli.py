@@ -198,7 +198,7 @@ def test_check_on_the_mixed_config_names_the_restart_only_servers_and_exits_1(tm
     assert "# merged config" in proc.stdout and "target_level: turn" in proc.stdout
     table = _table(proc.stdout)
     assert set(table) == {"policy_model", "workplace_assistant", "python_sandbox", "workplace_simple_agent",
-                          "workplace_restart_only_agent", "sandbox_simple_agent"}, proc.stdout
+                          "workplace_restart_only_agent", "sandbox_simple_agent"}, proc.stdout[-2000:] + proc.stderr
     assert table["python_sandbox"][3] == "restart-only" and table["workplace_restart_only_agent"][3] == "restart-only"
     assert table["workplace_simple_agent"][3] == "saves"
     assert table["sandbox_simple_agent"][6] == "REFUSED by the setup check (uses restart-only python_sandbox)"
@@ -213,7 +213,7 @@ def test_check_on_the_workplace_config_passes(tmp_path):
     assert left == [], f"processes of the check outlived it: {left}"
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = _table(proc.stdout)
-    assert set(table) == {"policy_model", "workplace_assistant", "workplace_simple_agent"}
+    assert set(table) == {"policy_model", "workplace_assistant", "workplace_simple_agent"}, proc.stderr
     assert all(row[3] == "saves" and row[6] == "saved at turn level" for row in table.values()), proc.stdout
     assert "setup check: passed" in proc.stdout
 

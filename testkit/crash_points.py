@@ -30,9 +30,10 @@ Phases (where the controller calls ``hooks.reached``; ``nemo_rl.utils.run_hooks.
   step is not checkpointed yet);
 - ``refit``: the step trained, its weights about to go to generation (in async
   mode the groups of later steps are generating meanwhile);
-- ``checkpointed``: the step's trainer checkpoint was just published (older
-  anchors pruned), before any snapshot under it: a restore takes the trainer
-  step with a snapshot of an older anchor still on disk, or none.
+- ``checkpointed``: the step's trainer checkpoint was just published, before
+  the prune of older anchors and before any snapshot under it (a snapshot in
+  flight may yet publish there, docs/design.md §5.9): a restore takes the
+  trainer step with a snapshot of an older anchor, or none.
 
 The run must be started in its own session (``start_new_session=True``, as the
 harness does) so the group kill hits only it; when the process is not its

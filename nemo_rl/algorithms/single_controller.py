@@ -276,7 +276,6 @@ class SingleController:
                 with contextlib.suppress(Exception):  # the step trained: its row stays, the checkpoint error is raised
                     self.records.metrics(record)
                 raise
-            self.hooks.reached("checkpointed")  # step durable, no snapshot under it yet
             record["step_s"] = round(time.monotonic() - t0, 3)
             record["snapshot_coverage"] = self.coverage.share()
             self.records.metrics(record)  # after the checkpoint, so the row carries checkpoint_s
@@ -637,6 +636,9 @@ class SingleController:
         self.anchor_step = step
         if not self._rollouts:  # nothing in flight: the checkpoint itself is a full cut
             self.coverage.committed(time.monotonic(), step)
+        # Step durable, no snapshot under it yet: here, not after the prune below, which waits for an
+        # attempt in flight, and that attempt may publish under this step (re-anchored, §5.9).
+        self.hooks.reached("checkpointed")
         # Older anchors go, but not under a snapshot that is still being persisted, nor the one
         # holding the newest snapshot (a restore needs it until one is published under a newer step).
         # A snapshot begun before this publish and published after it under its own, older anchor is

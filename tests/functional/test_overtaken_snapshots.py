@@ -11,9 +11,10 @@ durable), and each then publishes while the next snapshot attempt stands at a ch
 - step 2, ``write``: after resume, before the publish: the capture was of step 1, so it is
   published under ``step_1/``, which the prune (keep_top_k=1) must spare.
 
-The run is SIGKILLed right after step 2's checkpoint (``checkpointed:2``: published and pruned,
-the overtaken snapshot the newest on disk); the rerun must restore that snapshot, under the older
-anchor, and end with every group trained exactly once.
+The run is SIGKILLed right after step 2's checkpoint was published and the older anchors pruned
+(the instrument's kill: the ``checkpointed`` crash point comes before the prune), the overtaken
+snapshot the newest on disk; the rerun must restore that snapshot, under the older anchor, and
+end with every group trained exactly once.
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
 cm = load_crash_matrix()
 INSTRUMENT = Path(__file__).resolve().parent / "overtake"
 OVERTAKE_ENV = "NEMO_RL_TEST_ONLY_OVERTAKE"
+KILL_ENV = "NEMO_RL_TEST_ONLY_OVERTAKE_KILL"
 
 
-def _run(spec, index: int, *, crash: str | None = None, overtake: str | None = None):
-    env = run_env(marker=new_marker(), crash=crash, pythonpath=[INSTRUMENT],
-                  extra={OVERTAKE_ENV: overtake} if overtake else None)
+def _run(spec, index: int, **extra: str):
+    env = run_env(marker=new_marker(), pythonpath=[INSTRUMENT], extra=extra)
     return run_once(spec.args(), env=env, stdout_path=spec.root / f"run-{index}.out",
                     stderr_path=spec.root / f"run-{index}.err", timeout_s=240)
 
 
 def test_overtaken_snapshots_commit_and_a_kill_right_after_one_restores_from_it(tmp_path):
     spec = cm.RunSpec(tmp_path, steps=4, **cm.ASYNC_SHAPE, extra=["checkpointing.keep_top_k=1"])
-    first = _run(spec, 1, crash="checkpointed:2", overtake="1:cut,2:write")
+    first = _run(spec, 1, **{OVERTAKE_ENV: "1:cut,2:write", KILL_ENV: "2"})
     err = first.stderr()
     assert first.returncode == -9 and "TEST-ONLY crash" in err, (first.returncode, first.tail(30))
     assert err.count("overtake instrument: trainer step") == 2, err[-3000:]

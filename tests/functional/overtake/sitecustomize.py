@@ -12,17 +12,23 @@ modules below; every other process pays nothing):
 - that attempt waits there until the anchor has moved: ``cut`` stands inside the pause, before
   the capture (the drain: the capture then sees the new step), ``write`` after resume, before
   the publish (the capture was of the older step).
+
+``NEMO_RL_TEST_ONLY_OVERTAKE_KILL=<step>`` SIGKILLs the run's process group once that step's
+``save_trainer_checkpoint`` returned (published and pruned: the ``checkpointed`` crash point
+comes before the prune), as ``testkit/crash_points.py`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
 
 ENV = "NEMO_RL_TEST_ONLY_OVERTAKE"
+KILL_ENV = "NEMO_RL_TEST_ONLY_OVERTAKE_KILL"
 BEGUN_WHILE_SAVING = 2
 RENDEZVOUS_S = 20.0
 
@@ -123,9 +129,26 @@ def _install(spec: str) -> None:
         module.RolloutSnapshotter._write_and_publish = held
         module.RolloutSnapshotter.attempt = counted
 
+    kill_after = int(os.environ.get(KILL_ENV) or 0)
+
+    def controller(module) -> None:
+        save = module.SingleController.save_trainer_checkpoint
+
+        async def save_then_kill(self, *args, **kwargs):
+            seconds = await save(self, *args, **kwargs)
+            if self.step == kill_after:
+                print(f"TEST-ONLY crash: {KILL_ENV}={kill_after}: step {kill_after} published and pruned; "
+                      "SIGKILL of the whole run", file=sys.stderr, flush=True)
+                if os.getpgid(0) == os.getpid():
+                    os.killpg(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return seconds
+
+        module.SingleController.save_trainer_checkpoint = save_then_kill
+
     prefix = "nemo_rl.algorithms.single_controller_utils.rollout_snapshot."
     AfterImport.install({"nemo_rl.algorithms.recording_trainer": trainer, prefix + "stagers": stagers,
-                         prefix + "snapshotter": snapshotter})
+                         prefix + "snapshotter": snapshotter, "nemo_rl.algorithms.single_controller": controller})
 
 
 if os.environ.get(ENV):

@@ -113,8 +113,14 @@ def readme_commands(text: str | None = None) -> list[Case]:
             assert error, f"README.md:{lineno}: an error outcome that names nothing: {outcome!r}"
         elif "UserWarning naming them" in outcome:
             warn = last_error
-        cases.append(Case(f"README:{lineno}", f"README.md:{lineno}", argv, error, warn or ()))
+        cases.append(Case(_case_id(argv), f"README.md:{lineno}", argv, error, warn or ()))
     return cases
+
+
+def _case_id(argv: tuple[str, ...]) -> str:
+    """The config's stem, then ``+key`` per override (stable while the README's lines move)."""
+    stem = Path(argv[1]).stem if argv[:1] == ("--config",) else "default"
+    return stem + "".join("+" + a.split("=", 1)[0].rsplit(".", 1)[-1] for a in argv[2:])
 
 
 def all_cases() -> list[Case]:
@@ -124,7 +130,9 @@ def all_cases() -> list[Case]:
     for path in sorted(CONFIG_DIR.glob("*.yaml")):
         argv = ("--config", str(path.relative_to(REPO)))
         if argv not in documented:
-            cases.append(Case(path.name, str(path.relative_to(REPO)), argv))
+            cases.append(Case(_case_id(argv), str(path.relative_to(REPO)), argv))
+    ids = [c.name for c in cases]
+    assert len(set(ids)) == len(ids), f"two cases share an id: {ids}"
     return cases
 
 

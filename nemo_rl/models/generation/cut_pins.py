@@ -9,7 +9,8 @@ appended). One pin is kept per owner (a model server) until it is fetched or rep
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from dataclasses import dataclass, field
+from typing import Iterator
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -18,12 +19,41 @@ from gym_patches.checkpoint.cuts import CutReply, CutRequest, FetchRequest, Gene
 from nemo_rl.models.generation.protocol import error_body
 
 
-class LiveCall(Protocol):
+@dataclass
+class LiveCall:
+    """A call named by ``X-NG-Call-Id``, from arrival to reply: what a cut of it reads.
+
+    ``ids``/``lps`` are the tokens the worker decodes for it now, appended in place (each token id before
+    its logprob) by the torch worker's decode thread or by vLLM's stream on the event loop, so a cut reads a
+    consistent prefix without a lock; ``prefix_*`` are a continued cut's tokens, before them.
+    """
+
+    prompt_sha: str | None = None  # known once the prompt's token ids are
+    prefix_ids: list[int] = field(default_factory=list)
+    prefix_lps: list[float] = field(default_factory=list)
+    prefix_version: int | None = None
+    ids: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    version: int | None = None  # the weights that sample ``ids`` (None: not started)
+
     def decoded(self) -> int:
-        """Tokens decoded so far, a continued cut's prefix included (0: none yet)."""
+        """Tokens decoded so far, a continued cut's prefix included (0: none yet, or the prompt not known)."""
+        if self.prompt_sha is None:
+            return 0
+        own = min(len(self.ids), len(self.lps)) if self.version is not None else 0
+        return len(self.prefix_ids) + own
 
     def cut(self, call_id: str, upto: int) -> GenerationCut:
-        """The first ``upto`` tokens as a cut."""
+        """The first ``upto`` tokens (prefix + own), as a pin counted them: decoded tokens are only ever
+        appended, so this is what the call held at the pin, also once it has finished."""
+        assert self.prompt_sha is not None, "a pinned call knows its prompt"
+        ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
+        own = upto - len(ids)
+        if own > 0 and self.version is not None:
+            ids, lps = ids + self.ids[:own], lps + self.lps[:own]
+            version = self.version if version is None else min(version, self.version)
+        assert version is not None, "a pinned call has tokens"
+        return GenerationCut.build(call_id, self.prompt_sha, ids[:upto], lps[:upto], version)
 
 
 def invalid_body(exc: ValidationError) -> web.Response:

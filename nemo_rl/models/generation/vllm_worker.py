@@ -75,16 +75,11 @@ import ray
 from aiohttp import ClientSession, ClientTimeout, web
 from pydantic import ValidationError
 
-from gym_patches.checkpoint.cuts import (
-    CALL_ID_HEADER,
-    PREFIX_FIELD,
-    GenerationCut,
-    PrefixContinuation,
-    prompt_digest,
-)
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PREFIX_FIELD, GenerationCut, prompt_digest
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, template_messages, template_tools
-from nemo_rl.models.generation.cut_pins import CutPins
+from nemo_rl.models.generation.continuation import Continuation, init_stats
+from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import check_call_id, error_body
 
@@ -157,42 +152,6 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_pe
 # Chat-template settings ``/tokenize`` must get to render the prompt as the chat route does.
 _TEMPLATE_KEYS = ("tools", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
                   "chat_template_kwargs", "mm_processor_kwargs")
-
-
-@dataclass
-class _LiveCall:
-    """A call named by ``X-NG-Call-Id``, from arrival to reply: what a cut of it reads.
-
-    ``ids``/``lps`` are the tokens vLLM has streamed for it so far (after ``prefix_*``, a continued cut's
-    tokens); the stream appends to them in place, on the event loop, so a cut sees whole chunks.
-    """
-
-    prompt_sha: str | None = None  # known once vLLM (or /tokenize) has given the prompt's ids
-    prefix_ids: list[int] = field(default_factory=list)
-    prefix_lps: list[float] = field(default_factory=list)
-    prefix_version: int | None = None
-    ids: list[int] = field(default_factory=list)
-    lps: list[float] = field(default_factory=list)
-    version: int | None = None  # the weights serving when the request was sent to vLLM
-
-    def decoded(self) -> int:
-        """Tokens so far, prefix included (0 until the prompt's ids are known)."""
-        if self.prompt_sha is None:
-            return 0
-        own = min(len(self.ids), len(self.lps)) if self.version is not None else 0
-        return len(self.prefix_ids) + own
-
-    def cut(self, call_id: str, upto: int) -> GenerationCut:
-        """The first ``upto`` tokens (prefix + streamed), as a pin counted them: streamed tokens are only
-        ever appended, so this is what the call held at the pin, also once it has finished."""
-        assert self.prompt_sha is not None, "a pinned call knows its prompt"
-        ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
-        own = upto - len(ids)
-        if own > 0 and self.version is not None:
-            ids, lps = ids + self.ids[:own], lps + self.lps[:own]
-            version = self.version if version is None else min(version, self.version)
-        assert version is not None, "a pinned call has tokens"
-        return GenerationCut.build(call_id, self.prompt_sha, ids[:upto], lps[:upto], version)
 
 
 @dataclass
@@ -271,7 +230,8 @@ class VllmGenerationServer:
         self._tokenizer: Any = None  # loaded when a tracked call first needs it (decoding, stop tokens)
         self._stop_ids: frozenset[int] = frozenset()
         self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "refits_in_flight": 0, "load_s": None,
-                                      "refit_s": [], "continued": 0, "continued_tokens": 0, "discarded": 0}
+                                      "refit_s": []}
+        init_stats(self.stats)  # continued, continued_tokens, discarded
         self.cuts = CutPins(self.stats)  # calls named by X-NG-Call-Id, and their generation-cut pins
 
     # ----- lifecycle -----------------------------------------------------
@@ -510,7 +470,7 @@ class VllmGenerationServer:
             if status != 200:
                 return web.json_response(reply, status=status)
             return web.json_response(self._with_token_fields(reply, version, bool(body.get("logprobs"))))
-        live = None if call_id is None else _LiveCall()
+        live = None if call_id is None else LiveCall()
         with self.cuts.tracking(call_id, live):
             status, reply = await self._tracked_chat(body, vbody, cut, live)
         return web.json_response(reply, status=status)
@@ -538,30 +498,23 @@ class VllmGenerationServer:
             await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
 
     async def _tracked_chat(self, body: dict, vbody: dict, cut: GenerationCut | None,
-                            live: _LiveCall | None) -> tuple[int, dict]:
-        """A call a cut can read (``live``), decoded from its start or after ``cut``'s prefix when the prefix
-        is intact and was cut after exactly this prompt (else the cut is discarded and the call starts over)."""
+                            live: LiveCall | None) -> tuple[int, dict]:
+        """A call a cut can read (``live``), decoded from its start or after ``cut``'s prefix when
+        ``Continuation`` keeps it (else the cut is discarded and the call starts over)."""
         await self._ensure_tokenizer()
-        prefix: tuple[list[int], list[float]] | None = None
-        reason = None
+        plan = Continuation.of(cut)
         prompt_ids: list[int] = []
         max_model_len = 0
-        if cut is not None:
-            try:
-                prefix = cut.unpack()
-            except ValueError:
-                reason = "corrupt"
-            else:
-                tbody = {"model": self.model_name, "messages": vbody["messages"]}
-                tbody.update({k: vbody[k] for k in _TEMPLATE_KEYS if vbody.get(k) is not None})
-                async with self._session.post(self._vllm_url + "/tokenize", json=tbody) as r:
-                    status, rendered = r.status, await r.json(content_type=None)
-                if status != 200:
-                    return status, rendered
-                prompt_ids, max_model_len = list(rendered["tokens"]), int(rendered["max_model_len"])
-                if prompt_digest(prompt_ids) != cut.prompt_digest:
-                    prefix, reason = None, "prompt_mismatch"
-        if prefix is None:
+        if plan is not None and plan.kept:  # render the prompt as the chat route would, to check it
+            tbody = {"model": self.model_name, "messages": vbody["messages"]}
+            tbody.update({k: vbody[k] for k in _TEMPLATE_KEYS if vbody.get(k) is not None})
+            async with self._session.post(self._vllm_url + "/tokenize", json=tbody) as r:
+                status, rendered = r.status, await r.json(content_type=None)
+            if status != 200:
+                return status, rendered
+            prompt_ids, max_model_len = list(rendered["tokens"]), int(rendered["max_model_len"])
+            plan.check_prompt(prompt_ids)
+        if plan is None or not plan.kept:
             async with self._sending() as version:
                 # include_reasoning: with a tool parser, vLLM leaves token ids and logprobs out of the chunks
                 # of a request that hides reasoning
@@ -574,22 +527,18 @@ class VllmGenerationServer:
                 return status, out
             reply = self._chat_reply(body, out.head, out.prompt_ids or [], out.ids, out.lps, out.entries,
                                      out.finish_reason, out.stop_reason, version)
-            if cut is not None:
-                self.stats["discarded"] += 1
-                reply["prefix_continuation"] = PrefixContinuation(
-                    call_id=cut.call_id, token_count=0, digest=cut.digest, discarded=reason).model_dump()
+            if plan is not None:
+                reply["prefix_continuation"] = plan.reply(self.stats).model_dump()
             return 200, reply
-        ids, lps = prefix
-        if live is not None:
-            live.prompt_sha = cut.prompt_digest
-            live.prefix_ids, live.prefix_lps, live.prefix_version = ids, lps, cut.weight_version
-        max_new = vbody.get("max_completion_tokens") or vbody["max_tokens"]
-        budget = min(max_new, max_model_len - len(prompt_ids)) - len(ids)
+        ids, lps = plan.ids, plan.lps
+        plan.follow(live)
         ignore_eos = bool(vbody.get("ignore_eos"))
-        ended = ids[-1] in self._stop_ids and not ignore_eos
-        version = cut.weight_version
-        if ended or budget <= 0:  # the cut already holds the whole reply: nothing to decode
-            out = _Streamed(finish_reason="stop" if ended else "length")
+        max_new = vbody.get("max_completion_tokens") or vbody["max_tokens"]
+        budget = plan.budget(max_new, max_model_len, len(prompt_ids))
+        finish = plan.finish_reason(self._stop_ids, ignore_eos, budget)
+        sent_at = None
+        if finish is not None:  # the cut already holds the whole reply: nothing to decode
+            out = _Streamed(finish_reason=finish)
         else:
             top_k = int(vbody.get("top_logprobs") or 0) if vbody.get("logprobs") else 0
             async with self._sending() as sent_at:
@@ -603,19 +552,16 @@ class VllmGenerationServer:
                 status, out = await self._stream("/v1/completions", cbody, live, top_k=top_k)
             if status != 200:
                 return status, out
-            version = min(version, sent_at)
-        self.stats["continued"] += 1
-        self.stats["continued_tokens"] += len(ids)
+        continuation = plan.reply(self.stats)
         tok = self._tokenizer
         prefix_entries = [{**_logprob_entry(tok.decode([t], skip_special_tokens=False), lp), "top_logprobs": []}
                           for t, lp in zip(ids, lps)]
-        reply = self._chat_reply(body, {}, prompt_ids, ids + out.ids, lps + out.lps,
-                                 prefix_entries + out.entries, out.finish_reason, out.stop_reason, version)
-        reply["prefix_continuation"] = PrefixContinuation(
-            call_id=cut.call_id, token_count=len(ids), digest=cut.digest).model_dump()
+        reply = self._chat_reply(body, {}, prompt_ids, ids + out.ids, lps + out.lps, prefix_entries + out.entries,
+                                 out.finish_reason, out.stop_reason, plan.weight_version(sent_at))
+        reply["prefix_continuation"] = continuation.model_dump()
         return 200, reply
 
-    async def _stream(self, route: str, vbody: dict, live: _LiveCall | None,
+    async def _stream(self, route: str, vbody: dict, live: LiveCall | None,
                       top_k: int) -> tuple[int, Any]:
         """POST a streaming request to vLLM and gather its chunks: ``(200, _Streamed)``, or vLLM's error
         ``(status, body)``. The tokens land in ``live``'s lists as each chunk arrives (a cut reads them)."""
@@ -644,7 +590,7 @@ class VllmGenerationServer:
         return 200, out
 
     @staticmethod
-    def _take_chunk(out: _Streamed, chunk: dict, live: _LiveCall | None, chat: bool, top_k: int) -> None:
+    def _take_chunk(out: _Streamed, chunk: dict, live: LiveCall | None, chat: bool, top_k: int) -> None:
         """One streamed chunk into ``out`` (and so into ``live``): the prompt's ids first, then the tokens."""
         choices = chunk.get("choices") or []
         if not out.head:

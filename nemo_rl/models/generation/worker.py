@@ -42,15 +42,11 @@ import torch
 from aiohttp import web
 from pydantic import ValidationError
 
-from gym_patches.checkpoint.cuts import (
-    CALL_ID_HEADER,
-    GenerationCut,
-    PrefixContinuation,
-    prompt_digest,
-)
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PrefixContinuation, prompt_digest
 from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, render_prompt
-from nemo_rl.models.generation.cut_pins import CutPins
+from nemo_rl.models.generation.continuation import Continuation, init_stats
+from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import (
     ChatCompletionRequest,
@@ -69,39 +65,9 @@ class _Job:
     future: asyncio.Future = field(repr=False)
     top_k: int = 0
     ignore_eos: bool = False
-    # Filled in place by the decode thread; a generation cut reads it from the event loop.
+    # Filled in place by the decode thread; a generation cut reads it from the event loop (through ``live``).
     out: SampleOutput = field(default_factory=lambda: SampleOutput([], [], "length"), repr=False)
-    version: int | None = None  # the weights that sampled the first token, set as the batch starts
-
-
-@dataclass
-class _LiveCall:
-    """A call named by ``X-NG-Call-Id``, from arrival to reply: what a cut of it reads."""
-
-    prompt_sha: str
-    prefix_ids: list[int] = field(default_factory=list)  # a continued cut's tokens, before the job's own
-    prefix_lps: list[float] = field(default_factory=list)
-    prefix_version: int | None = None
-    job: _Job | None = None
-
-    def decoded(self) -> int:
-        """Tokens so far, prefix included (the job's logprobs are appended after their token ids, so its
-        first ``len(logprobs)`` ids are complete)."""
-        job = self.job
-        own = len(job.out.logprobs) if job is not None and job.version is not None else 0
-        return len(self.prefix_ids) + own
-
-    def cut(self, call_id: str, upto: int) -> GenerationCut:
-        """The first ``upto`` tokens (prefix + the job's), as a pin counted them: decoded tokens never
-        change, so this is what the call held at the pin, also once it has finished."""
-        job = self.job
-        ids, lps, version = self.prefix_ids, self.prefix_lps, self.prefix_version
-        own = upto - len(ids)
-        if own > 0 and job is not None and job.version is not None:
-            ids, lps = ids + job.out.token_ids[:own], lps + job.out.logprobs[:own]
-            version = job.version if version is None else min(version, job.version)
-        assert version is not None, "a pinned call has tokens"
-        return GenerationCut.build(call_id, self.prompt_sha, ids[:upto], lps[:upto], version)
+    live: LiveCall | None = field(default=None, repr=False)  # its version is set as the batch starts
 
 
 @dataclass
@@ -225,7 +191,8 @@ class GenerationServer:
         # decoding_rows: rows of the batch decoding now (0 between batches); decode_steps: step
         # boundaries passed (the points where an in-flight refit can land), all batches together
         self.stats = {"requests": 0, "batches": 0, "generated_tokens": 0, "refits": 0, "refits_in_flight": 0,
-                      "decoding_rows": 0, "decode_steps": 0, "continued": 0, "continued_tokens": 0, "discarded": 0}
+                      "decoding_rows": 0, "decode_steps": 0}
+        init_stats(self.stats)  # continued, continued_tokens, discarded
         self.cuts = CutPins(self.stats)  # calls named by X-NG-Call-Id, and their generation-cut pins
 
     # ----- lifecycle -----------------------------------------------------
@@ -346,7 +313,7 @@ class GenerationServer:
 
     # ----- generation ----------------------------------------------------
     async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0,
-                       ignore_eos: bool = False, live: _LiveCall | None = None) -> dict:
+                       ignore_eos: bool = False, live: LiveCall | None = None) -> dict:
         """Queue one prompt; resolves to ``{token_ids, logprobs, finish_reason, weight_version}``.
         ``live`` (a call a cut may name) is given the job, so a cut reads its tokens as they come."""
         if self._queue is None:
@@ -359,9 +326,10 @@ class GenerationServer:
                 "context_length_exceeded",
             )
         fut = asyncio.get_running_loop().create_future()
-        job = _Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k), bool(ignore_eos))
-        if live is not None:
-            live.job = job
+        job = _Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k), bool(ignore_eos),
+                   live=live)
+        if live is not None:  # a cut reads the job's output as the decode thread appends to it
+            live.ids, live.lps = job.out.token_ids, job.out.logprobs
         await self._queue.put(job)
         return await fut
 
@@ -378,7 +346,8 @@ class GenerationServer:
             self._apply_pending(False)  # arrived before this batch: load it first, between batches
             version = self._version
             for j in jobs:
-                j.version = version
+                if j.live is not None:
+                    j.live.version = version
             outs = self.policy.sample_batch(
                 [j.prompt_ids for j in jobs],
                 [j.max_new_tokens for j in jobs],
@@ -469,7 +438,7 @@ class GenerationServer:
             self.stats["requests"] += 1
             if gen_cfg.ignore_eos:
                 req.ignore_eos = True
-            live = None if call_id is None else _LiveCall(prompt_digest(prompt_ids))
+            live = None if call_id is None else LiveCall(prompt_digest(prompt_ids))
             with self.cuts.tracking(call_id, live):
                 out, continuation = await self._generate_call(req, prompt_ids, max_new, temperature, live)
         except _BadRequest as e:
@@ -480,45 +449,30 @@ class GenerationServer:
         return web.json_response(body)
 
     async def _generate_call(self, req: ChatCompletionRequest, prompt_ids: list[int], max_new: int,
-                             temperature: float, live: _LiveCall | None) -> tuple[dict, PrefixContinuation | None]:
-        """Decode one call: from its start, or after the saved prefix ``ng_prefix`` when that prefix is
-        intact and was cut after exactly this prompt (else it is discarded and the call starts over)."""
-        cut = req.ng_prefix
-        prefix: tuple[list[int], list[float]] | None = None
-        reason = None
-        if cut is not None:
-            try:
-                prefix = cut.unpack()
-            except ValueError:
-                reason = "corrupt"
-            else:
-                if cut.prompt_digest != prompt_digest(prompt_ids):
-                    prefix, reason = None, "prompt_mismatch"
-        if prefix is None:
+                             temperature: float, live: LiveCall | None) -> tuple[dict, PrefixContinuation | None]:
+        """Decode one call: from its start, or after the saved prefix ``ng_prefix`` when ``Continuation``
+        keeps it (else it is discarded and the call starts over)."""
+        plan = Continuation.of(req.ng_prefix)
+        if plan is not None:
+            plan.check_prompt(prompt_ids)
+        if plan is None or not plan.kept:
             out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0, req.ignore_eos, live)
-            if cut is None:
-                return out, None
-            self.stats["discarded"] += 1
-            return out, PrefixContinuation(call_id=cut.call_id, token_count=0, digest=cut.digest, discarded=reason)
-        ids, lps = prefix
-        if live is not None:
-            live.prefix_ids, live.prefix_lps, live.prefix_version = ids, lps, cut.weight_version
-        stops = self.policy.stop_ids
-        budget = min(max_new, self.policy.max_seq_len - len(prompt_ids)) - len(ids)
-        finished = (ids[-1] in stops and not req.ignore_eos) or budget <= 0
-        if finished:  # the cut already holds the whole reply: nothing to decode
-            tail = {"token_ids": [], "logprobs": [], "top": [],
-                    "finish_reason": "stop" if ids[-1] in stops and not req.ignore_eos else "length"}
+            return out, None if plan is None else plan.reply(self.stats)
+        ids, lps = plan.ids, plan.lps
+        plan.follow(live)
+        budget = plan.budget(max_new, self.policy.max_seq_len, len(prompt_ids))
+        finish = plan.finish_reason(self.policy.stop_ids, req.ignore_eos, budget)
+        if finish is not None:  # the cut already holds the whole reply: nothing to decode
+            tail = {"token_ids": [], "logprobs": [], "top": [], "finish_reason": finish}
         else:
             tail = await self.generate(prompt_ids + ids, budget, temperature, req.top_logprobs or 0,
                                        req.ignore_eos, live)
-        self.stats["continued"] += 1
-        self.stats["continued_tokens"] += len(ids)
+        continuation = plan.reply(self.stats)
         tops = tail.get("top") or [[] for _ in tail["token_ids"]]
         out = {"token_ids": ids + tail["token_ids"], "logprobs": lps + tail["logprobs"],
                "top": [[] for _ in ids] + list(tops), "finish_reason": tail["finish_reason"],
-               "weight_version": min(cut.weight_version, tail.get("weight_version", cut.weight_version))}
-        return out, PrefixContinuation(call_id=cut.call_id, token_count=len(ids), digest=cut.digest)
+               "weight_version": plan.weight_version(tail.get("weight_version"))}
+        return out, continuation
 
     def _logprob_entry(self, token_id: int, logprob: float) -> dict:
         text = self.policy.token_str(token_id)

@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol, T
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, outlast_cancellation
 from gym_patches.checkpoint.cuts import CutSummary, GenerationCut
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
@@ -145,6 +146,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         self.cut_timeout_s = 2.0
         self._pins = itertools.count(1)
         self._cut: _PendingCut | None = None  # the newest prepare's cut, until its tokens are asked for
+        self._pinning: set[asyncio.Task[dict[str, int]]] = set()  # pin tasks not ended yet: ``stop`` ends them
         self._cut_summary: CutSummary | None = None
         self._restored_cuts: dict[EpisodeId, tuple[int, GenerationCut]] = {}
 
@@ -266,11 +268,23 @@ class PolicyModelParticipant(CheckpointParticipant):
             summary.error = "the model server's backend does not support generation cuts"
         elif calls:
             pin = f"cut-{next(self._pins)}"
-            task = asyncio.ensure_future(self._pin(pin, list(calls)))
+            task = asyncio.create_task(self._pin(pin, list(calls)), name=f"{TASK_NAME_PREFIX}cut-pin:{pin}")
             task.add_done_callback(_observed)
+            task.add_done_callback(self._pinning.discard)
+            self._pinning.add(task)
             self._cut = _PendingCut(pin, calls, task)
         self._cut_summary = summary
         return summary
+
+    async def stop(self) -> None:
+        """The server is stopping: cancel every pin still running and wait until each has ended (a
+        cancellation of this wait is raised only after)."""
+        self._cut = None
+        tasks = [task for task in self._pinning if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await outlast_cancellation(asyncio.gather(*tasks, return_exceptions=True))
 
     async def _pin(self, pin: str, call_ids: list[str]) -> dict[str, int]:
         assert self.cut_source is not None

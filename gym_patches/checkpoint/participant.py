@@ -119,6 +119,10 @@ class CheckpointParticipant(ABC):
     def status_extra(self) -> dict[str, Any]:
         return {}
 
+    async def stop(self) -> None:
+        """The server is stopping (the control plane's ``stop``, after its own jobs): cancel and await the
+        background work the participant owns (the model's cut pins). Nothing by default."""
+
     # -- helpers -----------------------------------------------------------
     def mark_retired(self, episode: EpisodeId) -> None:
         prev = self.retired.get(episode.rollout_id, -1)

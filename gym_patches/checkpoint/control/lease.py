@@ -13,7 +13,7 @@ import logging
 import math
 from typing import Awaitable, Callable
 
-from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX
+from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, outlast_cancellation
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,12 @@ class LeaseWatcher:
             self._task = asyncio.create_task(self._watch(), name=f"{TASK_NAME_PREFIX}lease:{self._instance}")
 
     async def stop(self) -> None:
+        """Cancel the watcher and wait until it has ended. Its own cancellation is what was asked for; a
+        cancellation of the caller is raised once the watcher has ended (never swallowed)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await outlast_cancellation(task)
 
     async def _watch(self) -> None:
         lease = self._lease

@@ -155,6 +155,7 @@ class ParticipantControlPlane:
         if scope is not None:
             await scope.close("the server stopping")
         await self._captures.close("the server stopping")  # a write stops before it publishes
+        await self.participant.stop()  # what the participant owns (the model's cut pins)
 
     # -- operations ----------------------------------------------------------
     async def _prepare(self, req: PrepareRequest) -> dict[str, Any]:

@@ -75,7 +75,7 @@ class Job(Generic[T]):
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             self.stop.set()
-            await _outlast_cancellation(future)
+            await outlast_cancellation(future)
             if not future.cancelled() and future.exception() is not None:
                 error = future.exception()
                 if not isinstance(error, WriteStopped):  # stopping is what was asked for
@@ -84,7 +84,7 @@ class Job(Generic[T]):
             raise
 
 
-async def _outlast_cancellation(future: asyncio.Future[Any]) -> None:
+async def outlast_cancellation(future: asyncio.Future[Any]) -> None:
     """Wait for ``future`` however often the waiter is cancelled, then raise the cancellation."""
     cancelled = False
     while not future.done():
@@ -150,7 +150,7 @@ class TaskScope:
                 assert job.task is not None
                 job.task.cancel()
         if tasks:
-            await _outlast_cancellation(_all_of(tasks))
+            await outlast_cancellation(_all_of(tasks))
 
 
 def _mark_retrieved(task: asyncio.Task[Any]) -> None:

@@ -211,9 +211,10 @@ class GenerationServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._batcher is not None:
-            self._batcher.cancel()
-            self._batcher = None
+        batcher, self._batcher = self._batcher, None
+        if batcher is not None:  # ended before the executor shuts down; a cancellation of stop() propagates
+            batcher.cancel()
+            await asyncio.wait({batcher})
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)

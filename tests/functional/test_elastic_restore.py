@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
-from tests.functional.rl_run import load_crash_matrix, run_grpo, env_for
+from tests.functional.rl_run import RunDirs, env_for, load_crash_matrix, run_grpo, run_until_then_kill
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
 
@@ -147,3 +147,54 @@ def test_two_shards_of_two_replicas_to_one_each_and_a_removed_shard_is_refused(t
           f"{record['restarted_from_prompt']} from the prompt, {record['kept_siblings']} kept")
     trained = _check_lineage(narrow, record)
     assert set(moved) <= trained
+
+
+# ------------------------------------------------------------------------------ prefix: a cut moves with its episode
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    from tests.model_fixtures import llama_dir
+
+    return llama_dir(tmp_path_factory.mktemp("model") / "my-llama")
+
+
+def _newest_cut_on(dirs: RunDirs, replica: str) -> bool:
+    """The newest committed snapshot holds a generation cut of a rollout saved on ``replica``."""
+    rows = [r for r in dirs.records("snapshots.jsonl") if r.get("committed") and r.get("path")]
+    if not rows or not rows[-1].get("cuts"):
+        return False
+    try:
+        index = json.loads((Path(rows[-1]["path"]) / "gym_checkpoint.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(index.get("cut_tokens", {}).get(replica))
+
+
+@pytest.mark.timeout(900)
+def test_prefix_two_shards_of_two_replicas_to_one_each_continues_moved_cuts(llama, tmp_path):
+    """``target_level: prefix`` on the torch worker (the scripted backend has no cuts): a rollout whose model
+    call was cut on a vanished replica continues on the survivor from the cut's tokens, exactly once."""
+    from tests.functional.test_prefix_recovery import _args, _previous_key, _saved_cuts
+
+    dirs = RunDirs(tmp_path)
+    wide = _args(dirs, llama)
+    run_until_then_kill(wide, env=env_for(), until=lambda: _newest_cut_on(dirs, "saving/replica-1"), timeout_s=400)
+    proc = run_grpo(wide + ["env.nemo_gym.shards.0.replicas=1", "env.nemo_gym.shards.1.replicas=1"], env=env_for(),
+                    timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restore = dirs.restore_record()
+    assert restore["resharded"] == {"saving": {"from": 2, "to": 1}, "mixed": {"from": 2, "to": 1}}
+    moved = restore["moved_rollouts"]
+    cuts = _saved_cuts(Path(restore["snapshot"]))
+    moved_cut = {k: n for k, n in restore["restored_prefix_tokens"].items() if k in moved}
+    assert moved_cut, (sorted(moved), restore["restored_prefix_tokens"])
+    assert all(moved[k] == {"from": "saving/replica-1", "to": "saving/replica-0"} for k in moved_cut)
+    continued = [c for r in dirs.records("metrics.jsonl") for c in r.get("prefix_continuations", [])]
+    for key, tokens in moved_cut.items():
+        cut = cuts[_previous_key(key)]
+        uses = [c for c in continued if c["call_id"] == cut.call_id]
+        assert len(uses) == 1 and uses[0]["rollout_id"] == key, (key, uses)
+        assert (uses[0]["token_count"], uses[0]["digest"], uses[0]["discarded"]) == (tokens, cut.digest, None)
+    groups = [g for r in dirs.records("metrics.jsonl") for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == 2 * 4
+    print(f"\nprefix 2x2 -> 2x1: {len(moved)} moved, {len(moved_cut)} of them continued from a cut "
+          f"({sum(moved_cut.values())} tokens)")

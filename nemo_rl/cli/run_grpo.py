@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None, *, hooks: RunHooks | None = None) -> int
 
     try:
         return run(config, launched_at=launched, hooks=hooks)
-    except GymConfigError as exc:  # a bad key in the Gym config: a config error like the RL ones
+    except (GymConfigError, ConfigError) as exc:  # a bad Gym key, or data the run cannot use (preflight)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RunWriteError as exc:  # a file the run writes (checkpoint, records, logs) could not be written: it is named

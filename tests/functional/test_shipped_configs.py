@@ -281,7 +281,7 @@ def test_a_task_source_without_demonstrations_is_refused_before_ray(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ran = run_entry([f"data.train_data_path={data}", *SHORT, *_dirs(tmp_path / "run")], tmp_path / "run")
     errors = [line for line in ran.stderr.splitlines() if line.startswith("error: ")]
-    assert ran.returncode == 1 and errors, ran.tail()
+    assert ran.returncode == 2 and errors, ran.tail()  # a config error: data the run cannot use
     for part in (str(data), "task_source 'mystery'", "'mystery-0'", "ground_truth_outputs", "policy.model_name"):
         assert part in errors[-1], f"{part!r} not in {errors[-1]}"
     logs = tmp_path / "run" / "logs"  # the run writes its config.yaml there before it starts Ray

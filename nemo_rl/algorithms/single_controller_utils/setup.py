@@ -242,12 +242,13 @@ def restart_only_check(
                 "them (agents: checkpoint_sessions_supported = True with session export/restore; resources servers: "
                 "checkpoint_mode 'exported' or 'stateless'), (2) set "
                 "rollout_recovery.allow_restart_only_gym_servers=true to snapshot best-effort (their rollouts "
-                f"restart from the prompt after a crash; the others keep turn recovery){third}."
+                f"restart from the prompt after a crash; the others keep {level}-level recovery){third}."
             )
         return
     if described:
         warnings.warn(
-            f"rollout_recovery.allow_restart_only_gym_servers=true: best-effort turn snapshots. These Gym servers "
+            f"rollout_recovery.allow_restart_only_gym_servers=true: best-effort {level}-level snapshots "
+            f"(rollout_recovery.target_level={level}). These Gym servers "
             f"are restart-only and their rollouts restart from the prompt after a crash: {'; '.join(described)}",
             UserWarning,
             stacklevel=2,
@@ -256,7 +257,8 @@ def restart_only_check(
         warnings.warn(
             "rollout_recovery.allow_restart_only_gym_servers=true, but every Gym agent and resources server that "
             "serves a turn-level rollout saves its rollouts; set it to false so a restart-only server added later "
-            "fails setup instead of silently losing turn recovery",
+            f"fails setup instead of silently losing {level}-level recovery "
+            f"(rollout_recovery.target_level={level})",
             UserWarning,
             stacklevel=2,
         )

@@ -61,7 +61,7 @@ from nemo_rl.experience.rollout_recovery import (
 from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.run_identity import record_run_identity
+from nemo_rl.algorithms.single_controller_utils.run_identity_check import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.stop_signals import RunStopped
 from nemo_rl.utils.write_errors import as_write_error

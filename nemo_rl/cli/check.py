@@ -115,7 +115,7 @@ def check(config: MasterConfig) -> int:
     from nemo_rl.algorithms.single_controller_utils.components import reserve_policy_url
     from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
     from nemo_rl.data.dataloader import load_jsonl
-    from nemo_rl.utils.run_identity import check_run_identity
+    from nemo_rl.algorithms.single_controller_utils.run_identity_check import check_run_identity
 
     print("# merged config", flush=True)
     print(config.to_yaml(), flush=True)

@@ -8,9 +8,10 @@ size. Both are written with ``save_pretrained`` into a cache directory keyed by
 the recipe (recipe settings + the training rows), so any ``transformers`` or
 vLLM loader reads them.
 
-The supervised warm start on the rows' demonstrations is cached the same way,
-keyed by the base key and ``policy.warm_start``: its output directory is the
-default's "pretrained model". A second run with the same recipe reuses both.
+The supervised warm start on the rows' demonstrations (run by
+``nemo_rl.algorithms.embedded_model``) is cached the same way, keyed by the base
+key and ``policy.warm_start``: its output directory is the default's
+"pretrained model". A second run with the same recipe reuses both.
 
 Cache layout (``<root>`` = ``policy.cache_dir``, ``$NEMO_RL_MODEL_CACHE`` or
 ``~/.cache/nemo_rl/models``)::
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from nemo_rl.algorithms.grpo_config import EMBEDDED_MODEL_NAME, PolicyConfig, TinyModelRecipe, WarmStartConfig
+from nemo_rl.models.policy_config import EMBEDDED_MODEL_NAME, PolicyConfig, TinyModelRecipe, WarmStartConfig
 
 RECIPE_FORMAT = "nemo_rl.tiny_model.v1"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -183,19 +184,18 @@ def _complete(path: Path) -> bool:
     return (path / "recipe.json").is_file()
 
 
-def ensure_base(policy_cfg: PolicyConfig, rows: list[dict], log: Callable[[str], None] = print,
-                conversations: list[list[dict]] | None = None) -> Path:
-    """The cached tokenizer + random init for this recipe; built (seconds) if missing."""
-    from nemo_rl.algorithms.warm_start import simulate_rows
-
+def ensure_base(policy_cfg: PolicyConfig, rows: list[dict], log: Callable[[str], None] = print, *,
+                conversations: list[list[dict]]) -> Path:
+    """The cached tokenizer + random init for this recipe; built (seconds) if missing. ``conversations``:
+    the rows' demonstrations (``nemo_rl.algorithms.warm_start.simulate_rows``), part of the tokenizer's
+    corpus."""
     recipe = policy_cfg.tiny_model
     final = cache_root(policy_cfg) / EMBEDDED_MODEL_NAME / base_key(recipe, rows) / "base"
     if _complete(final):
         log(f"Embedded model: reusing the cached tokenizer and initial weights in {final}")
         return final
     t0 = time.perf_counter()
-    convs = conversations if conversations is not None else simulate_rows(rows)
-    tok = train_tokenizer(tokenizer_corpus(rows, convs), recipe.vocab_size)
+    tok = train_tokenizer(tokenizer_corpus(rows, conversations), recipe.vocab_size)
     model = init_model(recipe, tok)
     tmp = _tmp_dir(final)
     tok.save_pretrained(tmp)
@@ -209,36 +209,23 @@ def ensure_base(policy_cfg: PolicyConfig, rows: list[dict], log: Callable[[str],
     return final
 
 
-def ensure_pretrained(policy_cfg: PolicyConfig, rows: list[dict], seed: int, log: Callable[[str], None] = print,
-                      progress: bool = True) -> Path:
-    """The embedded default's "pretrained model": base + warm start, cached by recipe."""
-    import torch
-
-    from nemo_rl.algorithms.warm_start import simulate_rows, warm_start
-    from nemo_rl.models.policy import load_policy
-
-    ws = policy_cfg.warm_start
+def warm_dir(policy_cfg: PolicyConfig, rows: list[dict], seed: int) -> Path:
+    """Where the warm start of this recipe, rows, ``policy.warm_start`` and seed is cached."""
     root = cache_root(policy_cfg) / EMBEDDED_MODEL_NAME / base_key(policy_cfg.tiny_model, rows)
-    final = root / f"warm-{warm_key(ws, seed)}"
-    if _complete(final):
-        log(f"Embedded model: reusing the cached warm start ({ws.steps} steps) in {final}")
-        return final
-    convs = simulate_rows(rows)
-    base = ensure_base(policy_cfg, rows, log, conversations=convs)
-    if ws.steps == 0:
-        return base
-    policy = load_policy(str(base), policy_cfg.dtype, policy_cfg.device, policy_cfg.max_seq_len)
-    log(f"Warm start: {ws.steps} supervised steps on {len(rows)} rows' demonstrations (cached afterwards)...")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        metrics = warm_start(policy, rows, steps=ws.steps, batch_size=ws.batch_size, lr=ws.learning_rate,
-                             seed=seed, label_smoothing=ws.label_smoothing, conversations=convs, progress=progress)
+    return root / f"warm-{warm_key(policy_cfg.warm_start, seed)}"
+
+
+def is_cached(entry: Path) -> bool:
+    """A finished cache entry (a crashed build leaves only a temporary sibling)."""
+    return _complete(entry)
+
+
+def save_warm(policy: Any, final: Path, policy_cfg: PolicyConfig, seed: int, metrics: dict) -> Path:
+    """Write a warm-started policy (model + tokenizer + its recipe) into the cache at ``final``."""
     tmp = _tmp_dir(final)
     policy.model.save_pretrained(tmp)
     policy.tokenizer.save_pretrained(tmp)
     (tmp / "recipe.json").write_text(json.dumps(
         {"format": RECIPE_FORMAT, "tiny_model": policy_cfg.tiny_model.model_dump(mode="json"),
-         "warm_start": ws.model_dump(mode="json"), "seed": seed, "metrics": metrics}, indent=1))
-    _publish(tmp, final)
-    log(f"Warm start done: loss {metrics['warm_start_loss']:.3f} in {metrics['warm_start_s']:.1f}s; cached in {final}")
-    return final
+         "warm_start": policy_cfg.warm_start.model_dump(mode="json"), "seed": seed, "metrics": metrics}, indent=1))
+    return _publish(tmp, final)

@@ -11,19 +11,19 @@ more replicas resumes as it is (elastic restore, docs/design.md §5.7), and the
 restore records the change (``replica_changes``) and then the new count
 (``record_replicas``). A removed or renamed shard is named as such: the saved
 rollouts of its agents would have nowhere to run.
+
+This module is the file and its comparison; what a run's identity is (from its config) is
+``nemo_rl.algorithms.single_controller_utils.run_identity_check``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.utils.snapshot_store import list_trainer_steps, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -42,21 +42,6 @@ class RunIdentity(BaseModel):
     model_name: str
     num_generations_per_prompt: int
     gym_topology: dict[str, dict[str, object]]  # shard -> {replicas, agents}
-
-    @classmethod
-    def of(cls, config: MasterConfig) -> "RunIdentity":
-        from nemo_rl.algorithms.single_controller_utils.setup import shard_agents
-
-        data = Path(config.data.train_data_path)
-        return cls(
-            train_data_sha256=hashlib.sha256(data.read_bytes()).hexdigest(),
-            model_name=config.policy.model_name,
-            num_generations_per_prompt=config.grpo.num_generations_per_prompt,
-            gym_topology={
-                shard.name: {"replicas": shard.replicas, "agents": agents}
-                for shard, agents in shard_agents(config)
-            },
-        )
 
     def differences(self, other: "RunIdentity") -> list[str]:
         out = []
@@ -103,23 +88,21 @@ def _shard_differences(theirs: dict[str, list[str]], ours: dict[str, list[str]])
     return out
 
 
-def check_run_identity(config: MasterConfig) -> None:
-    """Refuse a checkpoint directory that another run wrote (call before anything starts)."""
-    if not config.checkpointing.enabled:
-        return
-    root = Path(config.checkpointing.checkpoint_dir)
+def check_identity(root: Path, identity: Callable[[], RunIdentity], allow_different_run: bool) -> None:
+    """Refuse the checkpoint directory ``root`` if another run wrote it (call before anything starts);
+    ``identity()`` is this run's (made only when needed: it reads the training data)."""
     path = root / IDENTITY_FILE
     if not path.exists():
         if list_trainer_steps(root):
             logger.warning("%s has checkpoints but no %s (an older version wrote them); this run's identity "
                            "is recorded", root, IDENTITY_FILE)
-            record_run_identity(config)
+            record_identity(root, identity())
         return
     try:
         theirs = RunIdentity.model_validate_json(path.read_text())
     except (OSError, ValidationError, ValueError) as exc:
         raise RunIdentityError(f"{path}: cannot read the run identity ({exc})") from None
-    ours = RunIdentity.of(config)
+    ours = identity()
     differs = ours.differences(theirs)
     if not differs:
         changed = _changes(theirs.replicas(), ours.replicas())
@@ -130,18 +113,17 @@ def check_run_identity(config: MasterConfig) -> None:
         return
     message = (f"{root} holds checkpoints of a different run: {'; '.join(differs)}. Use another "
                "checkpointing.checkpoint_dir, or set checkpointing.allow_different_run=true to resume anyway")
-    if not config.checkpointing.allow_different_run:
+    if not allow_different_run:
         raise RunIdentityError(message)
     logger.warning("%s (checkpointing.allow_different_run=true: resuming anyway; the directory now records this "
                    "run)", message)
-    record_run_identity(config)
+    record_identity(root, ours)
 
 
-def record_run_identity(config: MasterConfig) -> None:
-    """Write this run's identity into its checkpoint directory (a new run, or an allowed takeover)."""
-    root = Path(config.checkpointing.checkpoint_dir)
+def record_identity(root: Path, identity: RunIdentity) -> None:
+    """Write a run's identity into its checkpoint directory (a new run, or an allowed takeover)."""
     root.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(root / IDENTITY_FILE, RunIdentity.of(config).model_dump(mode="json"))
+    write_json_atomic(root / IDENTITY_FILE, identity.model_dump(mode="json"))
 
 
 def _changes(before: dict[str, int], now: dict[str, int]) -> dict[str, dict[str, int]]:

@@ -18,16 +18,11 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import 
     replica_counts,
     vanished,
 )
+from nemo_rl.algorithms.single_controller_utils.run_identity_check import check_run_identity, record_run_identity
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointAdapter, GymCheckpointInstance
 from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus as S
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
-from nemo_rl.utils.run_identity import (
-    RunIdentityError,
-    check_run_identity,
-    record_replicas,
-    record_run_identity,
-    replica_changes,
-)
+from nemo_rl.utils.run_identity import RunIdentityError, record_replicas, replica_changes
 from tests.unit.test_coordination import TOKEN, dep, deadline, ep  # noqa: F401 - dep is a fixture
 from tests.unit.test_rollout_recovery import _dispatch_all, _reserve, _triple
 

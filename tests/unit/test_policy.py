@@ -239,7 +239,7 @@ def test_load_rejects_incomplete_or_foreign_checkpoints(model_dir, tmp_path):
 # ----- embedded default: built once, cached by recipe ------------------------------
 @pytest.mark.skipif(not DATA.exists(), reason="examples/data not generated")
 def test_embedded_model_is_cached_by_recipe(tmp_path):
-    from nemo_rl.models.tiny_model import ensure_pretrained
+    from nemo_rl.algorithms.embedded_model import ensure_pretrained
 
     rows = [json.loads(l) for l in DATA.read_text().splitlines()[:12]]
     cfg = PolicyConfig(device="cpu", cache_dir=str(tmp_path), tiny_model=TinyModelRecipe(**SMALL))
@@ -269,7 +269,7 @@ def test_warm_start_learns_the_demonstrations(tmp_path):
     assert convs[0][-1] == {"role": "assistant", "content": rows[0]["final_answer"]}
     assert convs[0][3]["role"] == "tool" and "@" in convs[0][3]["content"]  # a real directory lookup
     cfg = PolicyConfig(device="cpu", cache_dir=str(tmp_path), tiny_model=TinyModelRecipe(**SMALL))
-    policy = _policy(ensure_base(cfg, rows, log=lambda _: None), max_seq_len=512)
+    policy = _policy(ensure_base(cfg, rows, log=lambda _: None, conversations=convs), max_seq_len=512)
     first = warm_start(policy, rows, steps=1, batch_size=8, lr=1e-9, conversations=convs)
     last = warm_start(policy, rows, steps=40, batch_size=8, lr=5e-3, conversations=convs)
     assert last["warm_start_loss"] < 0.6 * first["warm_start_loss"]

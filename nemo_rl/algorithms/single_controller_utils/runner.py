@@ -33,7 +33,7 @@ from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_
 from nemo_rl.data.dataloader import load_jsonl
 from nemo_rl.utils.loggers import MetricLoggers, open_loggers
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.run_identity import check_run_identity
+from nemo_rl.algorithms.single_controller_utils.run_identity_check import check_run_identity
 from nemo_rl.utils.run_lock import hold_run_dirs
 from nemo_rl.utils.snapshot_store import remove_stale_tmp_dirs
 from nemo_rl.utils.startup_clock import StartupClock

@@ -150,7 +150,7 @@ class RolloutRecoveryLedger:
                 f"rollout {rollout_id} was restored by Gym instance {attempt.gym_instance_id} "
                 f"and must return to it, not to {gym_instance_id}"
             )
-        self._replace_current(
+        self.replace_current(
             group,
             sibling,
             attempt.model_copy(
@@ -176,7 +176,7 @@ class RolloutRecoveryLedger:
                 f"rollout {rollout_id} was refused by Gym {refusals} times (the limit is {max_refusals}); "
                 "Gym keeps its admission closed"
             )
-        self._replace_current(
+        self.replace_current(
             group,
             sibling,
             attempt.model_copy(update={
@@ -205,7 +205,7 @@ class RolloutRecoveryLedger:
             raise LedgerError(
                 f"cannot seal rollout {rollout_id}: it is {attempt.status.value}, not dispatched"
             )
-        self._replace_current(
+        self.replace_current(
             group,
             sibling,
             attempt.model_copy(update={"status": RolloutAttemptStatus.SEALED, "reward": float(reward)}),
@@ -221,13 +221,13 @@ class RolloutRecoveryLedger:
             raise LedgerError(
                 f"cannot fail rollout {rollout_id}: it is {attempt.status.value}"
             )
-        self._replace_current(
+        self.replace_current(
             group, sibling, attempt.model_copy(update={"status": RolloutAttemptStatus.FAILED})
         )
         failures = sibling.failure_count()
         if failures >= self.max_attempts_per_sibling:
             raise RolloutRetriesExhausted(rollout_id, failures)
-        return self._append_attempt(group, sibling)
+        return self.append_attempt(group, sibling)
 
     def complete_groups(self) -> list[PromptGroupRecoveryRecord]:
         """Groups whose siblings are all sealed and which are not trained yet."""
@@ -454,11 +454,13 @@ class RolloutRecoveryLedger:
             raise LedgerError(f"rollout {rollout_id}: group {group_id} is {group.status.value}")
         return group, sibling, attempt
 
-    def _replace_current(self, group, sibling, attempt: RolloutAttemptRecord) -> None:
+    # ----- record edits (the transitions' and the restart rules') -----------
+    def replace_current(self, group: PromptGroupRecoveryRecord, sibling: RolloutSiblingRecord,
+                        attempt: RolloutAttemptRecord) -> None:
         """Swap in the sibling's new current attempt (no checks: the transitions and ``restart`` check)."""
         sibling.attempts = [*sibling.attempts[:-1], attempt]
 
-    def _append_attempt(self, group, sibling) -> str:
+    def append_attempt(self, group: PromptGroupRecoveryRecord, sibling: RolloutSiblingRecord) -> str:
         """Reserve a fresh attempt for the sibling and index it; returns its capture key."""
         attempt = RolloutAttemptRecord()
         sibling.attempts = [*sibling.attempts, attempt]

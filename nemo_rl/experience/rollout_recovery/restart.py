@@ -4,12 +4,13 @@ Apart from the transitions because they run once per restore, over every
 group at once, and decide by restore level (``turn``: continue what Gym
 restored; ``sibling``: keep sealed siblings, rerun the rest from the prompt;
 ``prompt_group``: redo the group). They edit the ledger through the same two
-record edits its transitions use (``_replace_current``, ``_append_attempt``).
+public record edits its transitions use (``replace_current``, ``append_attempt``), typed here by
+shape (``RestartTarget``) so this module does not import the ledger that calls it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,14 +19,23 @@ from nemo_rl.experience.rollout_recovery.schema import (
     LIVE_STATUSES,
     PromptGroupRecoveryRecord,
     PromptGroupStatus,
+    RolloutAttemptRecord,
     RolloutAttemptStatus,
     RolloutSiblingRecord,
 )
 
-if TYPE_CHECKING:
-    from nemo_rl.experience.rollout_recovery.ledger import RolloutRecoveryLedger
-
 RestoredEpisode = tuple[str, str, int]  # (instance_id, base rollout_id, attempt Gym gave it)
+
+
+class RestartTarget(Protocol):
+    """What the restart rules read and edit of a ledger (``RolloutRecoveryLedger``)."""
+
+    groups: dict[str, PromptGroupRecoveryRecord]
+
+    def replace_current(self, group: PromptGroupRecoveryRecord, sibling: RolloutSiblingRecord,
+                        attempt: RolloutAttemptRecord) -> None: ...
+
+    def append_attempt(self, group: PromptGroupRecoveryRecord, sibling: RolloutSiblingRecord) -> str: ...
 
 
 class RestartSummary(BaseModel):
@@ -42,7 +52,7 @@ class RestartSummary(BaseModel):
 
 
 def apply_restart_rules(
-    ledger: "RolloutRecoveryLedger", restored: set[RestoredEpisode] | None,
+    ledger: RestartTarget, restored: set[RestoredEpisode] | None,
     relocated: dict[str, str] | None = None,
 ) -> RestartSummary:
     """Apply each generating group's restore level to ``ledger``, in place.
@@ -74,7 +84,7 @@ def apply_restart_rules(
 
 
 def _restart_sibling(
-    ledger: "RolloutRecoveryLedger",
+    ledger: RestartTarget,
     group: PromptGroupRecoveryRecord,
     sibling: RolloutSiblingRecord,
     level: RecoveryTargetLevel,
@@ -101,19 +111,19 @@ def _restart_sibling(
                     "gym_instance_id": relocated.get(triple[1], attempt.gym_instance_id),
                 }
             )
-            ledger._replace_current(group, sibling, restored)
+            ledger.replace_current(group, sibling, restored)
             summary.restored_turn.append(restored.rollout_id(gid, g))
             return
     # Sibling rule: restart from the prompt as a new attempt.
     if attempt.status in LIVE_STATUSES:
-        ledger._replace_current(
+        ledger.replace_current(
             group, sibling, attempt.model_copy(update={"status": RolloutAttemptStatus.ABANDONED})
         )
-    summary.restarted_from_prompt.append(ledger._append_attempt(group, sibling))
+    summary.restarted_from_prompt.append(ledger.append_attempt(group, sibling))
 
 
 def _redo_group(
-    ledger: "RolloutRecoveryLedger", group: PromptGroupRecoveryRecord, summary: RestartSummary
+    ledger: RestartTarget, group: PromptGroupRecoveryRecord, summary: RestartSummary
 ) -> None:
     """Prompt-group rule: unless nothing started, every sibling reruns and its sealed sample is discarded."""
     untouched = all(
@@ -130,11 +140,11 @@ def _redo_group(
         if attempt.status is RolloutAttemptStatus.SEALED:
             summary.discarded_rollout_ids.append(attempt.rollout_id(group.group_id, g))
         if attempt.status is not RolloutAttemptStatus.FAILED:
-            ledger._replace_current(
+            ledger.replace_current(
                 group,
                 sibling,
                 attempt.model_copy(
                     update={"status": RolloutAttemptStatus.ABANDONED, "reward": None}
                 ),
             )
-        summary.restarted_from_prompt.append(ledger._append_attempt(group, sibling))
+        summary.restarted_from_prompt.append(ledger.append_attempt(group, sibling))

@@ -76,12 +76,12 @@ from aiohttp import ClientSession, ClientTimeout, web
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PREFIX_FIELD, GenerationCut, prompt_digest
-from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, template_messages, template_tools
 from nemo_rl.models.generation.continuation import Continuation, init_stats
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import check_call_id, error_body
+from nemo_rl.models.policy_config import PolicyConfig
 
 EXTENSION_CLS = "nemo_rl.models.generation.vllm_extension.VllmRefitExtension"
 

@@ -43,7 +43,6 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PrefixContinuation, prompt_digest
-from nemo_rl.algorithms.grpo_config import PolicyConfig
 from nemo_rl.models.chat import parse_reply, render_prompt
 from nemo_rl.models.generation.continuation import Continuation, init_stats
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
@@ -55,6 +54,7 @@ from nemo_rl.models.generation.protocol import (
     error_body,
 )
 from nemo_rl.models.policy import HFPolicy, SampleOutput, load_tokenizer, resolve_device, resolve_dtype
+from nemo_rl.models.policy_config import PolicyConfig
 
 
 @dataclass

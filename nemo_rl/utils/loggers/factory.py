@@ -4,21 +4,52 @@ the ones already started are closed and its ``LoggerStartError`` (naming the key
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from nemo_rl.utils.loggers.base import MetricLogger
 from nemo_rl.utils.loggers.fanout import MetricLoggers
 
-if TYPE_CHECKING:
-    from nemo_rl.algorithms.single_controller_utils.config import LoggerConfig
+
+class _TensorBoardSettings(Protocol):
+    log_dir: str
 
 
-def tensorboard_dir(cfg: "LoggerConfig") -> Path:
+class _WandbSettings(Protocol):
+    project: str
+    name: str | None
+
+
+class _MlflowSettings(Protocol):
+    experiment_name: str
+    run_name: str | None
+    tracking_uri: str | None
+
+
+class LoggerSettings(Protocol):
+    """What this module reads of the run config's ``logger`` section (``LoggerConfig``), by shape: the
+    utilities import nothing from ``nemo_rl.algorithms``."""
+
+    log_dir: str
+    tensorboard_enabled: bool
+    wandb_enabled: bool
+    mlflow_enabled: bool
+
+    @property
+    def tensorboard(self) -> _TensorBoardSettings: ...
+
+    @property
+    def wandb(self) -> _WandbSettings: ...
+
+    @property
+    def mlflow(self) -> _MlflowSettings: ...
+
+
+def tensorboard_dir(cfg: LoggerSettings) -> Path:
     """``logger.tensorboard.log_dir``, relative to ``logger.log_dir`` unless absolute."""
     return Path(cfg.log_dir) / cfg.tensorboard.log_dir
 
 
-def open_loggers(cfg: "LoggerConfig", run_config: dict[str, Any] | None = None) -> MetricLoggers:
+def open_loggers(cfg: LoggerSettings, run_config: dict[str, Any] | None = None) -> MetricLoggers:
     """``run_config`` (the whole run config, JSON-safe) becomes the W&B run's config."""
     backends: list[MetricLogger] = []
     try:

@@ -237,6 +237,29 @@ def _assign_ports(config: GymGlobalConfig) -> tuple[GymGlobalConfig, dict[str, s
     return config, sockets
 
 
+# Top-level keys of a NeMo-RL training config: a file with them and no server is one given by mistake.
+_RL_KEYS = ("grpo", "policy", "env", "rollout_recovery", "rollout_checkpointing", "checkpointing", "defaults")
+
+
+def _no_servers(paths: list[str]) -> str:
+    """Why a config without a single server cannot start, and what the user likely meant."""
+    import yaml
+
+    found = set()
+    for path in paths:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        found |= {k for k in _RL_KEYS if isinstance(data, dict) and k in data}
+    if found:
+        return (f"{', '.join(paths)} is a NeMo-RL training config (it has {', '.join(sorted(found))}), not a Gym "
+                "deployment: to start its Gym servers, list their checkpoint modes and run the restart-only "
+                f"setup check, run: python examples/run_grpo.py --config {paths[0]} --check")
+    return (f"{', '.join(paths)} configures no Gym server: a Gym config maps each server's name to "
+            "{<server type>: {<implementation>: {...}}} (see examples/gym_configs/)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Start a Gym deployment and keep it running until Ctrl-C.")
     parser.add_argument("--config", required=True, nargs="+", help="Gym YAML file(s)")
@@ -246,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     # job of a non-interactive shell inherits SIG_IGN, and Python then installs no handler).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        dep = GymDeployment.start(args.config, log_dir=args.log_dir)
+        config = load_gym_config(args.config)
+        if not config.instances:
+            raise GymConfigError(_no_servers(args.config))
+        dep = GymDeployment.start(config, log_dir=args.log_dir)
     except (GymConfigError, GymStartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

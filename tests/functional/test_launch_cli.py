@@ -140,3 +140,13 @@ def test_head_server_does_not_publish_the_control_token(tmp_path):
     with GymDeployment.start(cfg, log_dir=tmp_path) as dep:
         text = urllib.request.urlopen(dep.head_url + "/global_config_dict_yaml", timeout=10).read().decode()
     assert "s3cret-token-value" not in text and "<redacted>" in text
+
+
+def test_an_rl_config_is_refused_with_the_check_command(tmp_path):
+    """A training config given to the Gym launcher by mistake starts nothing and says what to run."""
+    rl = "examples/configs/grpo_mixed_turn.yaml"
+    proc = subprocess.run([sys.executable, "-m", "gym_patches.launch", "--config", rl, "--log-dir",
+                           str(tmp_path / "logs")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "is a NeMo-RL training config" in proc.stderr and f"run_grpo.py --config {rl} --check" in proc.stderr
+    assert "head server" not in proc.stdout and not (tmp_path / "logs").exists()

@@ -328,6 +328,10 @@ class RolloutCheckpointConfig(_Section):
     # newest trainer step only, every in-flight rollout restarting from its prompt (e.g. after changing
     # the Gym deployment, whose saved sessions would no longer fit).
     restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"
+    # SIGTERM or a first Ctrl-C: seconds from the signal to the exit. The final snapshot gets all but
+    # the last few (teardown); past the grace the run exits anyway, publishing nothing torn. 25 s fits
+    # Slurm's default 30 s between SIGTERM and SIGKILL (docs/design.md §5.11).
+    stop_grace_s: float = Field(default=25.0, gt=0)
 
 
 class NemoGymRolloutFailureConfig(_Section):

@@ -1,4 +1,4 @@
-"""Checkpoint participants of Gym agents (DESIGN §3.4).
+"""Checkpoint participants of Gym agents (docs/design.md §4.5).
 
 ``AgentSessionParticipant`` parks each running ``/run`` of the session agent at
 a loop boundary and exports its loop state. ``RestartOnlyAgentParticipant``

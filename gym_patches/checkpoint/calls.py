@@ -1,4 +1,4 @@
-"""One typed request per checkpoint verb, for a whole Gym deployment (DESIGN §4.6).
+"""One typed request per checkpoint verb, for a whole Gym deployment (docs/design.md §4.6).
 
 Each ``*Call`` *is* the wire request its servers get (it subclasses that model in
 ``wire``), plus only what the caller of a deployment needs on top: a scope per

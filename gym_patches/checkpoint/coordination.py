@@ -1,4 +1,4 @@
-"""Client side of the checkpoint protocol: one Gym deployment, many participants (DESIGN §4.6).
+"""Client side of the checkpoint protocol: one Gym deployment, many participants (docs/design.md §4.6).
 
 ``call(participants, request)`` runs one typed request (``gym_patches.checkpoint.calls``) over
 every participant; each request says which body each server gets. ``PrepareCall`` walks

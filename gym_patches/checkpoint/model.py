@@ -1,6 +1,6 @@
 """Checkpoint participant of the policy model server, and its admission gate.
 
-DESIGN §3.4 "Model": a checkpoint must see every agent at a boundary, so
+docs/design.md §4.5 "Model": a checkpoint must see every agent at a boundary, so
 once prepare closes admission the model hands out no reply: a reply that
 finishes while closed is *held* until resume, and calls that arrive while
 closed wait. Only a reply already being written blocks readiness. Generation

@@ -24,7 +24,7 @@ class CheckpointParticipant(ABC):
 
     kind: ClassVar[ParticipantKind]
     # Whether a record this server saved can be installed by the same server on another replica of
-    # its shard (DESIGN §5.7, portable records): it names the episode, never this process (no port,
+    # its shard (docs/design.md §5.7, portable records): it names the episode, never this process (no port,
     # pid, local path or in-process handle). A server whose records are not portable sets False and
     # says so in its status; its episodes then continue only on the replica that saved them.
     records_portable: bool = True

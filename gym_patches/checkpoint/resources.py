@@ -1,4 +1,4 @@
-"""Checkpoint participant of a resources server (DESIGN §3.4 "Resources").
+"""Checkpoint participant of a resources server (docs/design.md §4.5 "Resources").
 
 It is also the server's table of live sessions, so that admission, readiness
 and export all read one source of truth. A session is live from a successful

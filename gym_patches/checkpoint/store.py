@@ -1,4 +1,4 @@
-"""On-disk state of one participant for one checkpoint (DESIGN §3.6).
+"""On-disk state of one participant for one checkpoint (docs/design.md §4.7).
 
 Layout: ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` plus a
 write-once ``manifest.json``. The records file is named by its digest, so a

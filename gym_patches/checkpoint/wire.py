@@ -90,7 +90,7 @@ class RestoreRequest(CheckpointRequest):
     episode_ids: list[EpisodeId] = Field(max_length=MAX_EPISODES_PER_REQUEST)
     source_checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
     # More checkpoint dirs to read records from: other replicas' of the same shard, whose episodes
-    # continue here because their replica no longer runs (elastic restore, DESIGN §5.7). Each asked
+    # continue here because their replica no longer runs (elastic restore, docs/design.md §5.7). Each asked
     # episode's record must be in exactly one of ``checkpoint_dir`` and these.
     source_dirs: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(default_factory=list,
                                                                                    max_length=1024)
@@ -131,7 +131,7 @@ class StatusReply(BaseModel):
     lease_expires_at: float | None = None
     report: PrepareReport
     # False: this server's records hold something only its own process can use, so an episode it
-    # saved cannot continue on another replica of its shard (DESIGN §5.7, portable records).
+    # saved cannot continue on another replica of its shard (docs/design.md §5.7, portable records).
     records_portable: bool = True
 
 
@@ -156,7 +156,7 @@ class ForgetReply(BaseModel):
 
 
 class ParticipantManifest(BaseModel):
-    """Write-once description of one participant's records file (DESIGN §3.6)."""
+    """Write-once description of one participant's records file (docs/design.md §4.7)."""
 
     model_config = ConfigDict(extra="forbid")
 

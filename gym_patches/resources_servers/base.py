@@ -81,7 +81,7 @@ class SimpleResourcesServer(GymServer, SessionStateHooks):
     config_model: ClassVar[type[ServerConfigBase]] = ResourcesServerConfig
     checkpoint_mode: ClassVar[ResourcesCheckpointMode] = "restart_only"
     # False for a server whose exported session states name what only its process has (a local
-    # path, a handle): its sessions then never move to another replica (DESIGN §5.7).
+    # path, a handle): its sessions then never move to another replica (docs/design.md §5.7).
     records_portable: ClassVar[bool] = True
     tool_schemas: ClassVar[list[dict[str, Any]]] = []
 

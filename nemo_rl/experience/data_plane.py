@@ -2,7 +2,7 @@
 
 The ledger says which attempts are sealed; this store holds their tokens,
 logprobs and rewards. Both go into the same snapshot, so after a restore every
-sealed sibling the ledger keeps has exactly one sample here (DESIGN §4.3).
+sealed sibling the ledger keeps has exactly one sample here (docs/design.md §5.3).
 """
 
 from __future__ import annotations

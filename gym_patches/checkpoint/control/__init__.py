@@ -1,4 +1,4 @@
-"""Checkpoint control routes of one Gym server (DESIGN §4.4): ``ParticipantControlPlane``.
+"""Checkpoint control routes of one Gym server (docs/design.md §4.4): ``ParticipantControlPlane``.
 
 Status codes follow one rule (``gym_patches.checkpoint.errors``): 409 when the
 request is well formed but the checkpoint state refuses it; 422

@@ -1,4 +1,4 @@
-"""``ParticipantControlPlane``: the checkpoint control routes of one Gym server (DESIGN §4.4).
+"""``ParticipantControlPlane``: the checkpoint control routes of one Gym server (docs/design.md §4.4).
 
 The participant knows how to close, report, export and install; the control plane composes
 everything around it, one module per concern: ``http`` (auth, body cap, parsing, error replies),

@@ -1,7 +1,7 @@
 """The reading side of a restore: the saved records of the episodes asked for, all or an error.
 
 A restore reads its own replica's directory (``checkpoint_dir``) and, in an elastic restore, the
-directories of replicas of the same shard that no longer run (``source_dirs``, DESIGN §5.7): their
+directories of replicas of the same shard that no longer run (``source_dirs``, docs/design.md §5.7): their
 episodes continue here, so each record asked for must be in exactly one of them.
 """
 

@@ -1,4 +1,4 @@
-"""Owners for the background work of a checkpoint (DESIGN §4.4).
+"""Owners for the background work of a checkpoint (docs/design.md §4.4).
 
 A ``TaskScope`` is like a trio nursery or an ``asyncio.TaskGroup``: every task it starts is its
 own, and closing it cancels and awaits whatever is left, including a thread a task is waiting on.

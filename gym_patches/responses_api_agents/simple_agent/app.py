@@ -1,4 +1,4 @@
-"""simple_agent server: ``POST /run`` with session checkpointing (DESIGN §3.4).
+"""simple_agent server: ``POST /run`` with session checkpointing (docs/design.md §4.5).
 
 Each run is hosted by ``AgentSessionParticipant``, which parks it at a loop
 boundary when a checkpoint is prepared and can continue it after a restore.

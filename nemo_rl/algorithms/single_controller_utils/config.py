@@ -3,7 +3,7 @@
 Every section forbids unknown keys, so a typo fails at startup with the full
 dotted path of the bad key instead of silently keeping a default. The recovery
 section also rejects settings that cannot work together, e.g. accepting
-restart-only Gym servers at a level that never asks Gym to save (DESIGN §4.1).
+restart-only Gym servers at a level that never asks Gym to save (docs/design.md §5.1).
 """
 
 from __future__ import annotations

@@ -525,7 +525,7 @@ class GymCheckpointCoordinator:
     ) -> dict[str, list[str]]:
         """Each running replica of ``sources`` installs what it is given (``sources[target][source][server]``:
         its own saved episodes, and those of vanished replicas of its shard, read from their directories,
-        DESIGN §5.7); returns new agent keys per instance."""
+        docs/design.md §5.7); returns new agent keys per instance."""
         deadline = time.time() + self.prepare_timeout_s
         unknown = sorted(set(sources) - set(self.instance_ids))
         if unknown:

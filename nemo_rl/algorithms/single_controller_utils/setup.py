@@ -2,7 +2,7 @@
 
 ``_spinup_gym`` runs before any rollout and before policy weights are built, so
 a Gym setup that cannot give what ``rollout_recovery`` asks for fails in seconds
-with every offending server named (DESIGN §1, §4.2).
+with every offending server named (docs/design.md §2, §5.2).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def restart_only_check(
     server_types: dict[str, str],
     turn_users: dict[str, dict[str, list[str]]] | None = None,
 ) -> None:
-    """Raise or warn per ``rollout_recovery.allow_restart_only_gym_servers`` (DESIGN §1).
+    """Raise or warn per ``rollout_recovery.allow_restart_only_gym_servers`` (docs/design.md §2, §5.2).
 
     ``turn_users[instance][server]`` lists the agents whose turn-level rollouts
     pass through ``server`` there; a restart-only server missing from it serves

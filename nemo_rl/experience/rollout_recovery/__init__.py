@@ -1,4 +1,4 @@
-"""The rollout-recovery ledger: prompt group -> siblings -> attempts (DESIGN §4.3, §4.5, §5.3).
+"""The rollout-recovery ledger: prompt group -> siblings -> attempts (docs/design.md §5.3, §5.5).
 
 One module per concern: ``levels`` (how much of a rollout survives a crash),
 ``schema`` (the saved records and ``LedgerState``, schema 2), ``ledger`` (the

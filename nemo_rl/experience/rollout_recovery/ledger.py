@@ -2,10 +2,10 @@
 
 The ledger is the RL side's single record of which rollout attempts exist,
 where they run and which are sealed. It is pure bookkeeping (no Ray, no HTTP),
-so a snapshot of it plus the data plane is a consistent cut (DESIGN §4.3,
-§5.3). This module holds the mutable ledger and the checked moves between
-states (reserve, dispatch, refuse, seal, fail, train, compact) and its
-persistence; the records it moves live in ``schema``, the restart rules in
+so a snapshot of it plus the data plane is a consistent cut
+(docs/design.md §5.3). This module holds the mutable ledger and the checked
+moves between states (reserve, dispatch, refuse, seal, fail, train, compact)
+and its persistence; the records it moves live in ``schema``, the restart rules in
 ``restart``, and what a snapshot asks of Gym in the snapshot cut planner.
 """
 
@@ -352,7 +352,7 @@ class RolloutRecoveryLedger:
     # ----- restart ----------------------------------------------------------
     def prepare_for_restart(self, restored: set[RestoredEpisode] | None = None,
                             relocated: dict[str, str] | None = None) -> RestartSummary:
-        """Apply the per-level restart rules to every generating group (DESIGN §4.5; ``restart``).
+        """Apply the per-level restart rules to every generating group (docs/design.md §5.5; ``restart``).
 
         ``restored`` holds ``(instance_id, base rollout_id, attempt)`` for each
         episode Gym restored, with the attempt number Gym gave it (the saved

@@ -1,4 +1,4 @@
-"""The restart rules: what each generating group becomes after a crash (DESIGN §4.5, §5.5).
+"""The restart rules: what each generating group becomes after a crash (docs/design.md §5.5).
 
 Apart from the transitions because they run once per restore, over every
 group at once, and decide by restore level (``turn``: continue what Gym
@@ -59,7 +59,7 @@ def apply_restart_rules(
 
     A restored triple names the replica the attempt ran on; ``relocated`` (base rollout id -> replica)
     says where Gym installed it instead, because that replica no longer runs (elastic restore,
-    DESIGN §5.7): the continued attempt is pinned there. A restored triple that no attempt consumes
+    docs/design.md §5.7): the continued attempt is pinned there. A restored triple that no attempt consumes
     raises ValueError naming them all, after ``ledger`` was changed: pass a staged copy
     (``RolloutRecoveryLedger.prepare_for_restart`` does, and adopts it only when this returns).
     """

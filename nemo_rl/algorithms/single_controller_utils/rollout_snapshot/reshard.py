@@ -1,4 +1,4 @@
-"""Elastic restore: which running replica installs each saved episode (DESIGN §5.7, "Elastic restore").
+"""Elastic restore: which running replica installs each saved episode (docs/design.md §5.7, "Elastic restore").
 
 A snapshot keys what Gym saved by the replica that saved it. When the relaunch runs fewer replicas
 of a shard, the episodes of each replica that no longer runs (a *vanished* one) continue on the

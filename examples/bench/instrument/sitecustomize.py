@@ -117,11 +117,11 @@ def _snapshot_hooks(path):
         original = cls.attempt
 
         @functools.wraps(original)
-        async def attempt(self):
+        async def attempt(self, *args, **kwargs):
             start = time.time()
             outcome = None
             try:
-                outcome = await original(self)
+                outcome = await original(self, *args, **kwargs)
                 return outcome
             finally:
                 rec = {"event": "attempt", "start": start, "end": time.time()}

@@ -159,9 +159,10 @@ def stopped(tmp_path_factory):
         if name not in done:
             root = tmp_path_factory.mktemp(name)
             case = _stop_case(root, **CASES[name])
-            runner = cm.Runner(case.spec, log=lambda _: None)
-            runner.count = 1  # the stopped run was the first
-            case.final = runner.run(timeout_s=300)
+            if name != "ctrl_c":  # its final snapshot is the same path as SIGTERM's: no second relaunch
+                runner = cm.Runner(case.spec, log=lambda _: None)
+                runner.count = 1  # the stopped run was the first
+                case.final = runner.run(timeout_s=300)
             done[name] = case
         case = done[name]
         if isinstance(case, str):
@@ -235,5 +236,4 @@ def test_ctrl_c_in_a_background_job_stops_without_a_traceback(stopped):
     assert "Traceback" not in case.output and "KeyboardInterrupt" not in case.output, case.output[-3000:]
     assert case.leftover == []
     final = case.final_rows("SIGINT")
-    assert len(final) == 1 and final[0]["committed"], case.rows
-    _check_relaunch(case, final[0])
+    assert len(final) == 1 and final[0]["committed"] and final[0]["saved"] > 0, case.rows

@@ -91,6 +91,10 @@ PREEMPTION: dict[str, dict[str, Any]] = {
                    "sizes": (512, 8192), "exit_repeats": 1,
                    "exit_delay_s": {512: 10.0, 8192: 60.0}, "exit_timeout_s": {512: 240.0, 8192: 480.0}},
 }
+# The same with two seeds (8 stopped runs): what fits beside a session's other work, about 15 minutes.
+PREEMPTION_QUICK: dict[str, dict[str, Any]] = {
+    "preemption": {**PREEMPTION["preemption"], "seeds": (0, 1)},
+}
 PREEMPTION_SMOKE: dict[str, dict[str, Any]] = {
     "preemption": {"intervals": (120.0,), "seeds": (0,), "delay_s": 0.4, "steps": 2, "window": (0.3, 0.6),
                    "timeout_s": 180.0, "sizes": (32,), "exit_repeats": 1, "generations": 8,
@@ -99,4 +103,4 @@ PREEMPTION_SMOKE: dict[str, dict[str, Any]] = {
 
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
            "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
-           "preemption_smoke": PREEMPTION_SMOKE}
+           "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE}

@@ -23,18 +23,19 @@ DRIVER = textwrap.dedent("""
     with StopSignals(grace) as stops:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        print(os.getpid(), child.pid, flush=True)
         if attach:
             async def main():
                 loop = asyncio.get_running_loop()
                 stopped, usr1 = asyncio.Event(), []
                 stops.attach(loop, lambda by: stopped.set(), lambda by: (usr1.append(by), print("snapshot", by, flush=True)))
+                print(os.getpid(), child.pid, flush=True)  # ready: the loop takes the signals from here
                 await stopped.wait()
                 print("stop", stops.name, "child alive", child.poll() is None, flush=True)
                 await asyncio.sleep(float(sys.argv[3]))  # a final snapshot that takes this long
             asyncio.run(main())
         else:
             try:
+                print(os.getpid(), child.pid, flush=True)
                 time.sleep(60)
             except KeyboardInterrupt:
                 print("interrupted", stops.name, "child alive", child.poll() is None, flush=True)

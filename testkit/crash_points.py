@@ -45,10 +45,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping
 
 from nemo_rl.utils.run_hooks import PHASES, RunHooks
+from nemo_rl.utils.stop_signals import DUPLICATE_WINDOW_S
 
 CRASH_ENV = "NEMO_RL_TEST_ONLY_CRASH_AT"
 
@@ -116,11 +118,13 @@ class SignalAt(RunHooks):
     """``NEMO_RL_TEST_ONLY_SIGNAL_AT=<phase>[:<nth>]``: the ``nth`` time ``phase`` is reached (counted as
     ``CrashAt`` counts), the run sends itself a SIGTERM and goes on, as a scheduler's stop landing
     exactly there would (docs/design.md §5.11): ``train`` stops a run while a step trains and then
-    writes its checkpoint; ``persist`` sends a second SIGTERM while the final snapshot is written."""
+    writes its checkpoint; ``persist`` sends a second SIGTERM while the final snapshot is written
+    (held until ``DUPLICATE_WINDOW_S`` after the first, so that it counts as a second stop)."""
 
     def __init__(self, points: list[tuple[str, int]]):
         self.points = points
         self.reaches: Counter[tuple[str, object]] = Counter()
+        self.sent_at: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SignalAt | None":
@@ -141,6 +145,9 @@ class SignalAt(RunHooks):
                 continue
             self.reaches[phase, scope] += 1
             if self.reaches[phase, scope] == nth:
+                if self.sent_at is not None:  # a second stop, not the first one delivered twice
+                    time.sleep(max(0.0, self.sent_at + DUPLICATE_WINDOW_S + 0.2 - time.monotonic()))
                 print(f"TEST-ONLY signal: {SIGNAL_ENV} {phase}:{nth} reached; SIGTERM to the driver",
                       file=sys.stderr, flush=True)
+                self.sent_at = time.monotonic()
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -17,7 +17,11 @@ are still alive. So ``StopSignals``, entered before anything is started:
   real signal also wakes a blocking call such as a sleep). A second one, or the grace running out, exits the process at
   once with ``os._exit``: publishing is an atomic rename, so nothing torn is
   left, and the run's reaper (parent-death signal) then takes every child
-  down, as after a SIGKILL. SIGUSR1 asks for a snapshot now.
+  down, as after a SIGKILL. A stop signal within ``DUPLICATE_WINDOW_S`` of the
+  first is the same stop delivered twice, not a second one: Slurm signals
+  every process of the job while a batch script forwards the same signal to
+  the run, and a shell's kill of the process group reaches the driver too.
+  SIGUSR1 asks for a snapshot now.
 
 Children that must not be shielded unblock the signals themselves
 (``unblock_in_child``, a ``preexec_fn``). The process exits with
@@ -36,6 +40,8 @@ from pathlib import Path
 
 HANDLED = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
 STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
+# A stop signal this soon after the first is one stop delivered twice (see the module docstring).
+DUPLICATE_WINDOW_S = 2.0
 
 
 def _interrupt(signum, frame) -> None:
@@ -147,6 +153,11 @@ class StopSignals:
                         self._loop.call_soon_threadsafe(self._on_snapshot, "SIGUSR1")
                     continue
                 if self.first is not None:
+                    if time.monotonic() - self.stopped_at < DUPLICATE_WINDOW_S:
+                        print(f"{signal.Signals(signum).name} again within {DUPLICATE_WINDOW_S:g} s of the first "
+                              f"{self.name}: the same stop delivered twice; still taking the final snapshot "
+                              "(send it again later to exit at once)", file=sys.stderr, flush=True)
+                        continue
                     self._exit_now(f"a second {signal.Signals(signum).name}")
                 self.first, self.stopped_at = signum, time.monotonic()
                 self._deadline = self.stopped_at + self.grace_s

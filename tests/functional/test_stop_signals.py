@@ -206,7 +206,7 @@ def test_sigterm_takes_a_final_snapshot_and_the_relaunch_continues_it(stopped, n
     assert case.exit_s < GRACE_S, case.exit_s
     assert case.leftover == []
     final = case.final_rows("SIGTERM")
-    assert len(final) == 1 and final[0]["committed"], case.rows
+    assert len(final) == 1 and final[0]["committed"], (case.rows, case.output[-3000:])
     assert final[0]["saved"] > 0, final[0]  # rollouts in flight were saved at their last turn
     line = _stop_line(case, "SIGTERM")
     assert Path(final[0]["path"]).name in line and "run the same command to continue" in line, line

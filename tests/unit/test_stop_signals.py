@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from nemo_rl.utils.stop_signals import exit_status
+from nemo_rl.utils.stop_signals import DUPLICATE_WINDOW_S, exit_status
 
 # A driver: enters StopSignals, starts a child (which inherits the block), reports both pids, then
 # waits for a stop. The stop goes to an event loop when ATTACH is set, else interrupts the main thread.
@@ -84,10 +84,21 @@ def test_sigusr1_asks_for_a_snapshot_and_a_later_sigterm_stops():
     assert "snapshot SIGUSR1" in out and "stop SIGTERM" in out, (out, err)
 
 
+def test_the_same_stop_delivered_twice_is_one_stop():
+    # Slurm signals every process while the batch script forwards the signal: the driver gets it twice
+    proc, driver, child = _start("25", "attach", "1.0")
+    os.kill(driver, signal.SIGTERM)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out.strip().endswith("done"), (out, err)  # the "final snapshot" finished
+    assert "the same stop delivered twice" in err and "exiting at once" not in err, err
+
+
 def test_a_second_signal_exits_at_once_with_the_first_ones_status():
     proc, driver, child = _start("25", "attach", "30")  # the "final snapshot" would take 30 s
     os.kill(driver, signal.SIGTERM)
-    time.sleep(0.5)
+    time.sleep(DUPLICATE_WINDOW_S + 0.5)
     t0 = time.monotonic()
     os.kill(driver, signal.SIGINT)
     out, err = proc.communicate(timeout=30)

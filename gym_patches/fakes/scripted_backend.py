@@ -16,6 +16,13 @@ the UTF-8 bytes of the rendered messages, generation ids the bytes of the
 reply text, and each logprob is derived from its byte. ``weight_version`` is
 always 0. ``max_tokens`` truncates the fake generation (finish "length").
 
+Replies can take wall-clock time without using the CPU (they sleep): a fixed
+``delay_s`` plus up to ``jitter_s``, and, with ``tokens_per_s`` set, a stand-in
+for a generation device decoding at that rate: a reply of k (fake) tokens waits
+k / ``tokens_per_s`` more. Concurrent replies wait side by side, like one batch
+on an accelerator, so throughput benchmarks can give generation its own
+timeline (docs/benchmarks.md, "Async on simulated devices").
+
 Control routes under ``/scripted/`` let a test hold a given turn's reply,
 release it, and read back which calls completed.
 """
@@ -63,6 +70,7 @@ class SettingsRequest(BaseModel):
 
     delay_s: float | None = Field(default=None, ge=0.0, le=600.0)
     jitter_s: float | None = Field(default=None, ge=0.0, le=600.0)
+    tokens_per_s: float | None = Field(default=None, ge=0.0, le=1e9)  # 0: a reply's length costs no time
     respect_max_tokens: bool | None = None
 
 
@@ -120,6 +128,7 @@ class ScriptedState:
         self.delay_s = 0.0  # every reply waits this long (keeps rollouts in flight in RL tests)
         self.jitter_s = 0.0  # plus up to this long more, drawn from a fixed-seed generator
         self.jitter = random.Random(0)
+        self.tokens_per_s = 0.0  # > 0: the simulated decode rate, a reply of k tokens waits k / rate more
         self.respect_max_tokens = True  # False: plans play out whole (fake tokens are bytes, not words)
 
     def turn_for(self, user: str, turn: int, tool_text: str = "") -> ScriptedTurn:
@@ -192,12 +201,14 @@ def build_app() -> web.Application:
                     state.waiting[key] -= 1
                     if not state.waiting[key]:
                         del state.waiting[key]
-            wait = state.delay_s + (state.jitter.uniform(0.0, state.jitter_s) if state.jitter_s else 0.0)
-            if wait:
-                await asyncio.sleep(wait)
             limit = max_tokens if state.respect_max_tokens else None
             tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
             reply = _completion(messages, state.turn_for(user, turn_index, tool_text), turn_index, body.get("model"), limit)
+            wait = state.delay_s + (state.jitter.uniform(0.0, state.jitter_s) if state.jitter_s else 0.0)
+            if state.tokens_per_s:
+                wait += reply["usage"]["completion_tokens"] / state.tokens_per_s
+            if wait:
+                await asyncio.sleep(wait)
             state.calls.append(
                 {
                     "user": user,
@@ -244,9 +255,12 @@ def build_app() -> web.Application:
             state.delay_s = req.delay_s
         if req.jitter_s is not None:
             state.jitter_s = req.jitter_s
+        if req.tokens_per_s is not None:
+            state.tokens_per_s = req.tokens_per_s
         if req.respect_max_tokens is not None:
             state.respect_max_tokens = req.respect_max_tokens
         return web.json_response({"delay_s": state.delay_s, "jitter_s": state.jitter_s,
+                                  "tokens_per_s": state.tokens_per_s,
                                   "respect_max_tokens": state.respect_max_tokens})
 
     async def reset(_: web.Request) -> web.Response:
@@ -444,11 +458,13 @@ class ScriptedBackend:
         return {user: plans[0] for user, plans in variants.items()}
 
     def configure(self, *, delay_s: float | None = None, respect_max_tokens: bool | None = None,
-                  jitter_s: float | None = None) -> None:
-        """``delay_s``: every reply waits that long (plus up to ``jitter_s``); ``respect_max_tokens=False``:
-        plans are never cut."""
-        self._call("POST", "/scripted/settings",
-                   {"delay_s": delay_s, "jitter_s": jitter_s, "respect_max_tokens": respect_max_tokens})
+                  jitter_s: float | None = None, tokens_per_s: float | None = None) -> dict[str, Any]:
+        """``delay_s``: every reply waits that long (plus up to ``jitter_s``); ``tokens_per_s``: plus
+        k / rate for a reply of k tokens (a simulated decode rate; 0 turns it off);
+        ``respect_max_tokens=False``: plans are never cut. Returns the settings now in force."""
+        return self._call("POST", "/scripted/settings",
+                          {"delay_s": delay_s, "jitter_s": jitter_s, "tokens_per_s": tokens_per_s,
+                           "respect_max_tokens": respect_max_tokens})
 
     def hold(self, user: str, turn: int) -> None:
         self._call("POST", "/scripted/hold", {"user": user, "turn": turn})

@@ -5,6 +5,9 @@ once across crashes: its checkpoint holds the batches of its lineage, and
 ``trained_batches.jsonl`` in the log dir keeps every call, including ones a
 crash later rolled back. A step can be fed group by group (``open_step``) under
 the same rules as the real trainer's; its batch is the concatenation of the adds.
+
+``SimulatedTrainer`` is a trainer stand-in for throughput benchmarks: the
+recording trainer plus a fixed wall-clock time per sample, spent sleeping.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,9 @@ class RecordingStep:
         with self._lock:
             self.ledger.check_open("add")
             samples = [s if isinstance(s, RolloutSample) else RolloutSample.model_validate(s) for s in samples]
-            self.ledger.commit(self.ledger.new_groups(samples))
+            group_ids = self.ledger.new_groups(samples)
+            self.trainer._spend(len(samples))  # the stand-in's "training" (nothing for the recording trainer)
+            self.ledger.commit(group_ids)
             self._samples.extend(samples)
 
     def finish(self) -> dict[str, float]:
@@ -61,6 +67,8 @@ class RecordingStep:
 
 
 class RecordingTrainer:
+    """Records every batch it trains (no model, no gradients); takes no time of its own."""
+
     def __init__(self, log_dir: str | Path):
         self.log_path = Path(log_dir) / "trained_batches.jsonl"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +83,9 @@ class RecordingTrainer:
                 raise already_open("RecordingTrainer", self._open)
             self._open = RecordingStep(self)
             return self._open
+
+    def _spend(self, samples: int) -> None:
+        """What training ``samples`` samples costs besides recording them: nothing here."""
 
     def _release(self, step: RecordingStep) -> None:
         with self._lock:
@@ -122,3 +133,24 @@ class RecordingTrainer:
         self.weight_version = int(state["weight_version"])
         self.batches = list(state["batches"])
         return state["extra_state"]
+
+
+class SimulatedTrainer(RecordingTrainer):
+    """A trainer stand-in, not a trainer: the recording trainer that also takes ``seconds_per_sample``
+    of wall-clock time per sample, sleeping (no model, no gradients, no CPU).
+
+    With the scripted backend decoding at a fixed rate (``policy.scripted_backend.tokens_per_s``) it
+    gives generation and training each their own timeline, so async against sync measures what the
+    controller overlaps and not how two processes share the cores (``policy.simulated_trainer``;
+    docs/benchmarks.md, "Async on simulated devices"). The time is spent in ``add``, group by group,
+    like the real trainer's forward and backward passes; ``finish`` only records.
+    """
+
+    def __init__(self, log_dir: str | Path, seconds_per_sample: float):
+        if not seconds_per_sample > 0:
+            raise ValueError(f"policy.simulated_trainer.seconds_per_sample={seconds_per_sample!r}: must be > 0")
+        super().__init__(log_dir)
+        self.seconds_per_sample = float(seconds_per_sample)
+
+    def _spend(self, samples: int) -> None:
+        time.sleep(samples * self.seconds_per_sample)

@@ -2,8 +2,10 @@
 
 ``policy.model_name: scripted-test-backend`` selects a pair of named fakes (a
 scripted OpenAI-compatible backend that plays each row's demonstration, replying
-after ``policy.scripted_backend.delay_s``, and a trainer that only records
-batches) for RL-level tests and benchmarks of recovery; anything else is a
+after ``policy.scripted_backend.delay_s`` (plus the reply's length over
+``tokens_per_s``, a simulated decode rate, when set), and a trainer that only
+records batches (or, with ``policy.simulated_trainer``, a stand-in that also
+sleeps a fixed time per sample)) for RL-level tests and benchmarks; anything else is a
 Hugging Face causal LM trained with GRPO: the embedded tiny default
 (``tiny-causal-lm``, built and warm-started locally, cached), a local model
 directory, or a hub id.
@@ -26,15 +28,18 @@ logger = logging.getLogger(__name__)
 
 class ScriptedTestGeneration:
     """The scripted fake as the generation backend: plays each row's ground truth; refit is a no-op
-    (it has no weights)."""
+    (it has no weights). ``tokens_per_s`` makes it a stand-in for a generation device decoding at that
+    rate (a reply of k tokens waits k / rate, sleeping)."""
 
-    def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0, jitter_s: float = 0.0):
+    def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0, jitter_s: float = 0.0,
+                 tokens_per_s: float | None = None):
         from gym_patches.fakes.scripted_backend import ScriptedBackend
 
         self._backend = ScriptedBackend().start()
         self._backend.plans_from_rows(rows)
         # Fake tokens are bytes, so a row's max_output_tokens would cut a scripted call short.
-        self._backend.configure(delay_s=delay_s, jitter_s=jitter_s, respect_max_tokens=False)
+        self._backend.configure(delay_s=delay_s, jitter_s=jitter_s, tokens_per_s=tokens_per_s or 0.0,
+                                respect_max_tokens=False)
         self.base_url = self._backend.base_url
 
     def refit(self, trainer: Any) -> None:

@@ -63,28 +63,44 @@ SCRIPTED_TEST_BACKEND = "scripted-test-backend"
 class ScriptedBackendConfig(_Section):
     """``policy.scripted_backend``: how the named fake ``policy.model_name: scripted-test-backend``
     replies (``gym_patches/fakes/scripted_backend.py``); each reply waits ``delay_s`` plus up to
-    ``jitter_s`` more (seeded). Only that fake reads it."""
+    ``jitter_s`` more (seeded) and, with ``tokens_per_s`` set, k / ``tokens_per_s`` more for a reply
+    of k fake tokens: a stand-in for a generation device decoding at that rate, sleeping, not
+    computing. Only that fake reads it."""
 
     delay_s: float = Field(default=0.0, ge=0.0, le=600.0)  # the fake's own bounds
     jitter_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    tokens_per_s: float | None = Field(default=None, gt=0.0, le=1e9)  # None: a reply's length costs no time
+
+
+class SimulatedTrainerConfig(_Section):
+    """``policy.simulated_trainer``: with the scripted backend, a trainer stand-in instead of the plain
+    recording trainer: it records the same batches and sleeps ``seconds_per_sample`` per sample it is
+    given (no model, no gradients, no CPU), so training has its own wall-clock timeline in throughput
+    benchmarks (docs/benchmarks.md, "Async on simulated devices"). None: no stand-in."""
+
+    seconds_per_sample: float | None = Field(default=None, gt=0.0, le=600.0)
 
 
 class RunPolicyConfig(PolicyConfig):
-    """The run's ``policy`` section: the trainer's ``PolicyConfig`` plus the scripted fake's replies."""
+    """The run's ``policy`` section: the trainer's ``PolicyConfig`` plus the scripted fake's replies
+    and its trainer stand-in."""
 
     scripted_backend: ScriptedBackendConfig = Field(default_factory=ScriptedBackendConfig)
+    simulated_trainer: SimulatedTrainerConfig = Field(default_factory=SimulatedTrainerConfig)
 
     @model_validator(mode="after")
     def _scripted_only(self) -> "RunPolicyConfig":
-        if self.scripted_backend != ScriptedBackendConfig() and self.model_name != SCRIPTED_TEST_BACKEND:
-            raise ValueError(
-                f"policy.scripted_backend is set but policy.model_name={self.model_name!r}; it configures "
-                f"only policy.model_name={SCRIPTED_TEST_BACKEND}")
+        for key, value, default in (("scripted_backend", self.scripted_backend, ScriptedBackendConfig()),
+                                    ("simulated_trainer", self.simulated_trainer, SimulatedTrainerConfig())):
+            if value != default and self.model_name != SCRIPTED_TEST_BACKEND:
+                raise ValueError(
+                    f"policy.{key} is set but policy.model_name={self.model_name!r}; it configures "
+                    f"only policy.model_name={SCRIPTED_TEST_BACKEND}")
         return self
 
     def trainer_policy(self) -> PolicyConfig:
         """The section without the fake's keys: what the trainer and the generation workers validate."""
-        return PolicyConfig.model_validate(self.model_dump(exclude={"scripted_backend"}))
+        return PolicyConfig.model_validate(self.model_dump(exclude={"scripted_backend", "simulated_trainer"}))
 
 
 class DataConfig(_Section):

@@ -216,7 +216,8 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     try:
         if scripted:
             replies = config.policy.scripted_backend
-            generation = ScriptedTestGeneration(rows + val_rows, delay_s=replies.delay_s, jitter_s=replies.jitter_s)
+            generation = ScriptedTestGeneration(rows + val_rows, delay_s=replies.delay_s, jitter_s=replies.jitter_s,
+                                                tokens_per_s=replies.tokens_per_s)
             policy_url, port = generation.base_url, 0
         else:
             policy_url, port = reserve_policy_url(config)
@@ -227,9 +228,10 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         print(f"Gym ready in {time.monotonic() - launched_at:.1f}s: "
               f"{sum(len(h) for h in shard_set.handles.values())} replica(s)", flush=True)
         if scripted:
-            from nemo_rl.algorithms.recording_trainer import RecordingTrainer
+            from nemo_rl.algorithms.recording_trainer import RecordingTrainer, SimulatedTrainer
 
-            trainer = RecordingTrainer(log_dir)
+            stand_in = config.policy.simulated_trainer.seconds_per_sample
+            trainer = RecordingTrainer(log_dir) if stand_in is None else SimulatedTrainer(log_dir, stand_in)
         else:
             trainer, generation = build_real(config, rows, port, lookup.point)
         startup.mark("model")

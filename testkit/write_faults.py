@@ -3,32 +3,33 @@
 ``NEMO_TEST_ONLY_WRITE_FAULT=<ENOSPC|EIO>:<fragment>[:<nth>]`` makes the
 ``nth`` write (default 1), in each process, of a file whose path contains
 ``fragment`` raise ``OSError(errno, strerror, path)`` before anything is
-written. Each side's store writes its checkpoint files through an installed
-``StorageWriter`` (``nemo_rl.utils.snapshot_store`` on the RL side,
-``gym_patches.checkpoint.store`` on the Gym side); ``install`` puts a subclass
-there that fails the asked-for write, so a test can fail one snapshot and check
-that it is reported by file name, that rollouts go on, and that older
-snapshots stay intact.
+written. Both sides' stores write their checkpoint files through a
+``StorageWriter`` (``gym_patches.checkpoint.storage``, one definition). A unit
+test hands a store ``failing_writer(fault)`` as its writer; a run (real
+processes) has it installed as each process's default writer (``install``), for
+the code that passes none down, so a test can fail one snapshot and check that
+it is reported by file name, that rollouts go on, and that older snapshots stay
+intact.
 
-``testkit/run_grpo.py`` installs the RL writer in the driver; Gym servers get
-theirs from ``testkit/inject/sitecustomize.py``, which the harness puts on
-``PYTHONPATH`` when a fault is asked for. Both writers of one process share one
-count, as the writes of one process are counted together.
+``testkit/run_grpo.py`` installs it in the driver; Gym servers get it from
+``testkit/inject/sitecustomize.py``, which the harness puts on ``PYTHONPATH``
+when a fault is asked for. One writer per process: its writes are counted
+together, RL's and Gym's.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gym_patches.checkpoint.storage import FileSystemWriter, StorageWriter, use_process_writer
+
 WRITE_FAULT_ENV = "NEMO_TEST_ONLY_WRITE_FAULT"
 _ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO}
-# side -> the module whose StorageWriter / use_storage_writer the side's stores write through
-STORE_MODULES = {"rl": "nemo_rl.utils.snapshot_store", "gym": "gym_patches.checkpoint.store"}
+STORAGE_MODULE = "gym_patches.checkpoint.storage"  # the one StorageWriter definition and process default
 
 
 @dataclass
@@ -66,41 +67,36 @@ def parse_write_fault(spec: str | None) -> WriteFault | None:
     return WriteFault(_ERRNOS[parts[0]], parts[1], nth, spec)
 
 
-class FailsOneWrite:
-    """Mixed into a side's ``StorageWriter``: fail the write ``fault`` asks for, before writing anything."""
-
-    fault: WriteFault
+class FailingWriter(FileSystemWriter):
+    """Writes plain files, except the write ``fault`` asks for: that one raises before writing anything."""
 
     def __init__(self, fault: WriteFault):
         self.fault = fault
 
     def write(self, path: Path, data: bytes) -> None:
         self.fault.check(path)
-        super().write(path, data)  # type: ignore[misc] - the side's StorageWriter
+        super().write(path, data)
 
 
-def failing_writer(side: str, fault: WriteFault) -> Any:
-    """A ``StorageWriter`` of ``side`` (``rl`` or ``gym``) that fails the write ``fault`` asks for."""
-    store = importlib.import_module(STORE_MODULES[side])
-    cls = type(f"Failing{side.upper()}StorageWriter", (FailsOneWrite, store.StorageWriter), {})
-    return cls(fault)
+def failing_writer(fault: WriteFault) -> FailingWriter:
+    """A ``StorageWriter`` that fails the write ``fault`` asks for (hand it to a store, or ``install`` it)."""
+    return FailingWriter(fault)
 
 
-_installed: dict[str, Any] = {}  # side -> the failing writer installed in this process
-_process_fault: list[WriteFault] = []  # the one fault of this process, shared by both sides' writers
+_installed: list[StorageWriter] = []  # the failing writer installed in this process, if any
+_process_fault: list[WriteFault] = []  # the one fault of this process
 
 
-def install(side: str, fault: WriteFault) -> Any:
-    """Install ``fault``'s failing writer on ``side``, once per process; returns the installed writer."""
-    store = importlib.import_module(STORE_MODULES[side])  # a first import may install it (testkit/inject)
-    if side not in _installed:
-        _installed[side] = failing_writer(side, fault)
-        store.use_storage_writer(_installed[side])
-    return _installed[side]
+def install(fault: WriteFault) -> StorageWriter:
+    """Make ``fault``'s failing writer this process's default writer, once per process; returns it."""
+    if not _installed:
+        _installed.append(failing_writer(fault))
+        use_process_writer(_installed[0])
+    return _installed[0]
 
 
 def fault_from_env(environ: Any = os.environ) -> WriteFault | None:
-    """This process's fault from ``NEMO_TEST_ONLY_WRITE_FAULT`` (parsed once, so both sides count together)."""
+    """This process's fault from ``NEMO_TEST_ONLY_WRITE_FAULT`` (parsed once: one count per process)."""
     if not _process_fault:
         fault = parse_write_fault(environ.get(WRITE_FAULT_ENV))
         if fault is None:
@@ -109,10 +105,10 @@ def fault_from_env(environ: Any = os.environ) -> WriteFault | None:
     return _process_fault[0]
 
 
-def install_from_env(side: str) -> bool:
-    """Install the failing writer on ``side`` if the variable asks for a fault; whether it did."""
+def install_from_env() -> bool:
+    """Install the failing writer if the variable asks for a fault; whether it did."""
     fault = fault_from_env()
     if fault is None:
         return False
-    install(side, fault)
+    install(fault)
     return True

@@ -6,8 +6,10 @@ torn write can never pass for a finished one; the manifest is published with
 ``os.link`` so it is created exactly once and never replaced. Reading checks
 every manifest field and the digest, and every error names the file.
 
-Every file's bytes go through the installed ``StorageWriter`` (``use_storage_writer``): the
-default writes plain files; a test installs one that fails like a full disk.
+Every file's bytes go through the ``StorageWriter`` the caller passes
+(``gym_patches.checkpoint.storage``; none: the process's default, plain files)
+and are read back through its ``StorageReader``: a test passes one that fails
+like a full disk.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
 from gym_patches.checkpoint.records import RecordEncodeError, decode_record, encode_record
+from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
 from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
 
 SCHEMA_VERSION = 1
@@ -36,30 +39,6 @@ _SEGMENT = re.compile(r"^[A-Za-z0-9_.@+=:-]{1,200}$")
 
 class WriteStopped(CheckpointStoreError):
     """The caller asked the write to stop before it was published."""
-
-
-class StorageWriter:
-    """Writes one file's bytes (create/truncate, write, fsync). The default writes plain files;
-    tests install one that fails like a full disk."""
-
-    def write(self, path: Path, data: bytes) -> None:
-        with open(path, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-
-
-_writer = StorageWriter()
-
-
-def use_storage_writer(writer: StorageWriter) -> StorageWriter:
-    """Install ``writer`` for every file the store writes from now on; returns the previous one
-    (install it again to undo)."""
-    global _writer
-    if not isinstance(writer, StorageWriter):
-        raise TypeError(f"writer must be a StorageWriter, got {type(writer).__name__}")
-    previous, _writer = _writer, writer
-    return previous
 
 
 def participant_dir(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) -> Path:
@@ -151,14 +130,17 @@ def write_participant_state(
     records: list[dict[str, Any]] | EncodedRecords,
     *,
     should_stop: Callable[[], bool] | None = None,
+    writer: StorageWriter | None = None,
 ) -> ParticipantManifest:
     """Write ``records`` (or records encoded earlier) and publish the manifest once.
 
     Identical content committed again returns the existing manifest; other
     content for an existing manifest is an error. ``should_stop`` (checked
     before each rename) lets a resume abandon a write that is not yet
-    published; it then raises ``WriteStopped``.
+    published; it then raises ``WriteStopped``. ``writer``: every file's bytes
+    (None: ``storage.process_writer()``).
     """
+    writer = process_writer() if writer is None else writer
     _check_checkpoint_id(checkpoint_id)
     directory = participant_dir(checkpoint_dir, kind, instance)
     try:
@@ -172,7 +154,7 @@ def write_participant_state(
     target = directory / f"records-{encoded.sha256}.jsonl"  # the file a failed write names
     try:
         _stop_if(should_stop, directory)
-        _writer.write(tmp, b"".join(encoded.lines))
+        writer.write(tmp, b"".join(encoded.lines))
         manifest = ParticipantManifest(
             kind=kind,  # type: ignore[arg-type]
             instance=instance,
@@ -192,7 +174,7 @@ def write_participant_state(
         _fsync_dir(directory)
         _stop_if(should_stop, directory)
         target = manifest_path
-        return _publish_manifest(manifest_path, manifest)
+        return _publish_manifest(manifest_path, manifest, writer)
     except OSError as exc:
         why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
         raise CheckpointStoreError(f"cannot write {target}: {why}") from None
@@ -200,10 +182,10 @@ def write_participant_state(
         _unlink_quietly(tmp)
 
 
-def _publish_manifest(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:
+def _publish_manifest(path: Path, manifest: ParticipantManifest, writer: StorageWriter) -> ParticipantManifest:
     tmp = path.parent / f".manifest.json-{uuid.uuid4().hex}.tmp"
     try:
-        _writer.write(tmp, json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode() + b"\n")
+        writer.write(tmp, json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode() + b"\n")
         try:
             os.link(tmp, path)  # fails if a manifest exists: never replaced
         except FileExistsError:
@@ -230,9 +212,9 @@ def _same_or_raise(path: Path, manifest: ParticipantManifest) -> ParticipantMani
     return existing
 
 
-def _load_manifest(path: Path) -> ParticipantManifest:
+def _load_manifest(path: Path, reader: StorageReader = FileSystemReader()) -> ParticipantManifest:
     try:
-        raw = path.read_bytes()
+        raw = reader.read_bytes(path)
     except FileNotFoundError:
         raise CheckpointStoreError(f"{path} is missing") from None
     except OSError as exc:
@@ -255,13 +237,16 @@ def _load_manifest(path: Path) -> ParticipantManifest:
 
 
 def read_participant_state(
-    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, checkpoint_id: str
+    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, checkpoint_id: str,
+    reader: StorageReader | None = None,
 ) -> tuple[ParticipantManifest, list[dict[str, Any]]]:
-    """Load and verify one participant's records; any mismatch raises naming the file."""
+    """Load and verify one participant's records; any mismatch raises naming the file.
+    ``reader``: every file's bytes (None: plain files)."""
     _check_checkpoint_id(checkpoint_id)
+    reader = FileSystemReader() if reader is None else reader
     directory = participant_dir(checkpoint_dir, kind, instance)
     manifest_path = directory / MANIFEST_NAME
-    manifest = _load_manifest(manifest_path)
+    manifest = _load_manifest(manifest_path, reader)
     for field, expected in (("kind", kind), ("instance", instance), ("checkpoint_id", checkpoint_id)):
         if getattr(manifest, field) != expected:
             raise CheckpointStoreError(
@@ -277,7 +262,7 @@ def read_participant_state(
     records: list[dict[str, Any]] = []
     problem: str | None = None
     try:
-        with open(records_path, "rb") as src:
+        with reader.open(records_path) as src:
             for number, line in enumerate(src, start=1):
                 digest.update(line)
                 if problem is not None:

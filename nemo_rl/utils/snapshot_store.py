@@ -15,8 +15,12 @@ Reading costs what it must and no more (a trainer step can be gigabytes):
   ``recording_digests``: the digest is taken from the bytes as they are
   written. Other files (a library's ``save_pretrained``) are hashed once.
 
-Every file written here goes through the installed ``StorageWriter``, so tests
-can make a write fail like a full disk without this module knowing about it.
+Every file written here goes through a ``StorageWriter`` and every manifest and
+digest is read through a ``StorageReader`` (``gym_patches.checkpoint.storage``,
+the one definition both sides share), passed in by the caller (none: the
+process's default writer, plain files), so a test hands in a writer that fails
+like a full disk without this module knowing about it. The run store
+(``rollout_snapshot/store.py``: ``RunStore``) composes these functions.
 
 Layout::
 
@@ -43,6 +47,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
 from nemo_rl.utils.write_errors import naming_write
 
 MANIFEST_NAME = "manifest.json"
@@ -55,34 +60,11 @@ STORE_SCHEMA_VERSION = 1
 _SNAPSHOT_NAME = re.compile(r"^(?P<seq>[0-9]{1,18})(?:-[A-Za-z0-9._-]{1,64})?$")
 _STEP_DIR = re.compile(r"^step_(?P<step>[0-9]+)$")
 _CHUNK = 1 << 20
+_FILES = FileSystemReader()  # what a caller that passes no reader reads through
 
 
 class SnapshotStoreError(ValueError):
     """A snapshot or trainer directory that cannot be used (names the path)."""
-
-
-# ----- storage writer --------------------------------------------------------
-class StorageWriter:
-    """Writes one file's bytes (create/truncate, write, fsync). The default writes plain files;
-    tests install a writer that fails like a full disk."""
-
-    def write(self, path: Path, data: bytes) -> None:
-        with open(path, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-
-_writer: StorageWriter = StorageWriter()
-
-
-def use_storage_writer(writer: StorageWriter) -> StorageWriter:
-    """Install ``writer`` for every file this module writes; returns the previous one (to put back)."""
-    global _writer
-    if not isinstance(writer, StorageWriter):
-        raise TypeError(f"writer must be a StorageWriter, got {type(writer).__name__}")
-    previous, _writer = _writer, writer
-    return previous
 
 
 # ----- digests taken while writing ---------------------------------------------
@@ -149,9 +131,9 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write via a temp file in the same directory (through the installed ``StorageWriter``), then
-    rename over ``path``. Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
+def write_bytes_atomic(path: str | Path, data: bytes, writer: StorageWriter | None = None) -> None:
+    """Write via a temp file in the same directory (through ``writer``; None: the process's default),
+    then rename over ``path``. Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
 
     Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error; the
     temp file is removed, so no torn file is left.
@@ -161,7 +143,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            _writer.write(tmp, data)
+            (process_writer() if writer is None else writer).write(tmp, data)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -174,13 +156,13 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
                 digests.note(path, sha256)
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def write_json_atomic(path: str | Path, obj: Any, writer: StorageWriter | None = None) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), writer)
 
 
-def sha256_file(path: str | Path) -> str:
+def sha256_file(path: str | Path, reader: StorageReader = _FILES) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with reader.open(Path(path)) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -232,8 +214,9 @@ def _seal(
     metadata: dict[str, Any] | None,
     skip_subdirs: tuple[str, ...] = (),
     digests: WrittenDigests | None = None,
+    writer: StorageWriter | None = None,
 ) -> DirectoryManifest:
-    """fsync every file, then write the manifest last.
+    """fsync every file, then write the manifest last (through ``writer``).
 
     A file in ``digests`` (written by ``write_bytes_atomic``, already fsynced) is not read again;
     any other file is fsynced and hashed here, once.
@@ -256,17 +239,17 @@ def _seal(
     manifest = DirectoryManifest(
         kind=kind, sequence=sequence, created_at=time.time(), files=files, metadata=metadata or {}
     )
-    write_json_atomic(root / MANIFEST_NAME, manifest.model_dump(mode="json"))
+    write_json_atomic(root / MANIFEST_NAME, manifest.model_dump(mode="json"), writer)
     return manifest
 
 
-def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
+def trust_directory(root: str | Path, kind: str | None = None, reader: StorageReader = _FILES) -> DirectoryManifest:
     """The manifest if ``root``'s commit marker holds: it parses (of ``kind``) and every listed file
     exists with its listed size. Stat only, nothing is read but the manifest; else raise naming the file."""
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:
-        raw = manifest_path.read_bytes()
+        raw = reader.read_bytes(manifest_path)
     except FileNotFoundError:
         raise SnapshotStoreError(f"{manifest_path}: missing") from None
     try:
@@ -289,13 +272,13 @@ def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManif
     return manifest
 
 
-def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
+def verify_directory(root: str | Path, kind: str | None = None, reader: StorageReader = _FILES) -> DirectoryManifest:
     """The manifest if ``root`` is intact: trusted (``trust_directory``) and every file's sha256
     matches. Reads every byte: only for a directory about to be restored. Else raise naming the file."""
     root = Path(root)
-    manifest = trust_directory(root, kind)
+    manifest = trust_directory(root, kind, reader)
     for rel, entry in manifest.files.items():
-        if sha256_file(root / rel) != entry.sha256:
+        if sha256_file(root / rel, reader) != entry.sha256:
             raise SnapshotStoreError(f"{root / rel}: sha256 does not match the manifest")
     return manifest
 
@@ -357,8 +340,9 @@ def commit_snapshot(
     keep_latest_k: int,
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
+    writer: StorageWriter | None = None,
 ) -> DirectoryManifest:
-    """Seal ``tmp_dir`` with a manifest, rename it to ``final_dir``, prune old ones.
+    """Seal ``tmp_dir`` with a manifest (written through ``writer``), rename it to ``final_dir``, prune old ones.
 
     ``final_dir`` may lie under another anchor than ``tmp_dir`` (a snapshot re-anchored to a trainer
     step published while it was taken): the one rename moves it there, both parents are fsynced.
@@ -372,7 +356,7 @@ def commit_snapshot(
         raise SnapshotStoreError(f"{final_dir}: not a snapshot_<sequence> directory name")
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
-    manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests)
+    manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests, writer=writer)
     moved = tmp_dir.parent != final_dir.parent
     if moved:
         final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -427,7 +411,8 @@ class SnapshotSelection(NamedTuple):
     manifest: DirectoryManifest | None = None
 
 
-def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = ()) -> SnapshotSelection:
+def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = (),
+                            reader: StorageReader = _FILES) -> SnapshotSelection:
     """Pick the newest valid snapshot by sequence number (never by mtime) that lists every ``required``
     file; newer ones are skipped with the reason, in one scan. Only the chosen one (and the corrupt
     ones tried before it) is hashed: a snapshot is only resolved to be restored."""
@@ -446,7 +431,7 @@ def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = 
             candidates.append((seq, path))
     for seq, path in sorted(candidates, reverse=True):
         try:
-            manifest = verify_directory(path, "rollout_snapshot")
+            manifest = verify_directory(path, "rollout_snapshot", reader)
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -473,8 +458,9 @@ def anchor_dir(checkpoint_dir: str | Path, step: int) -> Path:
     return Path(checkpoint_dir) / (BOOTSTRAP_DIRNAME if step == 0 else f"step_{step}")
 
 
-def ensure_bootstrap_anchor(checkpoint_dir: str | Path, metadata: dict[str, Any] | None = None) -> Path:
-    """Create the step-0 anchor once (atomically); an existing valid one is kept."""
+def ensure_bootstrap_anchor(checkpoint_dir: str | Path, metadata: dict[str, Any] | None = None,
+                            writer: StorageWriter | None = None) -> Path:
+    """Create the step-0 anchor once (atomically, its manifest through ``writer``); an existing valid one is kept."""
     final = anchor_dir(checkpoint_dir, 0)
     if final.exists():
         verify_directory(final, "bootstrap")
@@ -483,7 +469,7 @@ def ensure_bootstrap_anchor(checkpoint_dir: str | Path, metadata: dict[str, Any]
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    _seal(tmp, "bootstrap", 0, metadata)
+    _seal(tmp, "bootstrap", 0, metadata, writer=writer)
     os.rename(tmp, final)
     fsync_dir(final.parent)
     return final
@@ -506,11 +492,12 @@ def publish_trainer_step(
     final_dir: str | Path,
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
+    writer: StorageWriter | None = None,
 ) -> DirectoryManifest:
     """Seal and rename a trainer step; a torn or corrupt ``step_N`` (one a restore skipped) is replaced.
 
     ``digests`` (from ``recording_digests(tmp_dir)`` around the trainer's save) spares the seal
-    reading those files back; the rest are hashed once.
+    reading those files back; the rest are hashed once. ``writer``: the manifest's.
     """
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     match = _STEP_DIR.match(final_dir.name)
@@ -523,7 +510,7 @@ def publish_trainer_step(
             shutil.rmtree(final_dir)
         else:
             raise SnapshotStoreError(f"{final_dir}: a valid trainer step already exists")
-    manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,), digests)
+    manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,), digests, writer)
     os.rename(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
     return manifest
@@ -577,8 +564,8 @@ def _anchor_dirs(checkpoint_dir: Path) -> list[tuple[int, str, Path]]:
     return sorted(found, reverse=True)
 
 
-def _trusted_anchor(step: int, kind: str, path: Path) -> DirectoryManifest:
-    manifest = trust_directory(path, kind)
+def _trusted_anchor(step: int, kind: str, path: Path, reader: StorageReader = _FILES) -> DirectoryManifest:
+    manifest = trust_directory(path, kind, reader)
     if manifest.sequence != step:
         raise SnapshotStoreError(f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name")
     return manifest
@@ -605,7 +592,8 @@ class RestorePoint(NamedTuple):
 
 
 def resolve_restore_point(
-    checkpoint_dir: str | Path, required: tuple[str, ...] = (), *, read_snapshots: bool = True
+    checkpoint_dir: str | Path, required: tuple[str, ...] = (), *, read_snapshots: bool = True,
+    reader: StorageReader = _FILES,
 ) -> RestorePoint | None:
     """The newest intact trainer anchor and the newest valid snapshot listing ``required`` (may be none;
     none either with ``read_snapshots=False``: the snapshots then stay unread).
@@ -623,8 +611,8 @@ def resolve_restore_point(
     anchors = _anchor_dirs(Path(checkpoint_dir))
     for i, (step, kind, path) in enumerate(anchors):
         try:
-            _trusted_anchor(step, kind, path)  # stat first: a torn step costs no read
-            verify_directory(path, kind)
+            _trusted_anchor(step, kind, path, reader)  # stat first: a torn step costs no read
+            verify_directory(path, kind, reader)
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -632,7 +620,7 @@ def resolve_restore_point(
             return RestorePoint(step, path, SnapshotSelection(None, []), tuple(skipped))
         tried: list[tuple[Path, str]] = []
         for _, _, under in [(step, kind, path), *anchors[i + 1:]]:
-            snapshot = resolve_latest_snapshot(under, required)
+            snapshot = resolve_latest_snapshot(under, required, reader)
             tried += snapshot.skipped
             if snapshot.path is not None:
                 break

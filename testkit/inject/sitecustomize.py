@@ -1,14 +1,17 @@
-"""Install the write-fault storage writers in every process of a run that asked for a fault.
+"""Install the write-fault storage writer in every process of a run that asked for a fault.
 
 Python imports ``sitecustomize`` at startup from the first ``sys.path`` entry
 that has one. The harness (``testkit.run_harness.run_env``) puts this directory
 and the repository on ``PYTHONPATH`` when ``NEMO_TEST_ONLY_WRITE_FAULT`` is set;
 Ray workers, the Gym actors and the Gym servers they spawn inherit both, so a
 Gym server writes its records through the failing writer as the driver does.
+(The product reads no test variable, so a Gym server, started by the product's
+launcher, cannot be handed the writer any other way.)
 
-Nothing is imported up front: the writer of a side is installed right after
-that side's store module is first imported (a ``sys.meta_path`` finder), so a
-process that never writes checkpoints pays nothing. A ``sitecustomize`` further
+Nothing is imported up front: the writer is installed as the process's default
+right after ``gym_patches.checkpoint.storage`` (the one ``StorageWriter``
+definition, which both sides' stores import) is first imported (a
+``sys.meta_path`` finder), so a process that never writes checkpoints pays nothing. A ``sitecustomize`` further
 down ``sys.path`` (the interpreter's own, or the benchmark's) still runs.
 """
 
@@ -35,10 +38,14 @@ def _install() -> None:
     if not os.environ.get("NEMO_TEST_ONLY_WRITE_FAULT"):
         return
     from testkit.after_import import AfterImport
-    from testkit.write_faults import STORE_MODULES, install_from_env
 
-    AfterImport.install({module: (lambda _module, side=side: install_from_env(side))
-                         for side, module in STORE_MODULES.items()})
+    def install(_module) -> None:
+        from testkit.write_faults import install_from_env  # imports the storage module, complete by now
+
+        install_from_env()
+
+    # testkit.write_faults.STORAGE_MODULE, spelled out: importing write_faults here would import it now
+    AfterImport.install({"gym_patches.checkpoint.storage": install})
 
 
 try:

@@ -25,7 +25,8 @@ from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, JobFailed, Ta
 from gym_patches.checkpoint.errors import ERROR_STATUS, CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.store import MANIFEST_NAME, StorageWriter, use_storage_writer
+from gym_patches.checkpoint.storage import FileSystemWriter, use_process_writer
+from gym_patches.checkpoint.store import MANIFEST_NAME
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ID_PATTERN,
     CHECKPOINT_ROUTE_PREFIX,
@@ -538,7 +539,7 @@ async def test_renew_and_status_answer_while_a_commit_writes(h, tmp_path):
     """The lock is not held across the write: a renew and a status answer while it is blocked."""
     gate = threading.Event()
 
-    class BlockedWriter(StorageWriter):
+    class BlockedWriter(FileSystemWriter):
         def write(self, path, data):
             gate.wait(10)
             super().write(path, data)
@@ -546,7 +547,7 @@ async def test_renew_and_status_answer_while_a_commit_writes(h, tmp_path):
     h.participant.save("r1")
     deadline = time.time() + 10
     await h.ok("prepare", checkpoint_id="c1", deadline_ts=deadline)
-    previous = use_storage_writer(BlockedWriter())
+    previous = use_process_writer(BlockedWriter())
     try:
         commit = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": deadline,
                                                        "checkpoint_dir": str(tmp_path)}))
@@ -561,14 +562,14 @@ async def test_renew_and_status_answer_while_a_commit_writes(h, tmp_path):
         assert status == 200 and reply["phase"] == "committed"
     finally:
         gate.set()
-        use_storage_writer(previous)
+        use_process_writer(previous)
 
 
 async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothing(h, tmp_path):
     """Closing the scope stops the write before its rename and ends only once the thread has."""
     entered, gate = threading.Event(), threading.Event()
 
-    class BlockedWriter(StorageWriter):
+    class BlockedWriter(FileSystemWriter):
         def write(self, path, data):
             entered.set()
             gate.wait(10)
@@ -576,7 +577,7 @@ async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothi
 
     h.participant.save("r1")
     await h.ok("prepare", checkpoint_id="c1")
-    previous = use_storage_writer(BlockedWriter())
+    previous = use_process_writer(BlockedWriter())
     try:
         commit = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
                                                        "checkpoint_dir": str(tmp_path)}))
@@ -591,7 +592,7 @@ async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothi
         assert len(own_tasks()) == 1
     finally:
         gate.set()
-        use_storage_writer(previous)
+        use_process_writer(previous)
 
 
 # -- restore --------------------------------------------------------------------

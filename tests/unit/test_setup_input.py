@@ -306,10 +306,9 @@ def test_bad_write_fault_names_the_variable(spec, expected):
     assert write_faults.WRITE_FAULT_ENV in str(info.value)
 
 
-@pytest.mark.parametrize("side", ["rl", "gym"])
-def test_a_failing_writer_fails_the_nth_matching_write_before_writing(tmp_path, side):
+def test_a_failing_writer_fails_the_nth_matching_write_before_writing(tmp_path):
     fault = write_faults.parse_write_fault("EIO:records.jsonl:2")
-    writer = write_faults.failing_writer(side, fault)
+    writer = write_faults.failing_writer(fault)
     other, first, second = (tmp_path / n for n in ("manifest.json", "a.records.jsonl.tmp", "b.records.jsonl.tmp"))
     writer.write(other, b"m")  # no match: written, not counted
     writer.write(first, b"1")  # the first match: written

@@ -18,7 +18,8 @@ import time
 import pytest
 
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.store import StorageWriter, read_participant_state, use_storage_writer
+from gym_patches.checkpoint.storage import FileSystemWriter, StorageWriter, use_process_writer
+from gym_patches.checkpoint.store import read_participant_state
 from tests.unit.test_control_plane import FakeParticipant, ep, own_tasks, start
 
 
@@ -255,7 +256,7 @@ async def test_a_staged_snapshot_indexes_what_gym_wrote_and_refuses_a_lost_captu
 
 
 # -- the persist write is a job of its capture ------------------------------------------------
-class FullDisk(StorageWriter):
+class FullDisk(FileSystemWriter):
     """Test-only writer: every records file fails like a full disk (the manifest is never reached)."""
 
     def __init__(self) -> None:
@@ -266,7 +267,7 @@ class FullDisk(StorageWriter):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-class BlockedWriter(StorageWriter):
+class BlockedWriter(FileSystemWriter):
     """Test-only writer that waits for ``gate`` (set from another thread) before writing."""
 
     def __init__(self) -> None:
@@ -283,12 +284,12 @@ def writer():
     installed: list[StorageWriter] = []
 
     def install(w: StorageWriter) -> StorageWriter:
-        installed.append(use_storage_writer(w))
+        installed.append(use_process_writer(w))
         return w
 
     yield install
     if installed:
-        use_storage_writer(installed[0])
+        use_process_writer(installed[0])
 
 
 async def test_a_failed_persist_answers_its_error_to_every_retry_names_the_file_and_is_logged_once(

@@ -13,13 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
+from gym_patches.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageWriter, use_process_writer
 from gym_patches.checkpoint.store import (
     MANIFEST_NAME,
-    StorageWriter,
     WriteStopped,
     participant_dir,
     read_participant_state,
-    use_storage_writer,
     write_participant_state,
 )
 
@@ -225,7 +224,7 @@ def test_fragments_are_spliced_and_non_finite_floats_become_null(tmp_path):
 
 
 # -- the storage-writer seam -------------------------------------------------------------
-class RecordingWriter(StorageWriter):
+class RecordingWriter(FileSystemWriter):
     """Test-only: writes plain files and notes each path; fails the ``fail_on``-th write with ``errno``."""
 
     def __init__(self, fail_on: int | None = None, code: int = errno.ENOSPC):
@@ -239,35 +238,37 @@ class RecordingWriter(StorageWriter):
         super().write(path, data)
 
 
-@pytest.fixture
-def installed():
-    previous: list[StorageWriter] = []
+class RecordingReader(FileSystemReader):
+    """Test-only: reads plain files and notes each path."""
 
-    def install(writer: StorageWriter) -> StorageWriter:
-        previous.append(use_storage_writer(writer))
-        return writer
+    def __init__(self):
+        self.paths: list[Path] = []
 
-    yield install
-    if previous:
-        use_storage_writer(previous[0])
+    def read_bytes(self, path):
+        self.paths.append(path)
+        return super().read_bytes(path)
+
+    def open(self, path):
+        self.paths.append(path)
+        return super().open(path)
 
 
-def test_every_file_goes_through_the_installed_writer(tmp_path, installed):
-    writer = installed(RecordingWriter())
-    manifest = write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+def test_every_file_goes_through_the_writer_and_reader_passed_in(tmp_path):
+    writer, reader = RecordingWriter(), RecordingReader()
+    manifest = write_participant_state(tmp_path, "agent", "a", "c1", RECORDS, writer=writer)
     directory = tmp_path / "gym" / "agent" / "a"
     assert [p.parent for p in writer.paths] == [directory, directory]
     assert "records.jsonl" in writer.paths[0].name and "manifest.json" in writer.paths[1].name
     assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST_NAME, manifest.records_file])
-    assert read_participant_state(tmp_path, "agent", "a", "c1")[1] == RECORDS
+    assert read_participant_state(tmp_path, "agent", "a", "c1", reader=reader)[1] == RECORDS
+    assert reader.paths == [directory / MANIFEST_NAME, directory / manifest.records_file]
 
 
 @pytest.mark.parametrize("fail_on, code, names", [
     (1, errno.ENOSPC, "records-"), (2, errno.EIO, MANIFEST_NAME)])
-def test_a_failing_writer_names_the_file_and_publishes_nothing(tmp_path, installed, fail_on, code, names):
-    installed(RecordingWriter(fail_on=fail_on, code=code))
+def test_a_failing_writer_names_the_file_and_publishes_nothing(tmp_path, fail_on, code, names):
     with pytest.raises(CheckpointStoreError) as raised:
-        write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+        write_participant_state(tmp_path, "agent", "a", "c1", RECORDS, writer=RecordingWriter(fail_on=fail_on, code=code))
     directory = tmp_path / "gym" / "agent" / "a"
     assert f"cannot write {directory / names}" in str(raised.value)
     assert f"[Errno {code}] {os.strerror(code)}" in str(raised.value)
@@ -275,13 +276,23 @@ def test_a_failing_writer_names_the_file_and_publishes_nothing(tmp_path, install
     assert [p for p in directory.iterdir() if p.name.startswith(".")] == []  # no temp file left
 
 
-def test_use_storage_writer_returns_the_previous_one_and_refuses_anything_else(installed):
-    first, second = RecordingWriter(), RecordingWriter()
-    installed(first)  # the fixture puts the default back
-    assert use_storage_writer(second) is first
-    assert use_storage_writer(first) is second
+def test_a_store_given_no_writer_writes_through_the_process_default(tmp_path):
+    writer = RecordingWriter()
+    previous = use_process_writer(writer)
+    try:
+        write_participant_state(tmp_path, "agent", "a", "c1", RECORDS)
+    finally:
+        assert use_process_writer(previous) is writer
+    assert len(writer.paths) == 2
+    write_participant_state(tmp_path, "agent", "b", "c1", RECORDS)  # the default back: not noted
+    assert len(writer.paths) == 2
+
+
+def test_use_process_writer_refuses_anything_else():
     with pytest.raises(TypeError, match="must be a StorageWriter, got function"):
-        use_storage_writer(lambda path, data: None)  # type: ignore[arg-type]
+        use_process_writer(lambda path, data: None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        StorageWriter()  # type: ignore[abstract] - an interface: the file system one is FileSystemWriter
 
 
 def test_the_store_reads_no_environment_and_imports_no_testing_or_rl_module():

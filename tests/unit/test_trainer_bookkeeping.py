@@ -19,7 +19,6 @@ from nemo_rl.utils import snapshot_store
 from nemo_rl.utils.snapshot_store import (
     MANIFEST_NAME,
     SnapshotStoreError,
-    StorageWriter,
     commit_snapshot,
     list_trainer_steps,
     prepare_snapshot_paths,
@@ -30,12 +29,12 @@ from nemo_rl.utils.snapshot_store import (
     resolve_latest_snapshot,
     resolve_restore_point,
     trust_directory,
-    use_storage_writer,
     verify_directory,
     write_bytes_atomic,
     write_json_atomic,
 )
 from nemo_rl.utils.write_errors import RunWriteError
+from gym_patches.checkpoint.storage import FileSystemWriter, use_process_writer
 
 MB = 1 << 20
 
@@ -46,9 +45,9 @@ def hashed(monkeypatch) -> list[Path]:
     seen: list[Path] = []
     real = snapshot_store.sha256_file
 
-    def counting_sha256_file(path):
+    def counting_sha256_file(path, *reader):
         seen.append(Path(path))
-        return real(path)
+        return real(path, *reader)
 
     monkeypatch.setattr(snapshot_store, "sha256_file", counting_sha256_file)
     return seen
@@ -300,7 +299,7 @@ def test_required_walks_past_corrupt_and_lacking_snapshots_in_one_scan(tmp_path)
 
 
 # ----- the storage writer seam ------------------------------------------------------------------
-class HalfThenFullDisk(StorageWriter):
+class HalfThenFullDisk(FileSystemWriter):
     """A disk that fills up mid-file: half the bytes of a matching file land, then ENOSPC."""
 
     def __init__(self, fragment: str):
@@ -316,52 +315,42 @@ class HalfThenFullDisk(StorageWriter):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-@pytest.fixture
-def install():
-    installed: list[StorageWriter] = []
-
-    def _install(writer: StorageWriter) -> StorageWriter:
-        installed.append(use_storage_writer(writer))
-        return writer
-
-    yield _install
-    for previous in reversed(installed):
-        use_storage_writer(previous)
-
-
-def test_a_failing_writer_leaves_no_torn_file_and_the_error_names_the_file(tmp_path, install):
+def test_a_failing_writer_leaves_no_torn_file_and_the_error_names_the_file(tmp_path):
     target = tmp_path / "optimizer.pt"
     write_bytes_atomic(target, b"old bytes")
-    install(HalfThenFullDisk("optimizer.pt"))
     with pytest.raises(RunWriteError) as caught:
-        write_bytes_atomic(target, b"new bytes, twice as many")
+        write_bytes_atomic(target, b"new bytes, twice as many", HalfThenFullDisk("optimizer.pt"))
     assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(target)
     assert os.listdir(tmp_path) == ["optimizer.pt"]  # no temp file left
     assert target.read_bytes() == b"old bytes"  # the old file is whole
 
 
-def test_a_manifest_that_cannot_be_written_publishes_nothing(tmp_path, install):
+def test_a_manifest_that_cannot_be_written_publishes_nothing(tmp_path):
     _step(tmp_path, 1)
-    writer = install(HalfThenFullDisk(MANIFEST_NAME))
+    writer = HalfThenFullDisk(MANIFEST_NAME)
     tmp, final = prepare_trainer_step(tmp_path, 2)
     with recording_digests(tmp) as digests:
-        write_bytes_atomic(tmp / "optimizer.pt", b"x" * 64)
+        write_bytes_atomic(tmp / "optimizer.pt", b"x" * 64, writer)
     with pytest.raises(RunWriteError, match="manifest.json"):
-        publish_trainer_step(tmp, final, digests=digests)
+        publish_trainer_step(tmp, final, digests=digests, writer=writer)
     assert not final.exists() and list_trainer_steps(tmp_path) == [1]
     assert sorted(p.name for p in tmp.iterdir()) == ["optimizer.pt"]  # the caller removes the tmp dir
     assert [p.name.split(".")[1] for p in writer.paths] == ["optimizer", "manifest"]  # every file went through it
 
 
-def test_use_storage_writer_returns_the_previous_one_and_refuses_other_types(install):
-    mine = StorageWriter()
-    previous = use_storage_writer(mine)
+def test_a_write_given_no_writer_goes_through_the_process_default(tmp_path):
+    """What a caller that passes none down (a trainer's save) writes through: the process's default."""
+    writer = HalfThenFullDisk("optimizer.pt")
+    previous = use_process_writer(writer)
     try:
-        assert type(previous) is StorageWriter and use_storage_writer(previous) is mine
+        with pytest.raises(RunWriteError, match="optimizer.pt"):
+            write_bytes_atomic(tmp_path / "optimizer.pt", b"x" * 64)
     finally:
-        use_storage_writer(previous)
+        assert use_process_writer(previous) is writer
+    write_bytes_atomic(tmp_path / "optimizer.pt", b"x" * 64)  # the default back
+    assert len(writer.paths) == 1 and (tmp_path / "optimizer.pt").read_bytes() == b"x" * 64
     with pytest.raises(TypeError, match="StorageWriter"):
-        use_storage_writer(lambda path, data: None)  # type: ignore[arg-type]
+        use_process_writer(lambda path, data: None)  # type: ignore[arg-type]
 
 
 def test_snapshot_store_reads_no_test_environment_and_imports_no_testing_module():

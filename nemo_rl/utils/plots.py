@@ -48,15 +48,35 @@ def no_reward_signal(metrics: list[dict[str, Any]]) -> bool:
     return bool(steps) and all(m["advantage_abs_mean"] == 0 for m in steps)
 
 
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON row of ``path``: a line torn by a kill of an earlier start is skipped."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _distinct(committed: list[dict[str, Any]], key: str) -> str:
+    """The committed snapshots' first counts added up: each rollout once (docs/design.md §5.4). Rows
+    written before ``new_saved`` existed have no first count and are said to be left out."""
+    counted = [s for s in committed if key in s]
+    total = str(sum(s[key] for s in counted))
+    older = len(committed) - len(counted)
+    return total if not older else f"{total} (+ {older} older snapshot(s) that did not record it)"
+
+
 def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s: float | None = None,
                   checkpoint_dir: str | Path | None = None) -> str:
     """The end-of-run table: steps, reward, snapshots, coverage, time and where the run wrote."""
     validation = [m for m in metrics if m.get("val_reward_mean") is not None]
     metrics = training_records(metrics)
     log_dir = Path(log_dir)
-    snaps = []
-    if (log_dir / "snapshots.jsonl").exists():
-        snaps = [json.loads(x) for x in (log_dir / "snapshots.jsonl").read_text().splitlines() if x.strip()]
+    snaps = _rows(log_dir / "snapshots.jsonl")
     n = len(metrics)
     fifth = max(1, n // 5)
     first = sum(m.get("reward_mean", 0.0) for m in metrics[:fifth]) / fifth if n else 0.0
@@ -67,8 +87,9 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
         ("reward, first fifth of steps", f"{first:.3f}"),
         ("reward, last fifth of steps", f"{last:.3f}"),
         ("snapshots committed / attempted", f"{len(committed)} / {len(snaps)}"),
-        ("rollouts saved at turn level (sum)", str(sum(s.get("saved", 0) for s in committed))),
-        ("rollouts unsaved (sum)", str(sum(s.get("unsaved", 0) for s in committed))),
+        ("rollouts saved at turn level (distinct)", _distinct(committed, "new_saved")),
+        ("rollouts unsaved on restart-only servers (distinct)", _distinct(committed, "new_unsaved")),
+        ("rollout saves, all snapshots (one per rollout per snapshot)", str(sum(s.get("saved", 0) for s in committed))),
         *([("validation reward, first -> last", f"{validation[0]['val_reward_mean']:.3f} (step "
             f"{validation[0]['step']}) -> {validation[-1]['val_reward_mean']:.3f} (step {validation[-1]['step']})")]
           if validation else []),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointNotReady,
@@ -13,6 +13,9 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymReplicasLeftOut,
     is_transient_gym_checkpoint_failure,
 )
+
+if TYPE_CHECKING:
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import CutCounts, NewRollouts
 
 
 class SnapshotSuperseded(RuntimeError):
@@ -40,6 +43,10 @@ class SnapshotOutcome:
     saved: int = 0
     unsaved: int = 0  # turn-level rollouts on restart-only servers (restart from the prompt)
     not_admitted: int = 0  # turn-level rollouts Gym had refused while closed (restart from the prompt)
+    # Of ``saved`` / ``unsaved``: rollouts no earlier committed snapshot of the run counted (0 unless it
+    # commits); the summary adds these up to count distinct rollouts (docs/design.md §5.4).
+    new_saved: int = 0
+    new_unsaved: int = 0
     phases_s: dict[str, float] = field(default_factory=dict)  # seconds since the attempt began, per phase end
     pause_s: float = 0.0  # rollouts held (the dispatch gate closed and Gym prepared)
     persist_s: float = 0.0  # after rollouts resumed: Gym's writes (staged) and the publish
@@ -58,6 +65,15 @@ class SnapshotOutcome:
     post_publish_error: str | None = None
     error: str | None = None  # why an attempt that did not commit failed (names the file for an I/O error)
     started: float = field(default_factory=time.monotonic, repr=False)
+    _new: "NewRollouts | None" = field(default=None, init=False, repr=False, compare=False)
+
+    def count(self, counts: "CutCounts") -> None:
+        """Take the cut's counts; its first counts are kept now and given back by ``failed``."""
+        self.saved, self.unsaved, self.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
+        self._new = counts.new
+        if counts.new is not None:
+            counts.new.keep()
+            self.new_saved, self.new_unsaved = len(counts.new.saved), len(counts.new.unsaved)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -67,7 +83,11 @@ class SnapshotOutcome:
         self.phases_s[phase] = round(self.elapsed(), 4)
 
     def failed(self, exc: BaseException) -> None:
-        """Record why an attempt that did not commit failed."""
+        """Record why an attempt that did not commit failed (its rollouts are counted by the next that does)."""
+        if self._new is not None:
+            self._new.drop()
+            self._new = None
+        self.new_saved = self.new_unsaved = 0
         self.reason = classify_failure(exc)
         self.error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, GymCheckpointNotReady):
@@ -83,6 +103,8 @@ class SnapshotOutcome:
             reason=self.reason,
             saved=self.saved,
             unsaved=self.unsaved,
+            new_saved=self.new_saved,
+            new_unsaved=self.new_unsaved,
             not_admitted=self.not_admitted,
             pause_s=self.pause_s,
             persist_s=round(self.persist_s, 4),

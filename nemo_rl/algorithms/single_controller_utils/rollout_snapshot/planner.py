@@ -13,11 +13,13 @@ very same code:
 - ``check_cut``: after commit and drain, under the exclusive cut, every
   rollout the ledger still expects Gym to hold was either exported or reported
   unsaved (else ``GymOwnershipError``);
-- ``cut_counts``: what the run record says about the cut.
+- ``cut_counts``: what the run record says about the cut, and (with
+  ``FirstCounts``) which of its rollouts no earlier snapshot had counted.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping
 
@@ -46,13 +48,66 @@ class CutPlan:
         return tuple(sorted(self.instance_ids + self.left_out))
 
 
+# A capture key of attempt 1 or later (``gym_patches.checkpoint.identity``: a rollout id never ends so).
+_RESTORED_KEY = re.compile(r"-a[1-9][0-9]*$")
+
+
+class FirstCounts:
+    """The rollouts this start's snapshots have already counted as saved at turn level / unsaved, so
+    that ``snapshots.jsonl`` can say how many rollouts each snapshot counts for the first time
+    (``new_saved``, ``new_unsaved``) and the run's summary can add those up (docs/design.md §5.4).
+
+    One instance per stager, for the whole start. Capture keys identify rollouts: within a start a
+    rollout keeps its key (a restore bumps the attempt only at startup; a rerun from the prompt is a
+    new rollout with a new key). A key of attempt 1 or later was restored at its turn, so a committed
+    snapshot of an earlier start saved it: it is never counted again as saved. Only keys still held
+    at turn level are kept (a rollout that finished never comes back under its key), so the sets
+    stay the size of what is in flight, not of the run.
+    """
+
+    def __init__(self) -> None:
+        self.saved: set[str] = set()
+        self.unsaved: set[str] = set()
+
+    def new(self, saved: Iterable[str], unsaved: Iterable[str], live: Collection[str]) -> "NewRollouts":
+        """What a cut counts for the first time (nothing recorded until ``NewRollouts.keep``)."""
+        return NewRollouts(
+            self,
+            frozenset(k for k in saved if k not in self.saved and not _RESTORED_KEY.search(k)),
+            frozenset(k for k in unsaved if k not in self.unsaved),
+            live,
+        )
+
+
+@dataclass(frozen=True)
+class NewRollouts:
+    """One cut's first counts. ``keep`` once the snapshot is taken; ``drop`` if it does not commit,
+    so a later snapshot that does commit counts them."""
+
+    counts: FirstCounts
+    saved: frozenset[str]
+    unsaved: frozenset[str]
+    live: Collection[str]  # every capture key held at turn level at the cut
+
+    def keep(self) -> None:
+        c = self.counts
+        c.saved = {k for k in c.saved if k in self.live} | self.saved
+        c.unsaved = {k for k in c.unsaved if k in self.live} | self.unsaved
+
+    def drop(self) -> None:
+        self.counts.saved -= self.saved
+        self.counts.unsaved -= self.unsaved
+
+
 @dataclass(frozen=True)
 class CutCounts:
-    """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, refused by Gym and waiting."""
+    """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, refused by Gym and waiting;
+    ``new``: those of them no earlier snapshot of this start counted (None: not tracked)."""
 
     saved: int
     unsaved: int
     not_admitted: int
+    new: NewRollouts | None = None
 
 
 def gym_checkpoint_agents(
@@ -201,20 +256,28 @@ def cut_counts(
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
     owned: Mapping[str, set[str]] | None = None,
+    first: FirstCounts | None = None,
 ) -> CutCounts:
     """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed and returned ``owned``).
 
-    ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted."""
+    ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted.
+    ``first``: the start's ``FirstCounts``; the result's ``new`` then holds what this cut counts first."""
     inventory = owned if owned is not None else gym_checkpoint_keys(ledger, plan.topology)
-    saved = unsaved = waiting = 0
+    saved: list[str] = []
+    unsaved: list[str] = []
+    waiting = 0
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         idle = set((not_started or {}).get(iid, ()))
         for key in inventory[iid]:
             if key in done:
-                saved += 1
+                saved.append(key)
             elif key in idle:
                 waiting += 1
             elif key in plan.unsaved[iid]:
-                unsaved += 1
-    return CutCounts(saved, unsaved, waiting + len(ledger.refused_waiting()))
+                unsaved.append(key)
+    new = None
+    if first is not None:
+        live = set().union(*inventory.values()) if inventory else set()
+        new = first.new(saved, unsaved, live)
+    return CutCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), new)

@@ -35,6 +35,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import S
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
     CutPlan,
+    FirstCounts,
     GymOwnershipError,
     check_cut,
     cut_counts,
@@ -168,6 +169,7 @@ class _GymStager(Stager):
         self.gate = gate
         self.changes = changes
         self._collector = CollectorHold()
+        self.first_counts = FirstCounts()  # rollouts this start's snapshots counted (the summary's distinct counts)
 
     @contextlib.asynccontextmanager
     async def hold(self, checkpoint_id: str) -> AsyncIterator[PreparedGym]:
@@ -224,14 +226,14 @@ class _GymStager(Stager):
             if plan.left_out:
                 outcome.left_out = dict(prepared.left_out)
                 outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
-            counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned)
+            counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned, self.first_counts)
             capture = self._capture(outcome)
             if inputs.anchor_dir() != tmp.parent.parent:  # a trainer step was published during the awaits
                 final = next_snapshot_path(inputs.anchor_dir())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        outcome.saved, outcome.unsaved, outcome.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
+        outcome.count(counts)
         unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
         gym = self._gym_part(prepared, scopes, share, unsaved, outcome, capture)
         return StagedCut(outcome.checkpoint_id, step, tmp, final, capture, gym)

@@ -1,0 +1,102 @@
+"""Distinct rollouts in ``snapshots.jsonl`` (``new_saved`` / ``new_unsaved``): the planner's
+``FirstCounts`` driven through the real ledger, ``plan_cut``, ``check_cut``, ``cut_counts`` and
+``SnapshotOutcome``, as the stager runs them (docs/design.md §5.4)."""
+
+from __future__ import annotations
+
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
+    FirstCounts,
+    check_cut,
+    cut_counts,
+    plan_cut,
+)
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+
+IID = "nemo_gym/replica-0"
+
+
+class Run:
+    """A ledger on one Gym instance and the start's ``FirstCounts``; ``snapshot`` takes one cut."""
+
+    def __init__(self, ledger: RolloutRecoveryLedger | None = None):
+        self.ledger = ledger or RolloutRecoveryLedger()
+        self.first = FirstCounts()
+        self.groups = 0
+
+    def dispatch_group(self, agent: str = "saver", n: int = 2) -> list[str]:
+        i = self.groups
+        self.groups += 1
+        group = self.ledger.reserve_group(f"s1p{i}", f"p{i}", i, None, agent, "turn", n, 1, position=i)
+        keys = [s.current_attempt.rollout_id(group.group_id, s.generation_index) for s in group.siblings]
+        for key in keys:
+            self.ledger.mark_dispatched(key, IID)
+        return keys
+
+    def snapshot(self, fails: BaseException | None = None) -> dict:
+        """One attempt: restart-only agent ``plain``'s rollouts are unsaved, the rest exported."""
+        plan = plan_cut(self.ledger, [IID], {}, unsavable_agents={IID: {"plain"}})
+        exported = {IID: set(plan.scope[IID])}
+        owned = check_cut(self.ledger, plan, exported)
+        outcome = SnapshotOutcome("rollout-test", "staged", 1)
+        outcome.count(cut_counts(self.ledger, plan, exported, owned=owned, first=self.first))
+        if fails is None:
+            outcome.committed, outcome.reason = True, "committed"
+        else:
+            outcome.failed(fails)
+        return outcome.row()
+
+
+def test_a_rollout_saved_in_every_snapshot_counts_once():
+    run = Run()
+    run.dispatch_group()
+    run.dispatch_group()
+    rows = [run.snapshot() for _ in range(3)]
+    assert [r["saved"] for r in rows] == [4, 4, 4]  # the per-snapshot count, as before
+    assert [r["new_saved"] for r in rows] == [4, 0, 0]  # each rollout counted by its first snapshot only
+
+
+def test_new_rollouts_count_and_finished_ones_are_forgotten():
+    run = Run()
+    first = run.dispatch_group()
+    run.snapshot()
+    run.ledger.mark_sealed(first[0], 1.0)  # finished: no longer held by Gym
+    run.dispatch_group()
+    row = run.snapshot()
+    assert (row["saved"], row["new_saved"]) == (3, 2)
+    # the set keeps only what is still in flight, not every rollout of the run
+    assert first[0] not in run.first.saved and len(run.first.saved) == 3
+
+
+def test_unsaved_rollouts_on_restart_only_servers_count_once_apart_from_saved_ones():
+    run = Run()
+    run.dispatch_group(agent="plain", n=3)
+    run.dispatch_group()
+    rows = [run.snapshot(), run.snapshot()]
+    assert [(r["saved"], r["unsaved"]) for r in rows] == [(2, 3), (2, 3)]
+    assert [(r["new_saved"], r["new_unsaved"]) for r in rows] == [(2, 3), (0, 0)]
+
+
+def test_a_snapshot_that_does_not_commit_leaves_its_rollouts_to_the_next_that_does():
+    run = Run()
+    run.dispatch_group()
+    failed = run.snapshot(fails=OSError(28, "No space left on device"))
+    assert failed["committed"] is False and failed["saved"] == 2
+    assert (failed["new_saved"], failed["new_unsaved"]) == (0, 0)
+    assert run.snapshot()["new_saved"] == 2  # nothing committed held them before
+
+
+def test_rollouts_restored_at_their_turn_were_counted_by_the_start_that_saved_them():
+    earlier = Run()
+    keys = earlier.dispatch_group()
+    assert earlier.snapshot()["new_saved"] == 2
+    # The relaunch: a fresh FirstCounts; Gym restored both at attempt 1, and a new group starts.
+    ledger = RolloutRecoveryLedger.from_state_dict(earlier.ledger.state_dict())
+    ledger.prepare_for_restart({(IID, key, 1) for key in keys})
+    run = Run(ledger)
+    run.groups = earlier.groups
+    for key in keys:
+        run.ledger.mark_dispatched(f"{key}-a1", IID)
+    run.dispatch_group()
+    row = run.snapshot()
+    assert (row["saved"], row["new_saved"]) == (4, 2)  # only the new group's rollouts are new

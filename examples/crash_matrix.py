@@ -78,7 +78,9 @@ from testkit.run_harness import (  # noqa: E402
     wait_for_no_processes,  # noqa: F401 - re-exported for the tests
 )
 
-HOOK_PHASES = tuple(PHASES)  # prepare, commit, persist, publish, restore, train, refit, checkpointed
+# prepare, commit, persist, publish, restore, train, refit, checkpointed; not validate: the matrix's runs
+# do not validate (tests/functional/test_stop_signals.py stops a run there)
+HOOK_PHASES = tuple(p for p in PHASES if p != "validate")
 ALL_PHASES = (*HOOK_PHASES, "between", "driver")
 _ROLLOUT_ID = re.compile(r"^(?P<group>.+)_g(?P<g>[0-9]+)_a[0-9a-f]+(?:-a(?P<attempt>[0-9]+))?$")
 

@@ -349,13 +349,10 @@ class SingleController:
 
     # ------------------------------------------------------------ validation
     async def _validate(self, tasks: asyncio.TaskGroup) -> dict[str, Any]:
-        """One rollout per validation row with the current weights; never trained, never snapshotted:
-        they run while no snapshot does (validation holds the snapshotter, so no Gym is closed for a
-        snapshot under them; in async mode later steps' groups keep generating meanwhile)."""
-        async with self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext():
-            return await self._validate_rows(tasks)
-
-    async def _validate_rows(self, tasks: asyncio.TaskGroup) -> dict[str, Any]:
+        """One rollout per validation row with the current weights; never trained, never snapshotted.
+        Snapshots go on meanwhile (in async mode later steps' groups keep generating, and a crash
+        during validation must not lose them): a snapshot pauses validation rollouts with the rest,
+        they are in no commit scope, and Gym forgets them once done (docs/design.md §5.6)."""
         t0 = time.monotonic()
         tag = uuid.uuid4().hex[:12]
         rollout_ids = [f"val_s{self.step}_{i}_{tag}" for i in range(len(self.val_rows))]
@@ -369,13 +366,15 @@ class SingleController:
                     raise
                 logger.warning("validation rollout %d failed on %s: %s", i, instance, exc)
                 return None
+            self.hooks.reached("validate", self.step)
             return float(reply["reward"])
 
         runs = [tasks.create_task(one(i, row), name=f"validation:{i}") for i, row in enumerate(self.val_rows)]
         rewards = [r for r in await asyncio.gather(*runs) if r is not None]
         if self.coordinator is not None:  # Gym keeps per-rollout records until told: drop the validation ones
             try:
-                await self.coordinator.forget(rollout_ids)
+                async with self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext():
+                    await self.coordinator.forget(rollout_ids)  # never under a snapshot's pause
             except GymCheckpointOperationError as exc:
                 if not is_transient_gym_checkpoint_failure(exc):
                     raise

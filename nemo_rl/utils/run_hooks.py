@@ -19,6 +19,7 @@ PHASES: dict[str, str] = {
     "train": "inside a training step: the trainer has consumed the batch, the step is not checkpointed yet",
     "refit": "the trained weights are about to go to generation (rollouts of later steps in flight in async mode)",
     "checkpointed": "a trainer checkpoint was just published, before any snapshot under it",
+    "validate": "a validation rollout has finished, others of the same validation may still run",
 }
 
 

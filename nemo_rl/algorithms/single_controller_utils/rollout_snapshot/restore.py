@@ -1,7 +1,7 @@
 """Restore: the newest durable trainer step, its newest usable rollout snapshot, Gym's saved episodes.
 
-``RunRestorer.restore`` selects once (``find_restore_point``), reads and
-validates once (``store.read_snapshot``), asks Gym to install what it saved,
+``RunRestorer.restore`` selects once (``find_restore_point``: ``RunStore.select``),
+reads and validates once (``RunStore.read_step`` and ``RunStore.read``), asks Gym to install what it saved,
 applies the restart rules of the ledger (docs/design.md §5.5) and returns a
 ``RestoredState``; the controller only assigns it. When the relaunch runs fewer
 replicas of a shard, the saved episodes of the replicas that no longer run are
@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import (
@@ -28,27 +26,15 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import 
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
-    read_snapshot,
-    required_snapshot_files,
+    RunStore,
 )
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_replicas, replica_changes
-from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError, resolve_restore_point
+from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError
 
 logger = logging.getLogger(__name__)
-
-
-class TrainerBookkeeping(BaseModel):
-    """What the controller stores beside the trainer's own state in ``step_N`` (``save_trainer_checkpoint``)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    step: int = Field(ge=0)
-    dataloader: dict[str, Any]
-    ledger: dict[str, Any]
-    metrics_row: dict[str, Any] | None = None  # the step's metrics.jsonl row, in case its append was lost
 
 
 @dataclass(frozen=True)
@@ -65,9 +51,8 @@ class RestoreLookup:
 def find_restore_point(checkpoint_dir: Path, *, turn_level: bool, read_snapshots: bool) -> RestoreLookup:
     """The newest intact trainer step (only it is hashed) and its newest snapshot that verifies and
     holds every file this run needs; ``read_snapshots=False`` (restore_mode=trainer_checkpoint)
-    leaves the snapshots unread."""
-    return RestoreLookup(resolve_restore_point(checkpoint_dir, required_snapshot_files(turn_level),
-                                               read_snapshots=read_snapshots))
+    leaves the snapshots unread (``RunStore.select``)."""
+    return RestoreLookup(RunStore(checkpoint_dir).select(turn_level=turn_level, read_snapshots=read_snapshots))
 
 
 @dataclass(frozen=True)
@@ -104,8 +89,10 @@ class RunRestorer:
         max_attempts_per_sibling: int,
         load_trainer: Callable[[Path], Awaitable[dict[str, Any]]],
         hooks: RunHooks,
+        store: RunStore | None = None,  # None: the run store of ``checkpoint_dir`` (plain files)
     ):
         self.checkpoint_dir = checkpoint_dir
+        self.store = store or RunStore(checkpoint_dir)
         self.read_snapshots = read_snapshots
         self.coordinator = coordinator
         self.max_attempts = max_attempts_per_sibling
@@ -150,8 +137,7 @@ class RunRestorer:
         """None: nothing to restore (a new run). ``lookup``: the start's lookup, if the runner took it."""
         turn_level = self.coordinator is not None
         if lookup is None:
-            lookup = find_restore_point(self.checkpoint_dir, turn_level=turn_level,
-                                        read_snapshots=self.read_snapshots)
+            lookup = RestoreLookup(self.store.select(turn_level=turn_level, read_snapshots=self.read_snapshots))
         point = lookup.point
         if point is None:
             return None
@@ -160,13 +146,7 @@ class RunRestorer:
             logger.warning("skipping trainer checkpoint %s: %s", path, why)
         step, ledger, dataloader, metrics_row = 0, self._ledger(None), None, None
         if point.step > 0:
-            extra = await self.load_trainer(point.anchor)
-            try:
-                kept = TrainerBookkeeping.model_validate(extra)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                raise SnapshotStoreError(f"{point.anchor}: trainer state: {'.'.join(map(str, first['loc']))}: "
-                                         f"{first['msg']}") from None
+            kept = self.store.read_step(point.anchor, await self.load_trainer(point.anchor))
             step, dataloader, ledger = kept.step, kept.dataloader, self._ledger(kept.ledger)
             metrics_row = kept.metrics_row
         for path, why in selection.skipped:
@@ -192,7 +172,7 @@ class RunRestorer:
             self._record_replicas(record)
             return RestoredState(step, ledger, dataloader, DataPlaneStore(), record,
                                  f"Resuming from trainer checkpoint step {point.step} ({why}).", metrics_row)
-        snap = read_snapshot(selection.path, turn_level)
+        snap = self.store.read(selection.path, turn_level)
         if snap.state.anchor > step:
             raise SnapshotStoreError(f"{snap.path / CONTROLLER_STATE_FILE}: snapshot belongs to trainer step "
                                      f"{snap.state.anchor}, newer than the restored step {step}")

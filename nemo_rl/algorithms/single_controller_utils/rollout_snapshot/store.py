@@ -1,4 +1,8 @@
-"""The files of one rollout snapshot, each model read beside its write and validated.
+"""The run store, and the files of one rollout snapshot, each model read beside its write and validated.
+
+``RunStore`` owns the layout of ``checkpointing.checkpoint_dir`` for snapshots
+(docs/design.md §5.4): a snapshot's temporary directory is made, published and
+removed only here; its writer and reader are the ones it was built with.
 
 A snapshot directory (``<anchor>/rollout_snapshots/snapshot_<seq>``) holds:
 
@@ -10,12 +14,15 @@ A snapshot directory (``<anchor>/rollout_snapshots/snapshot_<seq>``) holds:
 - the manifest, written last (``nemo_rl.utils.snapshot_store``).
 
 ``required_snapshot_files`` is what the one scan that picks a snapshot to restore
-(``snapshot_store.resolve_restore_point``) asks of it; ``publish_snapshot`` writes a staged cut's files and seals the directory.
+(``snapshot_store.resolve_restore_point``) asks of it; ``publish_snapshot`` writes a staged cut's files and
+seals the directory. ``TrainerBookkeeping`` is what the controller keeps beside the trainer's own state
+in ``step_N``.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -25,10 +32,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.experience.data_plane import DataPlaneCapture, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
 from nemo_rl.utils.snapshot_store import (
+    DirectoryManifest,
+    RestorePoint,
     SnapshotStoreError,
     commit_snapshot,
+    next_snapshot_path,
+    prepare_snapshot_paths,
+    prepare_trainer_step,
+    prune_trainer_steps,
+    publish_trainer_step,
     recording_digests,
+    resolve_restore_point,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -36,6 +52,7 @@ from nemo_rl.utils.snapshot_store import (
 GYM_CHECKPOINT_SCHEMA_VERSION = 3
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
+_FILES = FileSystemReader()
 
 
 def _invalid(path: Path, exc: ValidationError) -> SnapshotStoreError:
@@ -44,9 +61,9 @@ def _invalid(path: Path, exc: ValidationError) -> SnapshotStoreError:
     return SnapshotStoreError(f"{path}: {where}: {first['msg']}")
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, reader: StorageReader | None = None) -> Any:
     try:
-        return json.loads(path.read_bytes())
+        return json.loads((reader or _FILES).read_bytes(path))
     except (OSError, ValueError) as exc:
         raise SnapshotStoreError(f"{path}: cannot read ({exc})") from None
 
@@ -89,14 +106,14 @@ class GymCheckpointIndex(BaseModel):
         """Instances that saved anything, and what (what restore sends back to each)."""
         return {iid: by_server for iid, by_server in self.instances.items() if any(by_server.values())}
 
-    def write(self, directory: Path) -> None:
-        write_json_atomic(directory / GYM_CHECKPOINT_FILE, self.model_dump(mode="json"))
+    def write(self, directory: Path, writer: StorageWriter | None = None) -> None:
+        write_json_atomic(directory / GYM_CHECKPOINT_FILE, self.model_dump(mode="json"), writer)
 
     @classmethod
-    def read(cls, directory: Path) -> "GymCheckpointIndex":
+    def read(cls, directory: Path, reader: StorageReader | None = None) -> "GymCheckpointIndex":
         """Parse and check the schema version; errors name the file."""
         path = directory / GYM_CHECKPOINT_FILE
-        data = _read_json(path)
+        data = _read_json(path, reader)
         version = data.get("schema_version") if isinstance(data, dict) else None
         if version != GYM_CHECKPOINT_SCHEMA_VERSION:
             raise SnapshotStoreError(
@@ -135,10 +152,10 @@ class ControllerState(BaseModel):
         return self.step if self.anchor_step is None else self.anchor_step
 
     @classmethod
-    def read(cls, directory: Path) -> "ControllerState":
+    def read(cls, directory: Path, reader: StorageReader | None = None) -> "ControllerState":
         path = directory / CONTROLLER_STATE_FILE
         try:
-            return cls.model_validate(_read_json(path))
+            return cls.model_validate(_read_json(path, reader))
         except ValidationError as exc:
             raise _invalid(path, exc) from None
 
@@ -163,7 +180,7 @@ class ControllerStateCapture:
              data_plane: DataPlaneStore) -> "ControllerStateCapture":
         return cls(step, anchor_step, ledger_json, dataloader, data_plane.capture())
 
-    def write(self, directory: Path) -> None:
+    def write(self, directory: Path, writer: StorageWriter | None = None) -> None:
         # The ledger was serialised unvalidated in the pause; it is checked here, after resume and
         # before anything is sealed: an inconsistent ledger (a bug) fails the attempt, publishes nothing.
         RolloutRecoveryLedger.check_state_json(self.ledger_json)
@@ -172,7 +189,7 @@ class ControllerStateCapture:
         state = {"step": self.step, "anchor_step": self.anchor_step, "ledger": msgspec.Raw(self.ledger_json),
                  "dataloader": self.dataloader, "data_plane": meta}
         encoded = msgspec.json.encode(state, order="sorted")
-        write_bytes_atomic(directory / CONTROLLER_STATE_FILE, msgspec.json.format(encoded, indent=2) + b"\n")
+        write_bytes_atomic(directory / CONTROLLER_STATE_FILE, msgspec.json.format(encoded, indent=2) + b"\n", writer)
 
 
 def required_snapshot_files(turn_level: bool) -> tuple[str, ...]:
@@ -190,26 +207,156 @@ class SnapshotContents:
     gym: GymCheckpointIndex | None  # None: a ledger-only snapshot (sibling / prompt_group levels)
 
 
-def read_snapshot(path: Path, turn_level: bool) -> SnapshotContents:
-    """Every file of a selected snapshot, validated; errors name the file."""
-    state = ControllerState.read(path)
+def read_snapshot(path: Path, turn_level: bool, reader: StorageReader | None = None) -> SnapshotContents:
+    """Every file of a selected snapshot, validated; errors name the file. (The sealed samples are read
+    by their owner, ``DataPlaneStore.load``, from plain files.)"""
+    state = ControllerState.read(path, reader)
     data_plane = DataPlaneStore.load(path, state.data_plane.sha256, state.data_plane.count)
-    return SnapshotContents(path, state, data_plane, GymCheckpointIndex.read(path) if turn_level else None)
+    return SnapshotContents(path, state, data_plane, GymCheckpointIndex.read(path, reader) if turn_level else None)
 
 
 def publish_snapshot(
     tmp: Path, final: Path, capture: ControllerStateCapture, gym: GymCheckpointIndex | None, checkpoint_id: str,
-    keep_latest_k: int, before_seal: Callable[[], None] = lambda: None,
+    keep_latest_k: int, before_seal: Callable[[], None] = lambda: None, writer: StorageWriter | None = None,
 ) -> None:
     """Write the controller's files (and Gym's index) into ``tmp``, then seal and rename it to
     ``final``: only a complete directory becomes a snapshot. Runs off the event loop. The seal takes
     the digests of the controller's files as they were written; Gym's records (written by its
-    servers) are hashed once, by the seal."""
+    servers) are hashed once, by the seal. ``writer``: every file written here (None: the process's
+    default; the sealed samples are written by their owner, ``DataPlaneStore.write_dump``, through it)."""
     with recording_digests(tmp) as digests:
         if gym is not None:
-            gym.write(tmp)
-        capture.write(tmp)
+            gym.write(tmp, writer)
+        capture.write(tmp, writer)
     before_seal()
     commit_snapshot(tmp, final, keep_latest_k, metadata={"checkpoint_id": checkpoint_id, "step": capture.step,
                                                           "anchor_step": capture.anchor_step},
-                    digests=digests)
+                    digests=digests, writer=writer)
+
+
+# ----- the trainer step's bookkeeping --------------------------------------------------------
+class TrainerBookkeeping(BaseModel):
+    """What the controller keeps beside the trainer's own state in ``step_N``: handed to the trainer's
+    ``save`` as its extra state (``as_saved``) and given back by its ``load`` (``RunStore.read_step``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(ge=0)
+    dataloader: dict[str, Any]
+    ledger: dict[str, Any]
+    metrics_row: dict[str, Any] | None = None  # the step's metrics.jsonl row, in case its append was lost
+
+    def as_saved(self) -> dict[str, Any]:
+        """The trainer's extra state: the same keys, in the same order, as the controller's dict always had."""
+        return {"step": self.step, "dataloader": self.dataloader, "ledger": self.ledger,
+                "metrics_row": self.metrics_row}
+
+
+# ----- the run store ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SnapshotDir:
+    """A snapshot being written: its temporary directory and the name it is published under."""
+
+    tmp: Path
+    final: Path
+
+    @property
+    def anchor(self) -> Path:
+        """The anchor its temporary directory was made under."""
+        return self.tmp.parent.parent
+
+
+class RunStore:
+    """The snapshots and trainer steps of one ``checkpointing.checkpoint_dir``, written through one
+    ``StorageWriter`` and read through one ``StorageReader`` (``gym_patches.checkpoint.storage``; None:
+    the process's default writer, plain files). Layout: ``nemo_rl.utils.snapshot_store``.
+
+    The order of calls (docs/design.md §5.4):
+
+    - a snapshot (the snapshotter, one attempt at a time; ``busy`` serialises it with pruning):
+      ``begin(anchor) -> SnapshotDir`` in the pause, before the cut (an empty temporary directory
+      under the anchor: Gym's blocking commit and staged persist write into ``snap.tmp``);
+      ``reanchor(snap, anchor)`` if the cut belongs to a trainer step published meanwhile (§5.9);
+      then either ``publish(snap, ...)`` after resume (write, seal, rename, prune the anchor's
+      snapshots to ``keep_latest_k``) or ``abort(snap)`` on any failure before the publish;
+    - a trainer step (the controller): ``save_step(step, bookkeeping, save_trainer, files)``, then
+      ``prune_steps(keep_top_k, newest, spare)`` once no snapshot is being written;
+    - a restore (once per start): ``select(turn_level=, read_snapshots=)``, then
+      ``read_step(anchor, saved)`` for the trainer's bookkeeping and ``read(snapshot, turn_level)``.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 1, writer: StorageWriter | None = None,
+                 reader: StorageReader | None = None):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.keep_latest_k = keep_latest_k
+        self.writer = writer
+        self.reader = reader or _FILES
+
+    def _writer(self) -> StorageWriter:
+        return process_writer() if self.writer is None else self.writer
+
+    # -- a snapshot
+    def begin(self, anchor: Path) -> SnapshotDir:
+        """An empty temporary directory for the next snapshot under ``anchor`` (no await: in the pause)."""
+        if Path(anchor).parent != self.checkpoint_dir:
+            raise SnapshotStoreError(f"{anchor}: not an anchor of {self.checkpoint_dir}")
+        tmp, final = prepare_snapshot_paths(anchor)
+        return SnapshotDir(tmp, final)
+
+    def reanchor(self, snap: SnapshotDir, anchor: Path) -> SnapshotDir:
+        """``snap`` published under ``anchor`` instead (its directory moves there at the publish)."""
+        if Path(anchor) == snap.anchor:
+            return snap
+        return SnapshotDir(snap.tmp, next_snapshot_path(anchor))
+
+    def publish(self, snap: SnapshotDir, capture: ControllerStateCapture, gym: GymCheckpointIndex | None,
+                checkpoint_id: str, before_seal: Callable[[], None] = lambda: None) -> None:
+        """Write the controller's files (and Gym's index), seal and rename (``publish_snapshot``); off the
+        event loop. On a failure the caller calls ``abort(snap)``."""
+        publish_snapshot(snap.tmp, snap.final, capture, gym, checkpoint_id, self.keep_latest_k, before_seal,
+                         self._writer())
+
+    def abort(self, snap: SnapshotDir) -> None:
+        """The snapshot will not be published: its temporary directory goes (idempotent)."""
+        shutil.rmtree(snap.tmp, ignore_errors=True)
+
+    # -- a trainer step
+    def save_step(self, step: int, bookkeeping: TrainerBookkeeping, save_trainer: Callable[[Path, dict], None],
+                  files: dict[str, bytes] | None = None) -> DirectoryManifest:
+        """Trainer step ``step``: ``save_trainer(tmp, bookkeeping.as_saved())`` and ``files`` (name -> bytes)
+        into a temporary directory, sealed with the digests taken as they were written, renamed to
+        ``step_N``. A failure removes the temporary directory and raises."""
+        tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
+        try:
+            with recording_digests(tmp) as digests:
+                save_trainer(tmp, bookkeeping.as_saved())
+                for name, data in (files or {}).items():
+                    write_bytes_atomic(tmp / name, data, self._writer())
+            return publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests, writer=self._writer())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (startup would remove it too)
+            raise
+
+    def prune_steps(self, keep_top_k: int | None, newest: int | None = None, spare: int | None = None) -> list[Path]:
+        """``snapshot_store.prune_trainer_steps`` on this directory."""
+        return prune_trainer_steps(self.checkpoint_dir, keep_top_k, newest, spare)
+
+    # -- a restore
+    def select(self, *, turn_level: bool, read_snapshots: bool) -> RestorePoint | None:
+        """The newest intact trainer step (only it is hashed) and its newest snapshot that verifies and holds
+        every file this run needs (``required_snapshot_files``); ``read_snapshots=False`` leaves them unread."""
+        return resolve_restore_point(self.checkpoint_dir, required_snapshot_files(turn_level),
+                                     read_snapshots=read_snapshots, reader=self.reader)
+
+    def read_step(self, anchor: Path, saved: Any) -> TrainerBookkeeping:
+        """The bookkeeping the trainer's ``load(anchor)`` gave back (``saved``), checked; errors name the step."""
+        try:
+            return TrainerBookkeeping.model_validate(saved)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise SnapshotStoreError(f"{anchor}: trainer state: {'.'.join(map(str, first['loc']))}: "
+                                     f"{first['msg']}") from None
+
+    def read(self, snapshot: Path, turn_level: bool) -> SnapshotContents:
+        """Every file of the selected ``snapshot``, validated (``read_snapshot``)."""
+        return read_snapshot(snapshot, turn_level, self.reader)

@@ -18,10 +18,13 @@ always 0. ``max_tokens`` truncates the fake generation (finish "length").
 
 Replies can take wall-clock time without using the CPU (they sleep): a fixed
 ``delay_s`` plus up to ``jitter_s``, and, with ``tokens_per_s`` set, a stand-in
-for a generation device decoding at that rate: a reply of k (fake) tokens waits
-k / ``tokens_per_s`` more. Concurrent replies wait side by side, like one batch
-on an accelerator, so throughput benchmarks can give generation its own
-timeline (docs/benchmarks.md, "Async on simulated devices").
+for a generation device (``SimulatedDecoder``) that decodes that many fake
+tokens per second, shared by the replies in flight: a reply of k tokens alone
+takes k / ``tokens_per_s``, n of them at once each get 1/n of the rate. The
+device's throughput is fixed, as an accelerator's is, so generating two steps'
+rollouts at once takes as long as generating them one after the other; that is
+what lets throughput benchmarks give generation its own timeline
+(docs/benchmarks.md, "Async on simulated devices").
 
 Control routes under ``/scripted/`` let a test hold a given turn's reply,
 release it, and read back which calls completed.
@@ -118,6 +121,74 @@ def fake_logprob(token_id: int) -> float:
 
 
 # -- server --------------------------------------------------------------------
+class SimulatedDecoder:
+    """A stand-in for a generation device, not a model: it decodes ``rate`` fake tokens per second in
+    wall-clock time, shared equally by the replies in flight (processor sharing), sleeping.
+
+    A reply of k tokens alone is done after k / rate seconds, never sooner; with others in flight it
+    takes longer, so the work a device can do per second is fixed. ``rate`` 0: decoding takes no time.
+    """
+
+    EPS_TOKENS = 1e-6
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._left: dict[asyncio.Future, float] = {}  # reply -> tokens still to decode
+        self._since = 0.0  # when ``_left`` was last brought up to date
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def decode(self, tokens: int) -> None:
+        if not self.rate or tokens <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._advance(loop)
+        done = loop.create_future()
+        self._left[done] = float(tokens)
+        self._schedule(loop)
+        try:
+            await done
+        finally:
+            if done in self._left:  # cancelled (the client went away): its share goes to the others
+                self._advance(loop)
+                del self._left[done]
+                self._schedule(loop)
+
+    def set_rate(self, rate: float) -> None:
+        """A new rate from now on; replies in flight keep what they decoded (0: the rest take no time)."""
+        loop = asyncio.get_running_loop()
+        self._advance(loop)
+        self.rate = float(rate)
+        if not self.rate:
+            for reply in self._left:
+                self._left[reply] = 0.0
+        self._schedule(loop)
+
+    def _advance(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        if self._left:
+            each = (now - self._since) * self.rate / len(self._left)
+            for reply in self._left:
+                self._left[reply] -= each
+        self._since = now
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for reply in [r for r, left in self._left.items() if left <= self.EPS_TOKENS]:
+            del self._left[reply]
+            if not reply.done():
+                reply.set_result(None)
+        if self._left:
+            wait = min(self._left.values()) * len(self._left) / self.rate
+            self._timer = loop.call_later(wait, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._advance(loop)
+        self._schedule(loop)
+
+
 class ScriptedState:
     def __init__(self) -> None:
         self.plans: dict[str, list[list[ScriptedTurn]]] = {}  # user text -> variants
@@ -128,7 +199,7 @@ class ScriptedState:
         self.delay_s = 0.0  # every reply waits this long (keeps rollouts in flight in RL tests)
         self.jitter_s = 0.0  # plus up to this long more, drawn from a fixed-seed generator
         self.jitter = random.Random(0)
-        self.tokens_per_s = 0.0  # > 0: the simulated decode rate, a reply of k tokens waits k / rate more
+        self.decoder = SimulatedDecoder()  # rate > 0: replies also wait for the simulated device to decode them
         self.respect_max_tokens = True  # False: plans play out whole (fake tokens are bytes, not words)
 
     def turn_for(self, user: str, turn: int, tool_text: str = "") -> ScriptedTurn:
@@ -205,10 +276,9 @@ def build_app() -> web.Application:
             tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
             reply = _completion(messages, state.turn_for(user, turn_index, tool_text), turn_index, body.get("model"), limit)
             wait = state.delay_s + (state.jitter.uniform(0.0, state.jitter_s) if state.jitter_s else 0.0)
-            if state.tokens_per_s:
-                wait += reply["usage"]["completion_tokens"] / state.tokens_per_s
             if wait:
                 await asyncio.sleep(wait)
+            await state.decoder.decode(reply["usage"]["completion_tokens"])
             state.calls.append(
                 {
                     "user": user,
@@ -256,11 +326,11 @@ def build_app() -> web.Application:
         if req.jitter_s is not None:
             state.jitter_s = req.jitter_s
         if req.tokens_per_s is not None:
-            state.tokens_per_s = req.tokens_per_s
+            state.decoder.set_rate(req.tokens_per_s)
         if req.respect_max_tokens is not None:
             state.respect_max_tokens = req.respect_max_tokens
         return web.json_response({"delay_s": state.delay_s, "jitter_s": state.jitter_s,
-                                  "tokens_per_s": state.tokens_per_s,
+                                  "tokens_per_s": state.decoder.rate,
                                   "respect_max_tokens": state.respect_max_tokens})
 
     async def reset(_: web.Request) -> web.Response:
@@ -459,8 +529,9 @@ class ScriptedBackend:
 
     def configure(self, *, delay_s: float | None = None, respect_max_tokens: bool | None = None,
                   jitter_s: float | None = None, tokens_per_s: float | None = None) -> dict[str, Any]:
-        """``delay_s``: every reply waits that long (plus up to ``jitter_s``); ``tokens_per_s``: plus
-        k / rate for a reply of k tokens (a simulated decode rate; 0 turns it off);
+        """``delay_s``: every reply waits that long (plus up to ``jitter_s``); ``tokens_per_s``: then for
+        a simulated device decoding that many tokens per second, shared by the replies in flight (a
+        reply of k tokens alone: k / rate more; 0 turns it off);
         ``respect_max_tokens=False``: plans are never cut. Returns the settings now in force."""
         return self._call("POST", "/scripted/settings",
                           {"delay_s": delay_s, "jitter_s": jitter_s, "tokens_per_s": tokens_per_s,

@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 class ScriptedTestGeneration:
     """The scripted fake as the generation backend: plays each row's ground truth; refit is a no-op
-    (it has no weights). ``tokens_per_s`` makes it a stand-in for a generation device decoding at that
-    rate (a reply of k tokens waits k / rate, sleeping)."""
+    (it has no weights). ``tokens_per_s`` makes it a stand-in for a generation device that decodes that
+    many tokens per second, shared by the replies in flight (sleeping, not computing)."""
 
     def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0, jitter_s: float = 0.0,
                  tokens_per_s: float | None = None):

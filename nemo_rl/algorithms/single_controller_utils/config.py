@@ -63,9 +63,9 @@ SCRIPTED_TEST_BACKEND = "scripted-test-backend"
 class ScriptedBackendConfig(_Section):
     """``policy.scripted_backend``: how the named fake ``policy.model_name: scripted-test-backend``
     replies (``gym_patches/fakes/scripted_backend.py``); each reply waits ``delay_s`` plus up to
-    ``jitter_s`` more (seeded) and, with ``tokens_per_s`` set, k / ``tokens_per_s`` more for a reply
-    of k fake tokens: a stand-in for a generation device decoding at that rate, sleeping, not
-    computing. Only that fake reads it."""
+    ``jitter_s`` more (seeded) and, with ``tokens_per_s`` set, for a stand-in generation device that
+    decodes that many fake tokens per second shared by the replies in flight (a reply of k tokens
+    alone: k / ``tokens_per_s``), sleeping, not computing. Only that fake reads it."""
 
     delay_s: float = Field(default=0.0, ge=0.0, le=600.0)  # the fake's own bounds
     jitter_s: float = Field(default=0.0, ge=0.0, le=600.0)

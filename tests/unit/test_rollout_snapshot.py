@@ -24,6 +24,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import 
     StagedStager,
     make_stager,
 )
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.experience.data_plane import DataPlaneStore
@@ -90,13 +91,14 @@ def test_one_stager_per_mode_is_chosen_once():
                             lambda: 0, lambda: 0, lambda: Path("/nonexistent"))
     changes = LedgerChanges()
     gate = DispatchGate(changes)
-    assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes), LedgerOnlyStager)
+    store = RunStore(Path("/nonexistent"))  # never written: only the choice is under test
+    assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes, store), LedgerOnlyStager)
     coordinator = object()  # never called: only the choice is under test
-    assert isinstance(make_stager("staged", inputs, RunHooks(), coordinator, gate, changes), StagedStager)
-    assert isinstance(make_stager("blocking", inputs, RunHooks(), coordinator, gate, changes), BlockingStager)
+    assert isinstance(make_stager("staged", inputs, RunHooks(), coordinator, gate, changes, store), StagedStager)
+    assert isinstance(make_stager("blocking", inputs, RunHooks(), coordinator, gate, changes, store), BlockingStager)
     with pytest.raises(ValueError, match=r"rollout_checkpointing.commit_mode='fast': expected one of blocking, "
                                          r"staged"):
-        make_stager("fast", inputs, RunHooks(), coordinator, gate, changes)
+        make_stager("fast", inputs, RunHooks(), coordinator, gate, changes, store)
 
 
 async def test_a_ledger_only_snapshot_restores_as_a_typed_state(tmp_path):

@@ -1,8 +1,10 @@
 """The snapshotter: one attempt, read top to bottom.
 
 gate -> prepare -> stage -> resume -> write -> publish. The stager
-(``stagers.py``) decides what each step does for this run's mode; this module
-owns the order, the dispatch gate, the failure count and the record.
+(``stagers.py``) decides what each step does for this run's mode; the run store
+(``store.py``: ``RunStore``) makes, publishes and removes the snapshot's
+directory; this module owns the order, the dispatch gate, the failure count and
+the record.
 
 A trainer step published while an attempt runs does not drop it
 (docs/design.md §5.9): a cut taken after the publish belongs to the new step
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import uuid
 
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
@@ -23,7 +24,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckp
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, survives_publish
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedCut, make_stager
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import publish_snapshot
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.utils.run_hooks import RunHooks
 
@@ -41,13 +42,17 @@ class RolloutSnapshotter:
         settings: RolloutCheckpointConfig,
         changes: LedgerChanges,
         hooks: RunHooks | None = None,
+        store: RunStore | None = None,
     ):
         self.inputs = inputs
         self.records = records
         self.settings = settings
         self.hooks = hooks or RunHooks()
+        # None: the run store of the directory the anchors live in (plain files, the process's writer)
+        self.store = store or RunStore(inputs.anchor_dir().parent, keep_latest_k=settings.keep_latest_k)
         self.gate = DispatchGate(changes)  # owned here; the controller reads it
-        self.stager = make_stager(settings.commit_mode, inputs, self.hooks, coordinator, self.gate, changes)
+        self.stager = make_stager(settings.commit_mode, inputs, self.hooks, coordinator, self.gate, changes,
+                                  self.store)
         # Held for a whole attempt: pruning old trainer anchors waits for it, so a snapshot still
         # being written under an anchor (it runs past the step's end) never loses its directory.
         self.busy = asyncio.Lock()
@@ -90,13 +95,12 @@ class RolloutSnapshotter:
         try:
             self.hooks.reached("persist", cut.step)  # rollouts resumed, this snapshot not written
             index = await self.stager.write(cut, outcome)
-            await asyncio.to_thread(
-                publish_snapshot, cut.tmp, cut.final, cut.capture, index, cut.checkpoint_id,
-                self.settings.keep_latest_k, lambda: self.hooks.reached("publish", cut.step))
+            await asyncio.to_thread(self.store.publish, cut.snapshot, cut.capture, index, cut.checkpoint_id,
+                                    lambda: self.hooks.reached("publish", cut.step))
         except BaseException:
-            shutil.rmtree(cut.tmp, ignore_errors=True)
+            self.store.abort(cut.snapshot)
             raise
-        outcome.committed, outcome.path = True, str(cut.final)
+        outcome.committed, outcome.path = True, str(cut.snapshot.final)
         self.newest_anchor = outcome.anchor_step
         outcome.mark("publish")
         outcome.persist_s = outcome.elapsed() - outcome.pause_s

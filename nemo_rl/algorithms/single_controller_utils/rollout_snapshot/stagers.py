@@ -1,7 +1,8 @@
 """Stagers: how a snapshot holds rollouts, what it copies in the pause, and what it writes after.
 
 One stager per ``rollout_checkpointing.commit_mode``, chosen once at setup
-(``make_stager``); the snapshotter calls the same three methods on each:
+(``make_stager``); the snapshotter calls the same three methods on each (the
+snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
 
 - ``hold(checkpoint_id)``: close the dispatch gate and prepare Gym (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -46,10 +46,11 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import 
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     ControllerStateCapture,
     GymCheckpointIndex,
+    RunStore,
+    SnapshotDir,
 )
 from nemo_rl.experience.rollout_recovery import RolloutAttemptStatus
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import next_snapshot_path, prepare_snapshot_paths
 
 logger = logging.getLogger(__name__)
 # How long the drain waits for in-scope rollouts Gym did not export (replies already on the wire).
@@ -62,10 +63,15 @@ class StagedCut:
 
     checkpoint_id: str
     step: int
-    tmp: Path  # the snapshot's temporary directory (Gym's blocking commit already wrote into it)
-    final: Path  # under the anchor the capture belongs to (it may differ from tmp's: ``_GymStager.stage``)
+    # the run store's directory: ``tmp`` (Gym's blocking commit already wrote into it) and ``final``, under the
+    # anchor the capture belongs to (it may differ from tmp's: ``_GymStager.stage``)
+    snapshot: SnapshotDir
     capture: ControllerStateCapture
     gym: Any = None  # the stager's own part: BlockingStager: GymCheckpointIndex; StagedStager: PendingPersist
+
+    @property
+    def tmp(self) -> Path:
+        return self.snapshot.tmp
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,10 @@ class Stager(ABC):
 
     mode: ClassVar[str]  # recorded as ``commit_mode`` in snapshots.jsonl
 
-    def __init__(self, inputs: SnapshotInputs, hooks: RunHooks):
+    def __init__(self, inputs: SnapshotInputs, hooks: RunHooks, store: RunStore):
         self.inputs = inputs
         self.hooks = hooks
+        self.store = store
 
     @abstractmethod
     def hold(self, checkpoint_id: str) -> contextlib.AbstractAsyncContextManager[PreparedGym | None]: ...
@@ -117,10 +124,10 @@ class LedgerOnlyStager(Stager):
         yield None
 
     async def stage(self, prepared: None, outcome: SnapshotOutcome) -> StagedCut:
-        tmp, final = prepare_snapshot_paths(self.inputs.anchor_dir())  # no await up to the capture
+        snapshot = self.store.begin(self.inputs.anchor_dir())  # no await up to the capture
         capture = self._capture(outcome)
         outcome.captured_bytes = capture.data_plane.nbytes
-        return StagedCut(outcome.checkpoint_id, outcome.step, tmp, final, capture)
+        return StagedCut(outcome.checkpoint_id, outcome.step, snapshot, capture)
 
     async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> None:
         return None
@@ -163,8 +170,8 @@ class _GymStager(Stager):
     captures: ClassVar[bool]  # whether prepare asks each server to copy its sessions (staged)
 
     def __init__(self, inputs: SnapshotInputs, hooks: RunHooks, coordinator: GymCheckpointCoordinator,
-                 gate: DispatchGate, changes: LedgerChanges):
-        super().__init__(inputs, hooks)
+                 gate: DispatchGate, changes: LedgerChanges, store: RunStore):
+        super().__init__(inputs, hooks, store)
         self.coordinator = coordinator
         self.gate = gate
         self.changes = changes
@@ -213,7 +220,8 @@ class _GymStager(Stager):
                   if server not in restart_only.get(iid, ()) for k in keys}
             for iid in iids
         }
-        tmp, final = prepare_snapshot_paths(inputs.anchor_dir())
+        snapshot = self.store.begin(inputs.anchor_dir())
+        tmp = snapshot.tmp
         try:
             scopes = server_scopes(plan, inputs.agent_servers)
             share = await self._save_in_pause(prepared, plan, scopes, tmp, outcome)
@@ -228,15 +236,14 @@ class _GymStager(Stager):
                 outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
             counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned, self.first_counts)
             capture = self._capture(outcome)
-            if inputs.anchor_dir() != tmp.parent.parent:  # a trainer step was published during the awaits
-                final = next_snapshot_path(inputs.anchor_dir())
+            snapshot = self.store.reanchor(snapshot, inputs.anchor_dir())  # a step published during the awaits
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.store.abort(snapshot)
             raise
         outcome.count(counts)
         unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
         gym = self._gym_part(prepared, scopes, share, unsaved, outcome, capture)
-        return StagedCut(outcome.checkpoint_id, step, tmp, final, capture, gym)
+        return StagedCut(outcome.checkpoint_id, step, snapshot, capture, gym)
 
     async def _drain(
         self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], deadline_ts: float
@@ -344,13 +351,15 @@ STAGERS: dict[str, type[_GymStager]] = {"staged": StagedStager, "blocking": Bloc
 
 
 def make_stager(commit_mode: str, inputs: SnapshotInputs, hooks: RunHooks,
-                coordinator: GymCheckpointCoordinator | None, gate: DispatchGate, changes: LedgerChanges) -> Stager:
-    """The stager for this run: ledger-only without Gym checkpoints, else ``commit_mode``'s."""
+                coordinator: GymCheckpointCoordinator | None, gate: DispatchGate, changes: LedgerChanges,
+                store: RunStore) -> Stager:
+    """The stager for this run: ledger-only without Gym checkpoints, else ``commit_mode``'s; each
+    snapshot's directory is ``store``'s."""
     if coordinator is None:
-        return LedgerOnlyStager(inputs, hooks)
+        return LedgerOnlyStager(inputs, hooks, store)
     try:
         cls = STAGERS[commit_mode]
     except KeyError:
         raise ValueError(f"rollout_checkpointing.commit_mode={commit_mode!r}: expected one of "
                          f"{', '.join(sorted(STAGERS))}") from None
-    return cls(inputs, hooks, coordinator, gate, changes)
+    return cls(inputs, hooks, coordinator, gate, changes, store)

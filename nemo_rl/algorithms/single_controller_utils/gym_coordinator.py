@@ -11,6 +11,11 @@ every other replica is prepared leaves then; it is resumed at once, its rollouts
 are not saved in this snapshot, and the reason names the server. A replica whose
 resume failed sits the next snapshot out while it is reopened.
 
+The prepare itself is a ``PrepareRound`` (``prepare_rounds.py``): one small state machine per
+replica, which this module drives tick by tick and acts on (logging, cancelling in the actor,
+resuming the replicas that leave); ``Reopenings`` (``reopenings.py``) owns the resumes that go on
+after a snapshot.
+
 Each operation builds its typed request (``gym_patches.checkpoint.calls``) once
 and sends it to every replica's one ``checkpoint`` entry; only what differs per
 replica (its scope, its directory, its servers' policies) is filled in per copy.
@@ -43,11 +48,18 @@ from gym_patches.checkpoint.calls import (
 )
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
-from gym_patches.checkpoint.coordination import CoordinationError, CoordinationFailures, PrepareResult
+from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
+from nemo_rl.algorithms.single_controller_utils.prepare_rounds import (
+    PrepareRound,
+    ReplicaPrepare,
+    RoundClock,
+    finished_error,
+    unwrap,
+)
+from nemo_rl.algorithms.single_controller_utils.reopenings import Reopenings
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointCommitSummary,
     GymCheckpointInstance,
-    GymServerProbe,
 )
 from nemo_rl.environments.nemo_gym import GymReplicaLost, NemoGymShardSet
 
@@ -121,12 +133,6 @@ def is_transient_gym_checkpoint_failure(exc: BaseException) -> bool:
     return False
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The error a replica raised, without Ray's task-error wrapper."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
-
-
 @dataclass
 class PreparedGym:
     """What a successful prepare gives the snapshot: the ``PrepareResult`` of every replica that
@@ -145,31 +151,6 @@ class PreparedGym:
         return self.results[instance_id].unsaved_keys()
 
 
-_UNANSWERED_CODES = ("timeout", "unreachable", "server_dead")
-
-
-def _unanswered(exc: BaseException) -> bool:
-    """A server that did not answer (or is gone), as opposed to one that answered with an error."""
-    if isinstance(exc, CoordinationFailures):
-        return all(_unanswered(e) for e in exc.failures.values())
-    return isinstance(exc, CoordinationError) and exc.code in _UNANSWERED_CODES
-
-
-def _silent_reason(iid: str, silent: dict[str, GymServerProbe]) -> str:
-    return "; ".join(f"Gym server {name!r} on {iid} did not answer ({probe.detail})"
-                     for name, probe in sorted(silent.items()))
-
-
-def _straggler_reason(iid: str, grace_s: float, probes: dict[str, GymServerProbe] | None) -> str:
-    why = f"{iid} was not prepared within {grace_s:g}s after the other replicas"
-    blocking = {name: p for name, p in (probes or {}).items() if p.answered and p.blocker_count}
-    if blocking:
-        why += "; blocking: " + "; ".join(
-            f"Gym server {name!r} ({p.blocker_count} rollouts: {', '.join(p.blockers or [])})"
-            for name, p in sorted(blocking.items()))
-    return why
-
-
 class GymCheckpointCoordinator:
     def __init__(self, shard_set: NemoGymShardSet, prepare_timeout_s: float, restart_only_policy: RestartOnlyPolicy,
                  park_grace_s: float = 1.5, cut: bool = False):
@@ -180,8 +161,7 @@ class GymCheckpointCoordinator:
         self.park_grace_s = park_grace_s
         # instance -> checkpoint id some of its servers did not resume -> why: it sits snapshots out until reopened
         self._unresumed: dict[str, dict[str, str]] = {}
-        self._reopening: dict[str, asyncio.Task] = {}  # left-out replica -> its resume, owned until ``aclose``
-        self._reopen_why: dict[str, str] = {}  # ... and why it left
+        self._reopenings = Reopenings()  # left-out replicas' resumes, owned until each ends or ``aclose``
         self._unforgotten: dict[str, list[str]] = {}  # replica -> finished rollouts it has yet to forget
 
     @property
@@ -216,15 +196,19 @@ class GymCheckpointCoordinator:
                 task.cancel()
                 failures[iid] = TimeoutError(f"{operation} on {iid} did not answer within {timeout:.1f}s")
             elif task.exception() is not None:
-                failures[iid] = _unwrap(task.exception())
+                failures[iid] = unwrap(task.exception())
             else:
                 out[iid] = task.result()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        self._raise_if_lost(failures)
+        return out, failures
+
+    def _raise_if_lost(self, failures: dict[str, BaseException]) -> None:
+        """A replica whose actor died is lost (the run restarts it), not a failed operation."""
         for iid, exc in sorted(failures.items()):
             if isinstance(exc, ray.exceptions.RayActorError):
                 raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
-        return out, failures
 
     def _send(self, iid: str, request: GymCall) -> Any:
         return self.shard_set.send_checkpoint(iid, request)
@@ -267,132 +251,83 @@ class GymCheckpointCoordinator:
             if renewer is not None:
                 renewer.cancel()
                 await asyncio.gather(renewer, return_exceptions=True)
+                if (exc := finished_error(renewer)) is not None:
+                    logger.error("lease renewal for %s stopped: %s: %s", checkpoint_id, type(exc).__name__, exc)
             try:
                 await self.resume(checkpoint_id, [iid for iid in asked if iid not in leavers])
             finally:
                 # Left-out replicas finish reopening in the background (each call is short); until
                 # then they sit snapshots out. ``aclose`` stops what is left when the run ends.
-                self._reopening.update(leavers)
-                self._reopen_why.update({iid: left_out[iid] for iid in leavers if iid in left_out})
+                for iid, task in leavers.items():
+                    self._reopenings.adopt(iid, task, left_out.get(iid, "a server did not answer"))
 
     async def aclose(self) -> None:
         """Stop reopening left-out replicas (the run is ending; their leases reopen them)."""
-        tasks = list(self._reopening.values())
-        self._reopening.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._reopenings.aclose()
 
     async def _prepare_replicas(
         self, checkpoint_id: str, asked: list[str], deadline: float, capture: bool,
         left_out: dict[str, str], leavers: dict[str, asyncio.Task],
     ) -> dict[str, PrepareResult]:
         """Prepare ``asked`` at once; probe the servers of replicas that take long; move replicas
-        that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``)."""
+        that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``).
+        Each tick drives the round's transitions in this order (``prepare_rounds.py``)."""
         request = PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, restart_only_policy=self.policy,
                               capture=capture, cut=self.cut)
         overrides = self.shard_set.prepare_policy_overrides
-        refs = {
+        calls = {
             iid: self._send(iid, request.replace(policy_overrides=overrides[iid]) if overrides.get(iid) else request)
             for iid in asked
         }
-        probe_call = ProbeCall(timeout_s=self.park_grace_s)
-        tasks = {iid: asyncio.ensure_future(ref) for iid, ref in refs.items()}
-        probes: dict[str, asyncio.Future] = {}
-        last_probe: dict[str, dict[str, GymServerProbe]] = {}
-        probed_at: dict[str, float] = {}
-        results: dict[str, PrepareResult] = {}
-        failures: dict[str, BaseException] = {}
-        started = time.monotonic()
-        hard_stop = started + max(0.1, deadline - time.time()) + min(self.prepare_timeout_s, _MAX_REPLY_GRACE_S)
-        others_prepared_at: float | None = None
-
-        def leave(iid: str, why: str) -> None:
-            left_out[iid] = why
-            logger.warning("snapshot %s: %s leaves this snapshot (its rollouts are not saved in it): %s",
-                           checkpoint_id, iid, why)
-            with contextlib.suppress(Exception):  # its prepare stops in the actor; the resume reopens what it closed
-                ray.cancel(refs[iid])
-            tasks[iid].cancel()
-            self.shard_set.mark_unhealthy(iid, why)
-            leavers[iid] = asyncio.create_task(self.resume(checkpoint_id, [iid]), name=f"gym-leave:{iid}")
-
-        def pending() -> list[str]:
-            return [iid for iid in asked if iid not in results and iid not in failures and iid not in left_out]
-
+        round_ = PrepareRound.start(checkpoint_id, calls, self._round_clock(deadline))
+        probe = ProbeCall(timeout_s=self.park_grace_s)
         try:
-            while waiting := pending():
-                await asyncio.wait([tasks[i] for i in waiting] + list(probes.values()), timeout=_TICK_S,
-                                   return_when=asyncio.FIRST_COMPLETED)
+            while round_.waiting():
+                await round_.next_event(_TICK_S)
                 now = time.monotonic()
-                for iid in waiting:
-                    if tasks[iid].done():
-                        exc = tasks[iid].exception()
-                        if exc is None:
-                            results[iid] = tasks[iid].result()
-                        else:
-                            failures[iid] = _unwrap(exc)
-                for iid in [i for i, p in probes.items() if p.done()]:
-                    probe = probes.pop(iid)
-                    try:
-                        last_probe[iid] = probe.result()
-                    except Exception:  # noqa: BLE001 - the prepare call reports what is wrong with the actor
-                        continue
-                    silent = {name: p for name, p in last_probe[iid].items() if not p.answered}
-                    if silent and iid in pending():
-                        leave(iid, _silent_reason(iid, silent))
-                for iid, exc in list(failures.items()):
-                    # A server that fails its prepare (unreachable, dead, timed out) takes its replica
-                    # out of this snapshot; a bug-shaped error (bad reply, conflict) stops it below.
-                    if _unanswered(exc):
-                        del failures[iid]
-                        leave(iid, f"{iid}: {exc}")
-                waiting = pending()
-                if not waiting:
-                    break
-                others_ready = bool(results) and not failures and all(r.prepared for r in results.values())
-                if others_ready and others_prepared_at is None:
-                    others_prepared_at = now
-                    probed_at.clear()  # the grace starts: probe the stragglers now, to name what holds them
-                for iid in waiting:
-                    if iid not in probes and (others_ready or now - started >= PROBE_AFTER_S) \
-                            and now - probed_at.get(iid, float("-inf")) >= PROBE_EVERY_S:
-                        probed_at[iid] = now
-                        probes[iid] = asyncio.ensure_future(self._send(iid, probe_call))
-                if others_ready and now - others_prepared_at >= self.park_grace_s:
-                    for iid in waiting:
-                        # A probe under way answers within its own timeout (the grace): wait for it, so the
-                        # reason names the server that does not answer, unless it is late itself.
-                        if iid not in probes or now - others_prepared_at >= 2 * self.park_grace_s + 1.0:
-                            leave(iid, _straggler_reason(iid, self.park_grace_s, last_probe.get(iid)))
-                if now >= hard_stop:
-                    for iid in pending():
-                        failures[iid] = TimeoutError(f"prepare on {iid} did not answer within "
-                                                     f"{now - started:.1f}s")
-                        tasks[iid].cancel()
+                self._let_go(checkpoint_id, round_.read_answers(), left_out, leavers)
+                round_.start_grace(now)
+                for replica in round_.due_for_probe(now):
+                    replica.probe_sent(self._send(replica.iid, probe), now)
+                self._let_go(checkpoint_id, round_.stragglers(now), left_out, leavers)
+                round_.stop_the_late(now)
         finally:
-            leftover = [t for t in (*tasks.values(), *probes.values()) if not t.done()]
-            for task in leftover:
-                task.cancel()
-            await asyncio.gather(*tasks.values(), *probes.values(), return_exceptions=True)
-        for iid, exc in sorted(failures.items()):
-            if isinstance(exc, ray.exceptions.RayActorError):
-                raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
+            await round_.close()
+        failures = round_.failures()
+        self._raise_if_lost(failures)
         if failures:
             raise GymCheckpointOperationError("prepare", failures)
-        return results
+        return round_.results()
+
+    def _round_clock(self, deadline: float) -> RoundClock:
+        """The round's times: it stops at the deadline plus the reply grace; the probe periods are
+        read at each prepare (tests shorten them)."""
+        started = time.monotonic()
+        reply_grace = min(self.prepare_timeout_s, _MAX_REPLY_GRACE_S)
+        return RoundClock(started=started, hard_stop=started + max(0.1, deadline - time.time()) + reply_grace,
+                          park_grace_s=self.park_grace_s, probe_after_s=PROBE_AFTER_S, probe_every_s=PROBE_EVERY_S)
+
+    def _let_go(self, checkpoint_id: str, leaving: list[ReplicaPrepare], left_out: dict[str, str],
+                leavers: dict[str, asyncio.Task]) -> None:
+        """Replicas that left the round: say why, stop their prepare in the actor, pass them over for
+        new rollouts a while, and resume each at once (its resume task goes to ``leavers``)."""
+        for replica in leaving:
+            left_out[replica.iid] = replica.why_left
+            logger.warning("snapshot %s: %s leaves this snapshot (its rollouts are not saved in it): %s",
+                           checkpoint_id, replica.iid, replica.why_left)
+            if isinstance(replica.call, ray.ObjectRef):  # (``ray.cancel`` of anything else would start Ray)
+                with contextlib.suppress(Exception):  # its prepare stops in the actor; the resume reopens what it closed
+                    ray.cancel(replica.call)
+            self.shard_set.mark_unhealthy(replica.iid, replica.why_left)
+            leavers[replica.iid] = asyncio.create_task(self.resume(checkpoint_id, [replica.iid]),
+                                                       name=f"gym-leave:{replica.iid}")
 
     def _sit_out_unresumed(self, leavers: dict[str, asyncio.Task]) -> dict[str, str]:
         """Replicas whose earlier resume failed (a server did not answer) sit this snapshot out: one
         still closed under an old id would refuse the prepare as a conflict, and waiting for it here
         would hold the others. Each is reopened meanwhile, by a task in ``leavers``."""
-        left: dict[str, str] = {}
-        for iid, task in list(self._reopening.items()):
-            if task.done():
-                del self._reopening[iid]
-            else:
-                left[iid] = (f"{iid} is still being reopened after it left a snapshot: "
-                             f"{self._reopen_why.get(iid, 'a server did not answer')}")
+        left = {iid: f"{iid} is still being reopened after it left a snapshot: {why}"
+                for iid, why in self._reopenings.running().items()}
         for iid, cids in sorted(self._unresumed.items()):
             if iid in left:
                 continue
@@ -436,7 +371,7 @@ class GymCheckpointCoordinator:
         """Every replica drops what its servers keep about these finished rollouts (chunked). A replica
         that is not reopened yet (it left a snapshot) gets them later, with the next forget it can take."""
         total = 0
-        closed = set(self._unresumed) | {iid for iid, task in self._reopening.items() if not task.done()}
+        closed = set(self._unresumed) | set(self._reopenings.running())
         for iid in self.instance_ids:
             self._unforgotten.setdefault(iid, []).extend(rollout_ids)
         for iid in self.instance_ids:

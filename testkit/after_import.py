@@ -1,7 +1,7 @@
 """Run a function on a module right after it is first imported, in any process.
 
-What ``testkit/inject/sitecustomize.py`` (failing storage writers) and the
-benchmark's ``examples/bench/instrument/sitecustomize.py`` (timing) share: a
+What the benchmark's ``examples/bench/instrument/sitecustomize.py`` (timing) and
+the functional tests' ``tests/functional/overtake/sitecustomize.py`` share: a
 ``sys.meta_path`` finder that lets the normal finders find the module and wraps
 its loader, so nothing is imported early and a process that never imports the
 module pays nothing.

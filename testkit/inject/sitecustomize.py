@@ -8,10 +8,10 @@ Gym server writes its records through the failing writer as the driver does.
 (The product reads no test variable, so a Gym server, started by the product's
 launcher, cannot be handed the writer any other way.)
 
-Nothing is imported up front: the writer is installed as the process's default
-right after ``gym_patches.checkpoint.storage`` (the one ``StorageWriter``
-definition, which both sides' stores import) is first imported (a
-``sys.meta_path`` finder), so a process that never writes checkpoints pays nothing. A ``sitecustomize`` further
+The writer is installed at startup as the process's default in
+``gym_patches.checkpoint.storage`` (the one ``StorageWriter`` definition, which
+both sides' stores import; a small module with no dependencies), and only when
+the variable is set. A ``sitecustomize`` further
 down ``sys.path`` (the interpreter's own, or the benchmark's) still runs.
 """
 
@@ -37,15 +37,9 @@ def _run_next_sitecustomize() -> None:
 def _install() -> None:
     if not os.environ.get("NEMO_TEST_ONLY_WRITE_FAULT"):
         return
-    from testkit.after_import import AfterImport
+    from testkit.write_faults import install_from_env  # imports the storage module only (a few ms)
 
-    def install(_module) -> None:
-        from testkit.write_faults import install_from_env  # imports the storage module, complete by now
-
-        install_from_env()
-
-    # testkit.write_faults.STORAGE_MODULE, spelled out: importing write_faults here would import it now
-    AfterImport.install({"gym_patches.checkpoint.storage": install})
+    install_from_env()
 
 
 try:

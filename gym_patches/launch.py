@@ -1,9 +1,12 @@
 """Start a Gym deployment from YAML: a head server plus one process per server.
 
 ``python -m gym_patches.launch --config <gym yaml>`` prints each server's name,
-kind, URL and checkpoint mode and stops every process on Ctrl-C. Tests and RL
-use ``GymDeployment`` directly; ``stop()`` (or the context manager) always
-reaps every process it started.
+kind, URL and checkpoint mode and stops every process on Ctrl-C or SIGTERM.
+Given a NeMo-RL training config instead (``--config <rl yaml> [key=value ...]``),
+it starts the deployments that run would start, read from its ``env.nemo_gym``
+section by ``gym_patches.rl_config`` (docs/design.md §4.2). Tests and RL use
+``GymDeployment`` directly; ``stop()`` (or the context manager) always reaps
+every process it started.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gym_patches.config import (
     load_gym_config,
     parse_gym_config,
 )
+from gym_patches.rl_config import GYM_SECTION, looks_like_rl_config, read_rl_gym
 from gym_patches.utils.processes import die_with_parent, listening_socket, signals_blocked
 
 
@@ -237,61 +241,119 @@ def _assign_ports(config: GymGlobalConfig) -> tuple[GymGlobalConfig, dict[str, s
     return config, sockets
 
 
-# Top-level keys of a NeMo-RL training config: a file with them and no server is one given by mistake.
-_RL_KEYS = ("grpo", "policy", "env", "rollout_recovery", "rollout_checkpointing", "checkpointing", "defaults")
-
-
 def _no_servers(paths: list[str]) -> str:
-    """Why a config without a single server cannot start, and what the user likely meant."""
-    import yaml
-
-    found = set()
-    for path in paths:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            continue
-        found |= {k for k in _RL_KEYS if isinstance(data, dict) and k in data}
-    if found:
-        return (f"{', '.join(paths)} is a NeMo-RL training config (it has {', '.join(sorted(found))}), not a Gym "
-                "deployment: to start its Gym servers, list their checkpoint modes and run the restart-only "
-                f"setup check, run: python examples/run_grpo.py --config {paths[0]} --check")
+    """Why a Gym config without a single server cannot start."""
     return (f"{', '.join(paths)} configures no Gym server: a Gym config maps each server's name to "
-            "{<server type>: {<implementation>: {...}}} (see examples/gym_configs/)")
+            "{<server type>: {<implementation>: {...}}} (see examples/gym_configs/); a NeMo-RL training "
+            "config is read from its env.nemo_gym section")
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT: stop every server and exit."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+Deployment = tuple[str | None, Any, Path | None]  # instance id (RL config) or None, Gym config, log dir
+
+
+def _plan(configs: list[str], overrides: list[str], log_dir: str | None) -> tuple[list[Deployment], float, str | None]:
+    """What to start: ``(instance id or None, Gym config, log dir)`` per deployment, the startup timeout
+    and, for an RL config, the line that says where the servers come from."""
+    if looks_like_rl_config(configs):
+        rl = read_rl_gym(configs, overrides)
+        if not rl.instances or not any(_servers(i.config) for i in rl.instances):
+            raise GymConfigError(f"{rl.source}: its Gym section ({GYM_SECTION}) configures no Gym server "
+                                 f"(set {GYM_SECTION}.config_paths or {GYM_SECTION}.config)")
+        root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="gym-logs-"))
+        token = _write_token(root, rl.control_token)
+        head = (f"RL config {rl.source}: its {GYM_SECTION} section, rollout_recovery.target_level={rl.target_level} "
+                f"(Gym checkpoints {'enabled' if rl.checkpointing else 'disabled'}); "
+                f"{len(rl.instances)} Gym instance(s), as the training run starts them\n"
+                f"checkpoint control token (Authorization: Bearer <it>): {token}")
+        return [(i.instance_id, i.config, root / i.instance_id) for i in rl.instances], rl.spinup_timeout_s, head
+    if overrides:
+        raise GymConfigError(f"overrides {' '.join(overrides)}: only an RL config takes key=value overrides; "
+                             "edit the Gym YAML instead")
+    config = load_gym_config(configs)
+    if not config.instances:
+        raise GymConfigError(_no_servers(configs))
+    return [(None, config, Path(log_dir) if log_dir else None)], 60.0, None
+
+
+def _write_token(root: Path, token: str) -> Path:
+    """The control token, readable by this user only: what a hand-made call to a control route needs."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "control_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path
+
+
+def _servers(config: dict[str, Any]) -> bool:
+    """Whether a Gym config names at least one server (``{name: {server type: {...}}}``)."""
+    return bool(parse_gym_config(config).instances)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Start a Gym deployment and keep it running until Ctrl-C.")
-    parser.add_argument("--config", required=True, nargs="+", help="Gym YAML file(s)")
+    parser = argparse.ArgumentParser(
+        description="Start a Gym deployment and keep it running until Ctrl-C or SIGTERM.",
+        epilog="With a NeMo-RL training config (e.g. examples/configs/grpo_workplace_turn.yaml) it starts the "
+               "Gym servers a training run with that config would start: every replica of every shard of "
+               f"{GYM_SECTION}, with the run's checkpoint setting; key=value overrides apply as run_grpo.py "
+               "takes them. The restart-only setup check: python examples/run_grpo.py --config <yaml> --check.")
+    parser.add_argument("--config", required=True, nargs="+",
+                        help="Gym YAML file(s), or one NeMo-RL training config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of an RL config")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args(argv)
+    configs = [c for c in args.config if "=" not in c]  # `--config rl.yaml a.b=1`: nargs took the override
+    overrides = [c for c in args.config if "=" in c] + args.overrides
     # SIGINT stops the deployment even when this process was started with it ignored (a background
-    # job of a non-interactive shell inherits SIG_IGN, and Python then installs no handler).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # job of a non-interactive shell inherits SIG_IGN, and Python then installs no handler); SIGTERM
+    # stops it the same way, so the servers get their own SIGTERM rather than only their parent-death one.
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    deployments: list[tuple[str | None, GymDeployment]] = []
     try:
-        config = load_gym_config(args.config)
-        if not config.instances:
-            raise GymConfigError(_no_servers(args.config))
-        dep = GymDeployment.start(config, log_dir=args.log_dir)
-    except (GymConfigError, GymStartupError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C while starting: start() has stopped what it started
-        print("stopped while starting", file=sys.stderr)
-        return 130
-    try:  # from here a Ctrl-C at any point stops every server and exits 0 (also mid-print)
-        print(f"head server: {dep.head_url}   logs: {dep.log_dir}")
-        print(dep.describe(), flush=True)
-        while all(dep.alive().values()):
-            time.sleep(0.5)
-        dead = [n for n, ok in dep.alive().items() if not ok]
-        print(f"error: Gym server(s) exited: {', '.join(dead)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("stopping Gym servers...", flush=True)
-        return 0
+        try:
+            plan, timeout_s, head = _plan(configs, overrides, args.log_dir)
+            for instance, config, logs in plan:
+                deployments.append((instance, GymDeployment.start(config, log_dir=logs, startup_timeout_s=timeout_s)))
+        except (GymConfigError, GymStartupError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except _Stopped as stop:  # while starting: start() has stopped what it was starting
+            print(f"stopped while starting ({stop.name})", file=sys.stderr)
+            return 130 if stop.name == "SIGINT" else 143
+        try:  # from here a stop at any point stops every server and exits 0 (also mid-print)
+            if head:
+                print(head)
+            for instance, dep in deployments:
+                where = f"{instance}   " if instance else ""
+                print(f"{where}head server: {dep.head_url}   logs: {dep.log_dir}")
+                print(dep.describe(), flush=True)
+            while all(ok for _, dep in deployments for ok in dep.alive().values()):
+                time.sleep(0.5)
+            dead = [f"{instance}/{n}" if instance else n for instance, dep in deployments
+                    for n, ok in dep.alive().items() if not ok]
+            print(f"error: Gym server(s) exited: {', '.join(dead)}", file=sys.stderr)
+            return 1
+        except _Stopped as stop:
+            print(f"stopping Gym servers ({stop.name})...", flush=True)
+            return 0
     finally:
-        dep.stop()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the teardown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for _, dep in deployments:
+            dep.stop()
 
 
 if __name__ == "__main__":

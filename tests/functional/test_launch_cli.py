@@ -1,4 +1,5 @@
-"""``python -m gym_patches.launch``: prints the servers and stops every process on Ctrl-C."""
+"""``python -m gym_patches.launch``: prints the servers and stops every process on Ctrl-C or SIGTERM; a Gym
+YAML or a NeMo-RL training config."""
 
 from __future__ import annotations
 
@@ -142,11 +143,66 @@ def test_head_server_does_not_publish_the_control_token(tmp_path):
     assert "s3cret-token-value" not in text and "<redacted>" in text
 
 
-def test_an_rl_config_is_refused_with_the_check_command(tmp_path):
-    """A training config given to the Gym launcher by mistake starts nothing and says what to run."""
-    rl = "examples/configs/grpo_mixed_turn.yaml"
-    proc = subprocess.run([sys.executable, "-m", "gym_patches.launch", "--config", rl, "--log-dir",
-                           str(tmp_path / "logs")], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1, proc.stderr
-    assert "is a NeMo-RL training config" in proc.stderr and f"run_grpo.py --config {rl} --check" in proc.stderr
-    assert "head server" not in proc.stdout and not (tmp_path / "logs").exists()
+def test_an_rl_config_starts_the_gym_its_run_would_start_and_sigterm_stops_it(tmp_path):
+    """The launcher on a shipped training config (``defaults:`` inheritance, a shard of two replicas):
+    every replica's servers answer their checkpoint status route with the token the launcher wrote,
+    and SIGTERM stops every process it started."""
+    import json
+    import urllib.request
+
+    rl = "examples/configs/grpo_workplace_two_replicas_turn.yaml"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gym_patches.launch", "--config", rl, "--log-dir", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    servers = ("policy_model", "workplace_assistant", "workplace_simple_agent")
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and sum(l.startswith("workplace_simple_agent") for l in lines) < 2:
+            line = proc.stdout.readline()
+            assert line, f"the launcher exited early: {lines}"
+            lines.append(line.rstrip())
+        assert lines[0].startswith(f"RL config {rl}: its env.nemo_gym section, rollout_recovery.target_level=turn "
+                                   "(Gym checkpoints enabled); 2 Gym instance(s)"), lines
+        instances = [l.split()[0] for l in lines if "head server: http://127.0.0.1:" in l]
+        assert instances == ["nemo_gym/replica-0", "nemo_gym/replica-1"], lines
+        token = (tmp_path / "control_token").read_text().strip()
+        assert oct((tmp_path / "control_token").stat().st_mode & 0o777) == "0o600"
+        urls = [l.split()[2] for l in lines if l.split() and l.split()[0] in servers]
+        assert len(urls) == 6 and len(set(urls)) == 6, lines
+        for url in urls:
+            request = urllib.request.Request(url + "/ng-control/v1/checkpoint/status",
+                                             headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                status = json.loads(resp.read())
+            assert resp.status == 200 and status["kind"] in ("model", "resources", "agent"), status
+        started = [pid for pid in _children(proc.pid) if "gym_patches.server_main" in
+                   Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(started) == 8, started  # per replica: head + three servers
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0, rest
+        assert "stopping Gym servers (SIGTERM)" in rest and "Traceback" not in rest
+        assert not [pid for pid in started if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_overrides_apply_to_an_rl_config_only(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed.yaml",
+                           "env.nemo_gym.spinup_timeout_s=5", "--log-dir", str(tmp_path / "logs")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "only an RL config takes key=value overrides" in proc.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_bad_key_in_an_rl_config_is_named_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gym_patches.launch", "--config",
+                           "examples/configs/grpo_workplace_turn.yaml", "env.nemo_gym.config_path=[x.yaml]",
+                           "--log-dir", str(tmp_path / "logs")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "did you mean 'env.nemo_gym.config_paths'?" in proc.stderr
+    assert not (tmp_path / "logs").exists()

@@ -15,7 +15,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 )
 
 if TYPE_CHECKING:
-    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import CutCounts, NewRollouts
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import CutCounts, CutKeys
 
 
 class SnapshotSuperseded(RuntimeError):
@@ -65,15 +65,12 @@ class SnapshotOutcome:
     post_publish_error: str | None = None
     error: str | None = None  # why an attempt that did not commit failed (names the file for an I/O error)
     started: float = field(default_factory=time.monotonic, repr=False)
-    _new: "NewRollouts | None" = field(default=None, init=False, repr=False, compare=False)
+    _keys: "CutKeys | None" = field(default=None, init=False, repr=False, compare=False)
 
     def count(self, counts: "CutCounts") -> None:
-        """Take the cut's counts; its first counts are kept now and given back by ``failed``."""
+        """Take the cut's counts (in the pause); its first counts are settled by ``row`` if it commits."""
         self.saved, self.unsaved, self.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
-        self._new = counts.new
-        if counts.new is not None:
-            counts.new.keep()
-            self.new_saved, self.new_unsaved = len(counts.new.saved), len(counts.new.unsaved)
+        self._keys = counts.keys
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -83,11 +80,7 @@ class SnapshotOutcome:
         self.phases_s[phase] = round(self.elapsed(), 4)
 
     def failed(self, exc: BaseException) -> None:
-        """Record why an attempt that did not commit failed (its rollouts are counted by the next that does)."""
-        if self._new is not None:
-            self._new.drop()
-            self._new = None
-        self.new_saved = self.new_unsaved = 0
+        """Record why an attempt that did not commit failed."""
         self.reason = classify_failure(exc)
         self.error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, GymCheckpointNotReady):
@@ -96,7 +89,12 @@ class SnapshotOutcome:
             self.left_out = exc.left_out
 
     def row(self) -> dict[str, Any]:
-        """The keyword arguments of ``RunRecords.snapshot_attempt``."""
+        """The keyword arguments of ``RunRecords.snapshot_attempt``. The snapshotter asks once, when the
+        attempt is over (after the pause): a committed one settles its first counts here, so an attempt
+        that did not commit leaves its rollouts to the next that does."""
+        if self.committed and self._keys is not None:
+            self.new_saved, self.new_unsaved = self._keys.settle()
+            self._keys = None
         return dict(
             checkpoint_id=self.checkpoint_id,
             committed=self.committed,

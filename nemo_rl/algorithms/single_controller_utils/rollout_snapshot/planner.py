@@ -53,7 +53,7 @@ _RESTORED_KEY = re.compile(r"-a[1-9][0-9]*$")
 
 
 class FirstCounts:
-    """The rollouts this start's snapshots have already counted as saved at turn level / unsaved, so
+    """The rollouts this start's committed snapshots have counted as saved at turn level / unsaved, so
     that ``snapshots.jsonl`` can say how many rollouts each snapshot counts for the first time
     (``new_saved``, ``new_unsaved``) and the run's summary can add those up (docs/design.md §5.4).
 
@@ -69,45 +69,37 @@ class FirstCounts:
         self.saved: set[str] = set()
         self.unsaved: set[str] = set()
 
-    def new(self, saved: Iterable[str], unsaved: Iterable[str], live: Collection[str]) -> "NewRollouts":
-        """What a cut counts for the first time (nothing recorded until ``NewRollouts.keep``)."""
-        return NewRollouts(
-            self,
-            frozenset(k for k in saved if k not in self.saved and not _RESTORED_KEY.search(k)),
-            frozenset(k for k in unsaved if k not in self.unsaved),
-            live,
-        )
-
 
 @dataclass(frozen=True)
-class NewRollouts:
-    """One cut's first counts. ``keep`` once the snapshot is taken; ``drop`` if it does not commit,
-    so a later snapshot that does commit counts them."""
+class CutKeys:
+    """The capture keys behind one cut's counts. ``settle`` runs once the snapshot is committed, after
+    the pause (the set work stays out of it); a cut whose snapshot does not commit is never settled."""
 
-    counts: FirstCounts
-    saved: frozenset[str]
-    unsaved: frozenset[str]
-    live: Collection[str]  # every capture key held at turn level at the cut
+    first: FirstCounts
+    saved: list[str]
+    unsaved: list[str]
+    held: Mapping[str, set[str]]  # every instance's turn-level keys at the cut (``check_cut``'s answer)
 
-    def keep(self) -> None:
-        c = self.counts
-        c.saved = {k for k in c.saved if k in self.live} | self.saved
-        c.unsaved = {k for k in c.unsaved if k in self.live} | self.unsaved
-
-    def drop(self) -> None:
-        self.counts.saved -= self.saved
-        self.counts.unsaved -= self.unsaved
+    def settle(self) -> tuple[int, int]:
+        """Record this cut's rollouts; return how many of the saved / unsaved ones are counted first here."""
+        first = self.first
+        new_saved = {k for k in self.saved if k not in first.saved and not _RESTORED_KEY.search(k)}
+        new_unsaved = {k for k in self.unsaved if k not in first.unsaved}
+        live = set().union(*self.held.values()) if self.held else set()
+        first.saved = {k for k in first.saved if k in live} | new_saved
+        first.unsaved = {k for k in first.unsaved if k in live} | new_unsaved
+        return len(new_saved), len(new_unsaved)
 
 
 @dataclass(frozen=True)
 class CutCounts:
     """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, refused by Gym and waiting;
-    ``new``: those of them no earlier snapshot of this start counted (None: not tracked)."""
+    ``keys``: the keys behind them, to settle first counts with (None: not tracked)."""
 
     saved: int
     unsaved: int
     not_admitted: int
-    new: NewRollouts | None = None
+    keys: CutKeys | None = None
 
 
 def gym_checkpoint_agents(
@@ -261,7 +253,7 @@ def cut_counts(
     """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed and returned ``owned``).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted.
-    ``first``: the start's ``FirstCounts``; the result's ``new`` then holds what this cut counts first."""
+    ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this cut counts first."""
     inventory = owned if owned is not None else gym_checkpoint_keys(ledger, plan.topology)
     saved: list[str] = []
     unsaved: list[str] = []
@@ -276,8 +268,5 @@ def cut_counts(
                 waiting += 1
             elif key in plan.unsaved[iid]:
                 unsaved.append(key)
-    new = None
-    if first is not None:
-        live = set().union(*inventory.values()) if inventory else set()
-        new = first.new(saved, unsaved, live)
-    return CutCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), new)
+    keys = CutKeys(first, saved, unsaved, inventory) if first is not None else None
+    return CutCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), keys)

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from gym_patches.config import GymConfigError
+from gym_patches.config import SERVER_KIND, GymConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Top-level keys of a NeMo-RL training config (a Gym config has none of them).
@@ -73,7 +73,10 @@ def looks_like_rl_config(paths: list[str]) -> bool:
         data = yaml.safe_load(_resolve_config_path(paths[0]).read_text())
     except (GymConfigError, OSError, yaml.YAMLError):
         return False
-    return isinstance(data, dict) and any(k in data for k in RL_KEYS)
+    if not isinstance(data, dict):
+        return False
+    # A Gym server may be named like an RL section ("policy"): its value names a server type.
+    return any(k in data and not (isinstance(data[k], dict) and set(data[k]) & set(SERVER_KIND)) for k in RL_KEYS)
 
 
 def _read(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -97,10 +97,13 @@ def test_bad_gym_keys_are_named(overrides, named):
     assert named in str(err.value)
 
 
-def test_only_files_with_rl_sections_are_taken_for_rl_configs():
+def test_only_files_with_rl_sections_are_taken_for_rl_configs(tmp_path):
     assert rl_config.looks_like_rl_config(["examples/configs/grpo_workplace_turn.yaml"])
     assert not rl_config.looks_like_rl_config(["examples/gym_configs/workplace.yaml"])
     assert not rl_config.looks_like_rl_config(["no/such/file.yaml"])
+    gym = tmp_path / "gym.yaml"  # a Gym server named like an RL section is still a Gym config
+    gym.write_text("policy:\n  responses_api_models:\n    vllm_model: {}\n")
+    assert not rl_config.looks_like_rl_config([str(gym)])
 
 
 def test_the_launcher_imports_nothing_from_nemo_rl():

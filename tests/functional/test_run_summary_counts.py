@@ -49,3 +49,37 @@ def test_summary_counts_each_saved_rollout_once_however_many_snapshots_held_it(t
     # the index also lists, as unsaved, runs a saving server had not started: at most that many
     assert 0 < distinct_unsaved <= len(unsaved)
     assert distinct + distinct_unsaved <= 2 * 4 * 4  # never more than the run's rollouts (2 steps x 4 x 4)
+
+
+def test_rollouts_continued_after_a_kill_are_not_counted_again(tmp_path):
+    """SIGKILL once a committed snapshot saved rollouts, then the same command to the end: the summary,
+    over both starts' rows, counts each saved rollout once, though the relaunch saves the restored
+    ones again under attempt 1 (``-a1``)."""
+    import re
+    import uuid
+
+    from tests.functional.rl_run import run_until_then_kill, wait_for_no_processes
+
+    dirs = RunDirs(tmp_path)
+    marker = uuid.uuid4().hex
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker})
+    args = (["--config", "examples/configs/grpo_mixed_turn.yaml", "policy.model_name=scripted-test-backend"]
+            + replies(0.3) + dirs.overrides()
+            + ["rollout_recovery.allow_restart_only_gym_servers=true", "grpo.max_num_steps=2",
+               "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
+               "rollout_checkpointing.keep_latest_k=1000", "checkpointing.keep_top_k=null"])
+    run_until_then_kill(args, env=env, until=lambda: any(
+        s["committed"] and s["saved"] > 0 for s in dirs.records("snapshots.jsonl")))
+    assert wait_for_no_processes(marker) == []
+    proc = run_grpo(args, env=env, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restored = dirs.restore_json()["restored_rollout_ids"]
+    table = _summary(proc.stdout)
+
+    rollouts = set()  # each saved rollout once, whichever attempt a snapshot saved it under
+    for row in (s for s in dirs.records("snapshots.jsonl") if s["committed"]):
+        index = json.loads((Path(row["path"]) / "gym_checkpoint.json").read_text())
+        rollouts |= {re.sub(r"-a[1-9][0-9]*$", "", k) for keys in index["turn_level"].values() for k in keys}
+    distinct = int(table["rollouts saved at turn level (distinct)"])
+    print(f"\nrestored at their turn: {len(restored)}; distinct saved over both starts: {distinct}")
+    assert restored and distinct == len(rollouts)

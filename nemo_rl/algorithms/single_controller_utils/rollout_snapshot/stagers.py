@@ -221,10 +221,9 @@ class _GymStager(Stager):
             for iid in iids
         }
         snapshot = self.store.begin(inputs.anchor_dir())
-        tmp = snapshot.tmp
         try:
             scopes = server_scopes(plan, inputs.agent_servers)
-            share = await self._save_in_pause(prepared, plan, scopes, tmp, outcome)
+            share = await self._save_in_pause(prepared, plan, scopes, snapshot.tmp, outcome)
             self.hooks.reached("commit", step)
             for iid, keys in (await self._drain(plan.scope, share.exported, prepared.deadline_ts)).items():
                 not_started[iid] |= keys

@@ -22,6 +22,7 @@ from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.records import CapturedRecord, Fragment, capture_record, fragment, plain
 from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
+from gym_patches.responses_api_agents.admission import StartGate
 from gym_patches.responses_api_agents.loop import RunRequestError, SimpleAgentLoopState, parse_run_body
 from gym_patches.server_utils import cancel_and_wait, json_error
 from gym_patches.wire_models import Boundary
@@ -146,14 +147,16 @@ class Activation:
 
     @contextlib.asynccontextmanager
     async def seeding(self) -> AsyncIterator[None]:
-        """Seeds wait while closed; a seed in flight blocks readiness."""
-        s = self._s
-        await self._p._until_reopened(s)
-        self._p._set_phase(s, "seeding")
-        try:
-            yield
-        finally:
-            self._p._set_phase(s, "running")
+        """Seeds wait for a start slot (``StartGate``: still ``admitting``, nothing to save) and,
+        while closed, for reopen; a seed in flight blocks readiness, so at most the gate's limit do."""
+        p, s = self._p, self._s
+        async with p.start_gate.slot():
+            await p._until_reopened(s)
+            p._set_phase(s, "seeding")
+            try:
+                yield
+            finally:
+                p._set_phase(s, "running")
 
 
 Runner = Callable[..., Awaitable[T]]
@@ -167,6 +170,9 @@ class AgentSessionParticipant(CheckpointParticipant):
     def __init__(self, agent: Any = None):
         super().__init__()
         self.name: str = getattr(agent, "name", None) or "agent"
+        # The agent's bound on runs starting at once (one per server, shared with its loop).
+        gate = getattr(agent, "start_gate", None)
+        self.start_gate: StartGate = gate if isinstance(gate, StartGate) else StartGate()
         self._sessions: dict[str, _Session] = {}
         self._restored: dict[str, RestoredSession] = {}
         self._reopened = asyncio.Event()
@@ -303,8 +309,9 @@ class AgentSessionParticipant(CheckpointParticipant):
     def readiness(self) -> PrepareReport:
         by_phase = self._by_phase
         blockers = [s.key for s in by_phase["seeding"]] + [s.key for s in by_phase["running"]]
-        # An admitting /run arrived while closed and has done nothing: nothing to save, so after a
-        # crash it restarts from its prompt. Saying so keeps it out of commit scopes.
+        # An admitting /run has done nothing yet (it arrived while closed, or waits for a start slot):
+        # nothing to save, so after a crash it restarts from its prompt. Saying so keeps it out of
+        # commit scopes.
         admitting = by_phase["admitting"]
         unsaved = [s.key for s in admitting if s.key not in self._restored]
         pending = len(self._restored)  # installed, /run not started yet (a waiting one is skipped above)

@@ -22,6 +22,7 @@ from gym_patches.activity import ActivityBoard, RunTrack
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.config import ServerRef
+from gym_patches.responses_api_agents.admission import StartGate
 from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase
 from gym_patches.wire_models import (
     ACTIVITY_ROUTE,
@@ -116,7 +117,11 @@ class Activation(Protocol):
 
 
 class NoActivation:
-    """The activation of an agent that saves nothing: every hook is a no-op."""
+    """The activation of an agent that saves nothing: every hook is a no-op, but a seed still
+    takes a slot of the agent's ``StartGate`` when it has one (``admission``)."""
+
+    def __init__(self, start_gate: StartGate | None = None):
+        self._gate = start_gate
 
     async def boundary(self, name: Boundary, state: SimpleAgentLoopState) -> None:
         return None
@@ -127,7 +132,11 @@ class NoActivation:
 
     @contextlib.asynccontextmanager
     async def seeding(self) -> AsyncIterator[None]:
-        yield
+        if self._gate is None:
+            yield
+            return
+        async with self._gate.slot():
+            yield
 
 
 class LoopIO(Protocol):
@@ -450,6 +459,7 @@ class LoopAgentServer(GymServer):
             model_call_timeout_s=cfg.model_call_timeout_s, resources_call_timeout_s=cfg.resources_call_timeout_s,
         )
         self.activity = ActivityBoard(self.name)
+        self.start_gate = StartGate()  # the runs starting at once (``admission``); the participant shares it
 
     @property
     def max_steps(self) -> int:
@@ -480,7 +490,7 @@ class LoopAgentServer(GymServer):
                     row,
                     capture_key=episode.capture_key,
                     max_steps=self.max_steps,
-                    activation=activation,
+                    activation=activation if activation is not None else NoActivation(self.start_gate),
                     restored_from=restored_from,
                     restored_state=restored_state,
                 )

@@ -47,6 +47,13 @@ def server_class(server_type: str, implementation: str) -> type[GymServer]:
 
 REDACTED = "<redacted>"
 
+# Connections the kernel queues for a server before it accepts them (capped by net.core.somaxconn).
+# aiohttp's default, 128, is far below the thousands of /run calls one agent replica gets at the
+# start of a step: past it the kernel drops connection attempts, and each caller (a status probe
+# on a new connection too) waits out a retransmit of 1, 3, 7, ... seconds before it is even queued.
+# The cost: asyncio accepts up to this many queued connections in one turn of the loop.
+LISTEN_BACKLOG = 4096
+
 
 def build_head_app(config: GymGlobalConfig) -> web.Application:
     """The head server publishes the resolved config and the instance list.
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         where: dict = {"sock": socket.socket(fileno=int(fd))}
     else:
         where = {"host": host, "port": port}
-    web.run_app(app, **where, print=None, handle_signals=True, shutdown_timeout=2.0)
+    web.run_app(app, **where, backlog=LISTEN_BACKLOG, print=None, handle_signals=True, shutdown_timeout=2.0)
     return 0
 
 

@@ -82,6 +82,9 @@ class ScriptedTurn(BaseModel):
 
     tool_calls: list[ScriptedToolCall] | None = None
     content: str | None = None
+    # This reply waits this long instead of the backend's delay_s (a row's ``scripted_first_reply_delay_s``:
+    # the fake's way to make one row slow, e.g. a validation that outlasts a stop's grace).
+    delay_s: float | None = Field(default=None, ge=0.0, le=600.0)
 
     @model_validator(mode="after")
     def _has_something(self) -> "ScriptedTurn":
@@ -210,6 +213,12 @@ class ScriptedState:
         return plan[turn] if turn < len(plan) else ScriptedTurn(content=FINAL_TEXT)
 
 
+    def wait_for(self, turn: ScriptedTurn) -> float:
+        """Seconds a reply waits before it is sent: the turn's own delay, else delay_s plus jitter."""
+        if turn.delay_s is not None:
+            return turn.delay_s
+        return self.delay_s + (self.jitter.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0)
+
     def release(self, key: Key) -> bool:
         event = self.holds.pop(key, None)
         if event is not None:
@@ -274,8 +283,9 @@ def build_app() -> web.Application:
                         del state.waiting[key]
             limit = max_tokens if state.respect_max_tokens else None
             tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
-            reply = _completion(messages, state.turn_for(user, turn_index, tool_text), turn_index, body.get("model"), limit)
-            wait = state.delay_s + (state.jitter.uniform(0.0, state.jitter_s) if state.jitter_s else 0.0)
+            turn = state.turn_for(user, turn_index, tool_text)
+            reply = _completion(messages, turn, turn_index, body.get("model"), limit)
+            wait = state.wait_for(turn)
             if wait:
                 await asyncio.sleep(wait)
             await state.decoder.decode(reply["usage"]["completion_tokens"])
@@ -576,6 +586,8 @@ def first_user_text(row: dict[str, Any]) -> str:
 
 
 def plan_for_row(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """One turn per ground-truth call, then the final answer; ``scripted_first_reply_delay_s`` (a
+    row key only this fake reads) makes the first reply wait that long."""
     turns: list[dict[str, Any]] = [
         {"tool_calls": [{"name": call["name"], "arguments": call.get("arguments", {})}]}
         for call in row.get("ground_truth") or []
@@ -583,6 +595,9 @@ def plan_for_row(row: dict[str, Any]) -> list[dict[str, Any]]:
     final = row.get("final_answer")
     if final is not None:
         turns.append({"content": final if isinstance(final, str) else json.dumps(final)})
+    slow = row.get("scripted_first_reply_delay_s")
+    if slow is not None and turns:
+        turns[0]["delay_s"] = float(slow)
     return turns
 
 

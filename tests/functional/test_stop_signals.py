@@ -45,6 +45,7 @@ WORKPLACE = "examples/configs/grpo_workplace_turn.yaml"
 GRACE_S = 25.0  # rollout_checkpointing.stop_grace_s's default
 SIGNAL_ENV = "NEMO_RL_TEST_ONLY_SIGNAL_AT"
 SBATCH = REPO / "examples" / "slurm" / "grpo.sbatch"  # the batch script forwards its signals to the run
+SLOW_VALIDATION_S = GRACE_S + 5  # a validation longer than the grace
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Stopped:
     signalled_at: float  # time.time() of the (first) signal
     leftover: list[int]
     rows: list[dict[str, Any]]  # snapshots.jsonl of the stopped run
+    metrics: list[dict[str, Any]]  # metrics.jsonl of the stopped run
+    published: dict[str, dict[str, bytes]]  # each snapshot on disk when the stopped run ended: its files
     final: Any = None  # the relaunch (cm.RunResult)
     notes: list[str] = field(default_factory=list)
 
@@ -89,11 +92,24 @@ def _in_flight_with_turns(spec) -> bool:
     return bool(spec.records("metrics.jsonl"))
 
 
+def _slow_validation(root: Path) -> list[str]:
+    """Validation data: five rows, the first one's first model reply ``SLOW_VALIDATION_S`` late (longer
+    than the grace; the scripted backend's ``scripted_first_reply_delay_s``); the overrides that
+    validate every second step on it."""
+    rows = [json.loads(line) for line in (REPO / "examples/data/mixed_val.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["task_source"] != "python_sandbox"][:5]
+    rows[0]["scripted_first_reply_delay_s"] = SLOW_VALIDATION_S
+    data = root / "slow_val.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"data.val_data_path={data}", "grpo.val_period=2", "grpo.max_val_samples=5"]
+
+
 def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_at: str | None = None,
-               usr1_first: bool = False, ignore_sigint: bool = False, via_sbatch: bool = False) -> Stopped:
-    spec = cm.RunSpec(root, config=config, steps=3, interval_s=30.0, delay_s=0.6, lookahead=lookahead,
-                      shuffle=lookahead == 0)
+               usr1_first: bool = False, ignore_sigint: bool = False, via_sbatch: bool = False,
+               slow_validation: bool = False) -> Stopped:
     root.mkdir(parents=True, exist_ok=True)
+    spec = cm.RunSpec(root, config=config, steps=3, interval_s=30.0, delay_s=0.6, lookahead=lookahead,
+                      shuffle=lookahead == 0, extra=_slow_validation(root) if slow_validation else [])
     marker = new_marker()
     extra = {SIGNAL_ENV: signal_at} if signal_at else {}
     env = run_env(marker=marker, extra=extra)
@@ -138,7 +154,17 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
             proc.wait()
     leftover = reap(marker, 30)
     return Stopped(spec, proc.returncode, out.read_text(errors="replace"), exit_s, signalled_at, leftover,
-                   spec.records("snapshots.jsonl"), notes=notes)
+                   spec.records("snapshots.jsonl"), spec.records("metrics.jsonl"), _published(spec), notes=notes)
+
+
+def _published(spec) -> dict[str, dict[str, bytes]]:
+    """The files of every snapshot a row says was published and that is still on disk (a relaunch prunes)."""
+    out = {}
+    for row in spec.records("snapshots.jsonl"):
+        path = Path(row["path"]) if row.get("committed") and row.get("path") else None
+        if path is not None and path.is_dir():
+            out[row["path"]] = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    return out
 
 
 CASES = {
@@ -147,6 +173,10 @@ CASES = {
     "every_process": dict(config=cm.TWO_SHARDS_CONFIG, lookahead=1, deliver="every_process"),
     "during_training": dict(config=cm.MIXED_CONFIG, lookahead=1, deliver="hook", signal_at="train:2,persist"),
     "ctrl_c": dict(config=WORKPLACE, lookahead=0, deliver="ctrl_c", ignore_sigint=True),
+    # async: step 3's groups generate while step 2 validates; the stop lands when a quick validation
+    # rollout has finished and the slow one (longer than the grace) still runs
+    "during_validation": dict(config=cm.MIXED_CONFIG, lookahead=1, deliver="hook", signal_at="validate",
+                              slow_validation=True),
 }
 
 
@@ -237,3 +267,21 @@ def test_ctrl_c_in_a_background_job_stops_without_a_traceback(stopped):
     assert case.leftover == []
     final = case.final_rows("SIGINT")
     assert len(final) == 1 and final[0]["committed"] and final[0]["saved"] > 0, case.rows
+
+
+def test_a_stop_during_validation_snapshots_at_once_and_saves_no_validation_rollout(stopped):
+    # Validation used to hold snapshots off until it ended: the final snapshot then waited past its
+    # budget for the slow validation rollout, and the stop published none.
+    case = stopped("during_validation")
+    assert case.returncode == 143, case.output[-3000:]
+    assert "TEST-ONLY signal" in case.output and case.leftover == []
+    final = case.final_rows("SIGTERM")
+    assert len(final) == 1 and final[0]["committed"], (case.rows, case.output[-3000:])
+    assert final[0]["step"] == 2 and final[0]["anchor_step"] == 1, final[0]  # cut while step 2 validated
+    assert not [m for m in case.metrics if "val_reward_mean" in m], case.output[-3000:]  # it never finished
+    # validation rollouts are in no commit scope and no unsaved list: nothing of theirs is in the snapshot
+    files = case.published[final[0]["path"]]
+    assert files and not [name for name, data in files.items() if b"val_s" in data], sorted(files)
+    _check_relaunch(case, final[0])
+    validated = [m["step"] for m in case.spec.records("metrics.jsonl") if "val_reward_mean" in m]
+    assert validated == [2], validated  # the relaunch validates step 2 again

@@ -149,7 +149,8 @@ def plan_cut(
 
     ``unsavable_agents[instance]``: agents whose rollouts touch a restart-only server there. Their
     rollouts are unsaved whatever Gym reported at prepare: a ``/run`` that reached a restart-only
-    server after it answered prepare is not in its report, and must not be in a commit scope."""
+    server after it answered prepare is not in its report, and must not be in a commit scope. What
+    Gym reports unsaved but the ledger does not own (a validation rollout) is in no plan."""
     iids = tuple(sorted(instance_ids))
     out = tuple(sorted(set(left_out) - set(iids)))
     owned = gym_checkpoint_agents(ledger, iids + out)
@@ -158,7 +159,8 @@ def plan_cut(
     for iid in iids:
         agents = unsavable.get(iid, ())
         late = {k for k, agent in owned[iid].items() if agent in agents} if agents else set()
-        unsaved[iid] = frozenset(gym_unsaved.get(iid, ())) | late
+        # Only the ledger's: Gym also holds rollouts no snapshot is about (validation runs, §5.6).
+        unsaved[iid] = frozenset(k for k in gym_unsaved.get(iid, ()) if k in owned[iid]) | late
     scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} for iid in iids}
     return CutPlan(iids, scope, unsaved, out)
 

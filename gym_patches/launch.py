@@ -302,6 +302,26 @@ def _servers(config: dict[str, Any]) -> bool:
     return bool(parse_gym_config(config).instances)
 
 
+def _serve(deployments: list[tuple[str | None, "GymDeployment"]], head: str | None) -> int:
+    """Print what runs and wait until a server exits (1) or a stop arrives (0; at any point, mid-print too)."""
+    try:
+        if head:
+            print(head)
+        for instance, dep in deployments:
+            where = f"{instance}   " if instance else ""
+            print(f"{where}head server: {dep.head_url}   logs: {dep.log_dir}")
+            print(dep.describe(), flush=True)
+        while all(ok for _, dep in deployments for ok in dep.alive().values()):
+            time.sleep(0.5)
+        dead = [f"{instance}/{n}" if instance else n for instance, dep in deployments
+                for n, ok in dep.alive().items() if not ok]
+        print(f"error: Gym server(s) exited: {', '.join(dead)}", file=sys.stderr)
+        return 1
+    except _Stopped as stop:
+        print(f"stopping Gym servers ({stop.name})...", flush=True)
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Start a Gym deployment and keep it running until Ctrl-C or SIGTERM.",
@@ -333,22 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         except _Stopped as stop:  # while starting: start() has stopped what it was starting
             print(f"stopped while starting ({stop.name})", file=sys.stderr)
             return 130 if stop.name == "SIGINT" else 143
-        try:  # from here a stop at any point stops every server and exits 0 (also mid-print)
-            if head:
-                print(head)
-            for instance, dep in deployments:
-                where = f"{instance}   " if instance else ""
-                print(f"{where}head server: {dep.head_url}   logs: {dep.log_dir}")
-                print(dep.describe(), flush=True)
-            while all(ok for _, dep in deployments for ok in dep.alive().values()):
-                time.sleep(0.5)
-            dead = [f"{instance}/{n}" if instance else n for instance, dep in deployments
-                    for n, ok in dep.alive().items() if not ok]
-            print(f"error: Gym server(s) exited: {', '.join(dead)}", file=sys.stderr)
-            return 1
-        except _Stopped as stop:
-            print(f"stopping Gym servers ({stop.name})...", flush=True)
-            return 0
+        return _serve(deployments, head)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the teardown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -30,7 +30,6 @@ KNOWN = {
     "nemo_rl/environments/gym_checkpoint_adapter.py::GymCheckpointAdapter.checkpoint": 21,
     "gym_patches/responses_api_models/vllm_model/converter.py::chat_to_responses": 21,
     "gym_patches/responses_api_models/vllm_model/converter.py::_token_info": 21,
-    "gym_patches/launch.py::main": 21,  # joined with the RL-config launch (e77be0f), after this list: to split
 }
 
 

@@ -28,8 +28,6 @@ KNOWN = {
     "nemo_rl/algorithms/single_controller_utils/setup.py::_spinup_gym": 27,
     "nemo_rl/models/generation/vllm_worker.py::VllmGenerationServer._tracked_chat": 21,
     "nemo_rl/environments/gym_checkpoint_adapter.py::GymCheckpointAdapter.checkpoint": 21,
-    "gym_patches/responses_api_models/vllm_model/converter.py::chat_to_responses": 21,
-    "gym_patches/responses_api_models/vllm_model/converter.py::_token_info": 21,
 }
 
 

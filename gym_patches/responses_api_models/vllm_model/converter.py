@@ -238,6 +238,30 @@ def chat_to_responses(
     ``request`` (the Responses request that was mapped) supplies the fields a
     response echoes: instructions, tools, tool_choice, sampling settings.
     """
+    choice, message, content = _first_choice(reply)
+    incomplete = _incomplete_details(choice.get("finish_reason"))
+    status = "incomplete" if incomplete else "completed"
+    output = _output_items(message, content, status)
+    if keep_token_ids:
+        output[-1].update(_token_info(reply, choice, message))
+    out = ResponsesReply(
+        id=response_id or f"resp_{uuid.uuid4().hex}",
+        created_at=int(time.time()) if created_at is None else created_at,
+        status=status,
+        model=reply.get("model") if isinstance(reply.get("model"), str) else model,
+        output=output,
+        incomplete_details=incomplete,
+        usage=_usage(reply.get("usage")),
+        **_echoed(request),
+    )
+    return out.model_dump(mode="json")
+
+
+def _first_choice(reply: Any) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """The first choice, its message and its text, checked before anything is built from them.
+
+    Split out of ``chat_to_responses`` so the shape checks of a backend reply read in one place.
+    """
     if not isinstance(reply, dict):
         raise BackendReplyError(f"reply must be a JSON object, got {type(reply).__name__}")
     choices = reply.get("choices")
@@ -250,13 +274,21 @@ def chat_to_responses(
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise BackendReplyError("choices[0].message.content must be a string or null")
-    finish = choice.get("finish_reason")
-    incomplete = None
+    return choice, message, content
+
+
+def _incomplete_details(finish: Any) -> dict[str, str] | None:
+    """Why a reply stopped early, in Responses terms (None when it finished on its own)."""
     if finish == "length":
-        incomplete = {"reason": "max_output_tokens"}
-    elif finish == "content_filter":
-        incomplete = {"reason": "content_filter"}
-    status = "incomplete" if incomplete else "completed"
+        return {"reason": "max_output_tokens"}
+    if finish == "content_filter":
+        return {"reason": "content_filter"}
+    return None
+
+
+def _output_items(message: dict[str, Any], content: str | None, status: str) -> list[Item]:
+    """The reply's output items: the text message (always one item when there are no tool calls,
+    so the token info has somewhere to go), then one function_call item per tool call."""
     output: list[Item] = []
     tool_calls = message.get("tool_calls") or []
     if not isinstance(tool_calls, list):
@@ -273,19 +305,7 @@ def chat_to_responses(
         )
     for j, call in enumerate(tool_calls):
         output.append(_function_call_item(j, call))
-    if keep_token_ids:
-        output[-1].update(_token_info(reply, choice, message))
-    out = ResponsesReply(
-        id=response_id or f"resp_{uuid.uuid4().hex}",
-        created_at=int(time.time()) if created_at is None else created_at,
-        status=status,
-        model=reply.get("model") if isinstance(reply.get("model"), str) else model,
-        output=output,
-        incomplete_details=incomplete,
-        usage=_usage(reply.get("usage")),
-        **_echoed(request),
-    )
-    return out.model_dump(mode="json")
+    return output
 
 
 def _echoed(request: ResponsesRequest | None) -> dict[str, Any]:
@@ -366,19 +386,7 @@ def _token_info(*sources: dict[str, Any]) -> dict[str, Any]:
         value = next((s[key] for s in sources if s.get(key) is not None), None)
         if value is None:
             continue
-        if key == "weight_version":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise BackendReplyError(f"{key} must be an integer, got {value!r}")
-        elif key == "prefix_continuation":  # the call continued a saved generation cut (or discarded it)
-            try:
-                value = PrefixContinuation.model_validate(value).model_dump()
-            except ValidationError as exc:
-                raise BackendReplyError(f"{key} is invalid: {exc.errors()[0]['msg']}") from None
-        elif key == "generation_log_probs":
-            if not isinstance(value, list) or not all(_is_number(v) for v in value):
-                raise BackendReplyError(f"{key} must be a list of finite numbers")
-        elif not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise BackendReplyError(f"{key} must be a list of integers")
+        value = _checked_token_field(key, value)
         info[key] = value
     gen, lp = info.get("generation_token_ids"), info.get("generation_log_probs")
     if gen is not None and lp is not None and len(gen) != len(lp):
@@ -386,6 +394,27 @@ def _token_info(*sources: dict[str, Any]) -> dict[str, Any]:
             f"generation_token_ids ({len(gen)}) and generation_log_probs ({len(lp)}) differ in length"
         )
     return info
+
+
+def _checked_token_field(key: str, value: Any) -> Any:
+    """One token extension checked against its type (and normalised, for prefix_continuation).
+
+    Split out of ``_token_info`` so each field's rule stands on its own line.
+    """
+    if key == "weight_version":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BackendReplyError(f"{key} must be an integer, got {value!r}")
+    elif key == "prefix_continuation":  # the call continued a saved generation cut (or discarded it)
+        try:
+            value = PrefixContinuation.model_validate(value).model_dump()
+        except ValidationError as exc:
+            raise BackendReplyError(f"{key} is invalid: {exc.errors()[0]['msg']}") from None
+    elif key == "generation_log_probs":
+        if not isinstance(value, list) or not all(_is_number(v) for v in value):
+            raise BackendReplyError(f"{key} must be a list of finite numbers")
+    elif not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise BackendReplyError(f"{key} must be a list of integers")
+    return value
 
 
 def _is_number(value: Any) -> bool:

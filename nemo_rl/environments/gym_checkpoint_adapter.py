@@ -146,14 +146,9 @@ class GymCheckpointAdapter:
         replies = await coordination.call(self.participants, request)
         match request:
             case CommitCall() | PersistCall():
-                cuts = {k: n for r in replies.values() for k, n in r.cut_tokens.items()}
-                summary = self._summary(request, {name: r.episode_ids for name, r in replies.items()}, cuts)
-                errors = [f"{name}: {r.cut_error}" for name, r in sorted(replies.items()) if getattr(r, "cut_error", None)]
-                return dataclasses.replace(summary, cut_failed=sum(getattr(r, "cut_failed", 0) for r in replies.values()),
-                                           cut_error="; ".join(errors) or None)
+                return self._write_summary(request, replies)
             case RestoreCall():
-                agents = {p.name for p in self.participants.by_kind("agent")}
-                return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
+                return self._restored_agent_keys(replies)
             case ForgetCall():
                 return sum(reply.forgotten for reply in replies.values())
             case ProbeCall():
@@ -162,6 +157,21 @@ class GymCheckpointAdapter:
                 return replies
             case _:  # renew, retire, resume: nothing to keep
                 return None
+
+    def _write_summary(self, request: CommitCall | PersistCall, replies: dict[str, Any]) -> GymCheckpointCommitSummary:
+        """A commit's or persist's replies as one summary: what each server wrote, the generation cuts,
+        and the cuts that failed (named per server). Split out of ``checkpoint`` to keep it a dispatch."""
+        cuts = {k: n for r in replies.values() for k, n in r.cut_tokens.items()}
+        summary = self._summary(request, {name: r.episode_ids for name, r in replies.items()}, cuts)
+        errors = [f"{name}: {r.cut_error}" for name, r in sorted(replies.items()) if getattr(r, "cut_error", None)]
+        return dataclasses.replace(summary, cut_failed=sum(getattr(r, "cut_failed", 0) for r in replies.values()),
+                                   cut_error="; ".join(errors) or None)
+
+    def _restored_agent_keys(self, replies: dict[str, Any]) -> list[str]:
+        """The capture keys the agents restored (what RL resumes at turn level); other servers' keys
+        are theirs alone. Split out of ``checkpoint`` to keep it a dispatch."""
+        agents = {p.name for p in self.participants.by_kind("agent")}
+        return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
 
     def _summary(self, request: CommitCall | PersistCall, written: dict[str, list[str]],
                  cuts: dict[str, int]) -> GymCheckpointCommitSummary:

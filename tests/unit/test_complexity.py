@@ -27,7 +27,6 @@ KNOWN = {
     "nemo_rl/algorithms/single_controller_utils/rollout_snapshot/restore.py::RunRestorer.restore": 29,
     "nemo_rl/algorithms/single_controller_utils/setup.py::_spinup_gym": 27,
     "nemo_rl/models/generation/vllm_worker.py::VllmGenerationServer._tracked_chat": 21,
-    "nemo_rl/environments/gym_checkpoint_adapter.py::GymCheckpointAdapter.checkpoint": 21,
 }
 
 

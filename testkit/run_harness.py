@@ -264,6 +264,7 @@ def run_once(
     stderr_path: str | Path | None = None,
     kill_when: Callable[[float], bool] | None = None,
     kill_driver_only: bool = False,
+    stop: Callable[[subprocess.Popen], str] | None = None,
     timeout_s: float = 240.0,
     poll_s: float = 0.02,
     reap_after: bool = True,
@@ -273,7 +274,8 @@ def run_once(
 
     ``kill_when(elapsed_s)`` is polled every ``poll_s`` while the run lives; once
     it holds, the group (or with ``kill_driver_only`` the driver alone) is
-    SIGKILLed. After ``timeout_s`` the group is SIGKILLed (``killed_by="timeout"``).
+    SIGKILLed; a ``stop(proc)`` given acts instead (e.g. a SIGTERM, then a wait for the exit) and
+    returns what ``killed_by`` says. After ``timeout_s`` the group is SIGKILLed (``killed_by="timeout"``).
     Output goes to ``stdout_path``/``stderr_path`` (the same path merges them;
     none: discarded). ``env`` gets a fresh marker if it has none; with
     ``reap_after`` the call returns only once no process of the run is left
@@ -301,7 +303,9 @@ def run_once(
                     break
                 if kill_when is not None and kill_when(elapsed):
                     killed_at = time.time()
-                    if kill_driver_only:
+                    if stop is not None:
+                        killed_by = stop(proc)
+                    elif kill_driver_only:
                         killed_by = "driver"
                         kill_driver(proc)
                     else:

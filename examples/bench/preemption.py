@@ -59,10 +59,9 @@ from testkit.run_harness import (
     kill_group,
     new_marker,
     processes_with_marker,
-    reap,
     run_env,
+    run_once,
     scripted_overrides,
-    start_run,
 )
 
 NAME = "preemption"
@@ -98,59 +97,40 @@ def _log_dir(args: list[str]) -> Path:
 
 def run_and_stop(args: list[str], env: dict[str, str], out_path: Path, stop_when: Callable[[float], bool],
                  timeout_s: float, *, how: str, grace_s: float, logs: Path) -> tuple[RunOutcome, dict[str, Any]]:
-    """Start the run in its own session (``testkit.run_harness.start_run``), stop it once ``stop_when(elapsed)``
-    holds, reap it. The info: when the signal went, the driver's exit and status, the final snapshot row and
-    when it appeared, the stop line, what was left."""
+    """``testkit.run_harness.run_once``, stopping the run once ``stop_when(elapsed)`` holds: SIGKILL to the
+    group, or SIGTERM to the driver and a wait for its exit. The info: when the signal went, the driver's exit
+    and status, the final snapshot row and when it appeared, the stop line, what was left."""
     if how not in ("sigkill", "sigterm"):
         raise ValueError(f"how={how!r}: sigkill or sigterm")
     env = dict(env)
     marker = env.setdefault(MARKER_ENV, new_marker())
     snaps = JsonlFollower(Path(logs) / "snapshots.jsonl")
     info: dict[str, Any] = {"how": how}
-    killed_by = killed_at = None
-    with open(out_path, "wb") as out:
-        started = time.monotonic()
-        proc = start_run(args, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            while proc.poll() is None:
-                elapsed = time.monotonic() - started
-                if elapsed > timeout_s:
-                    killed_by, killed_at = "timeout", time.time()
-                    kill_group(proc)
-                    break
-                if stop_when(elapsed):
-                    info["loadavg_1m"] = os.getloadavg()[0]
-                    snaps.poll()
-                    seen = len(snaps.items)
-                    killed_at, t0 = time.time(), time.monotonic()
-                    if how == "sigkill":
-                        killed_by = "group"
-                        kill_group(proc)
-                    else:
-                        killed_by = "SIGTERM"
-                        os.kill(proc.pid, signal.SIGTERM)
-                        info.update(_wait_for_exit(proc, snaps, seen, t0, grace_s + 60.0))
-                    info["exit_s"] = time.monotonic() - t0
-                    break
-                time.sleep(POLL_S)
+
+    def stop(proc: subprocess.Popen) -> str:
+        info["loadavg_1m"] = os.getloadavg()[0]
+        snaps.poll()
+        seen, t0 = len(snaps.items), time.monotonic()
+        if how == "sigkill":
+            kill_group(proc)
             proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                kill_group(proc)
-                proc.wait()
-    ended = time.monotonic()
-    info["alive_at_exit"] = len(processes_with_marker(marker))
-    outcome = RunOutcome(proc.returncode, killed_by, ended - started, marker, Path(out_path), Path(out_path),
-                         killed_at=killed_at)
-    outcome.leftover = reap(marker)
-    outcome.cleanup_s = time.monotonic() - ended
-    info.update(returncode=proc.returncode, signalled_at=killed_at, leftover=list(outcome.leftover),
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+            info.update(_wait_for_exit(proc, snaps, seen, t0, grace_s + 60.0))
+        info["exit_s"] = time.monotonic() - t0
+        info["alive_at_exit"] = len(processes_with_marker(marker))
+        return "group" if how == "sigkill" else "SIGTERM"
+
+    outcome = run_once(args, env=env, stdout_path=out_path, stderr_path=out_path, kill_when=stop_when, stop=stop,
+                       timeout_s=timeout_s, poll_s=POLL_S)
+    info.setdefault("alive_at_exit", 0)
+    info.update(returncode=outcome.returncode, signalled_at=outcome.killed_at, leftover=list(outcome.leftover),
                 gone_after_exit_s=outcome.cleanup_s)
-    if how == "sigterm" and killed_by == "SIGTERM":
+    if how == "sigterm" and outcome.killed_by == "SIGTERM":
         text = Path(out_path).read_text(errors="replace")
         lines = [line for line in text.splitlines() if line.startswith("stopped by")]
         info["stop_lines"] = lines
-        info["status_ok"] = proc.returncode == SIGTERM_STATUS and len(lines) == 1
+        info["status_ok"] = outcome.returncode == SIGTERM_STATUS and len(lines) == 1
         snaps.poll()
         final = next((s for _, s in snaps.items if s.get("requested") == "SIGTERM"), None)
         info["final_row"] = final

@@ -153,7 +153,6 @@ class SingleController:
         self._trained_pending: dict[int, list[str]] = {}
         self.changes = LedgerChanges()
         self._rollouts: dict[str, asyncio.Task] = {}
-        self._newest_snapshot_anchor: int | None = None  # pruning spares it
         self.coverage = SnapshotCoverage(config.rollout_checkpointing.snapshot_attempt_interval_s)
         self.snapshot_counts = {"committed": 0, "failed": 0}
         recovery = config.rollout_recovery
@@ -515,7 +514,6 @@ class SingleController:
             outcome = await self.snapshotter.attempt(requested=requested)
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
             if outcome.committed:
-                self._newest_snapshot_anchor = outcome.anchor_step
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
 
     async def _next_snapshot(self, interval: float | None) -> str | None:
@@ -643,7 +641,7 @@ class SingleController:
         # A snapshot begun before this publish and published after it under its own, older anchor is
         # that newest one: the snapshotter notes its anchor before it releases ``busy`` (§5.9).
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
-            spare = self.snapshotter.newest_anchor if self.snapshotter is not None else self._newest_snapshot_anchor
+            spare = self.snapshotter.newest_anchor if self.snapshotter is not None else None
             t1 = time.monotonic()
             try:
                 await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,

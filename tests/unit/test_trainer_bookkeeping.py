@@ -399,7 +399,7 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
         step=0, anchor_step=0, checkpoint_dir=ckpt, snapshotter=None, trainer=RecordingTrainer(tmp_path / "logs"),
         dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
-        _newest_snapshot_anchor=None, hooks=RunHooks(),
+        hooks=RunHooks(),
         coverage=SnapshotCoverage(None),
         config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), to_yaml=lambda: "grpo:\n  seed: 7\n"),
     )

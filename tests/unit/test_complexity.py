@@ -25,7 +25,6 @@ LIMIT = 20
 KNOWN = {
     "nemo_rl/models/policy.py::HFPolicy.sample_batch": 31,
     "nemo_rl/algorithms/single_controller_utils/rollout_snapshot/restore.py::RunRestorer.restore": 29,
-    "nemo_rl/algorithms/single_controller_utils/setup.py::_spinup_gym": 27,
     "nemo_rl/models/generation/vllm_worker.py::VllmGenerationServer._tracked_chat": 21,
 }
 

@@ -283,12 +283,9 @@ def _spinup_gym(
     env = config.env.nemo_gym
     turn = config.rollout_recovery.turn_checkpointing_enabled
     token = control_auth_token or secrets.token_urlsafe(24)
-    handles: dict[str, list[Any]] = {}
-    instances: dict[str, GymCheckpointInstance] = {}
-    agent_shards: dict[str, str] = {}
     server_types: dict[str, str] = {}
     shard_turn_users: dict[str, dict[str, list[str]]] = {}  # shard -> server -> turn-level agents using it
-    shard_set = NemoGymShardSet(handles=handles, instances=instances, agent_shards=agent_shards)
+    shard_set = NemoGymShardSet(handles={}, instances={}, agent_shards={})
     try:
         _check_ray_resources(env)
         for shard in env.shards:
@@ -299,58 +296,90 @@ def _spinup_gym(
                 checkpointing=turn,
             )
             parsed = parse_gym_config(gym_cfg)
-            agent_resources = {
-                name: ((inst.config.get("resources_server") or {}).get("name") or None)
-                for name, inst in parsed.instances.items()
-                if inst.server_type == "responses_api_agents"
-            }
-            shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], agent_resources)
-            shard_set.agent_servers[shard.name] = {
-                name: sorted({name, *(((inst.config.get(key) or {}).get("name")) for key in
-                                      ("model_server", "resources_server") if (inst.config.get(key) or {}).get("name"))})
-                for name, inst in parsed.instances.items()
-                if inst.server_type == "responses_api_agents"
-            }
-            for name, inst in parsed.instances.items():
-                server_types[name] = inst.server_type
-                if inst.server_type == "responses_api_agents":
-                    if name in agent_shards and agent_shards[name] != shard.name:
-                        raise GymConfigError(f"Gym agent {name!r} is configured in shards {agent_shards[name]!r} and {shard.name!r}")
-                    agent_shards[name] = shard.name
-            handles[shard.name] = []
-            for i in range(shard.replicas):
-                inst_id = GymCheckpointInstance(shard.name, i)
-                instances[inst_id.instance_id] = inst_id
-                handles[shard.name].append(
-                    NemoGym.options(name=None, resources=dict(shard.ray_resources) or None).remote(
-                        inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir),
-                        rollout_timeout_s=config.async_rl.rollout_failure.nemo_gym.rollout_timeout_s,
-                    )
-                )
+            shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], _agent_resources(parsed))
+            shard_set.agent_servers[shard.name] = _agent_servers(parsed)
+            _register_servers(parsed, shard.name, server_types, shard_set.agent_shards)
+            _start_replicas(config, shard, gym_cfg, shard_set, token=token, log_dir=log_dir)
         _gather(shard_set, lambda h: h.spinup.remote(env.spinup_timeout_s), "start", env.spinup_timeout_s + 30)
         shard_set.placement = _gather(shard_set, lambda h: h.where.remote(), "locate", 30)
         write_json_atomic(Path(log_dir) / "gym_placement.json", shard_set.placement)
         if turn:
-            started = time.monotonic()
-            names = _gather(
-                shard_set, lambda h: h.initialize_checkpoint_adapter.remote(), "discover checkpoint participants of",
-                env.spinup_timeout_s,
-            )
-            shard_set.restart_only_servers = {iid: sorted(n) for iid, n in names.items()}
-            turn_users = {iid: shard_turn_users[inst.shard_name] for iid, inst in instances.items()}
-            shard_set.prepare_policy_overrides = {
-                iid: prepare_policy_overrides(shard_set.restart_only_servers[iid], turn_users[iid])
-                for iid in shard_set.restart_only_servers
-            }
-            logger.info("Gym checkpoint participants discovered in %.2fs", time.monotonic() - started)
-            try:
-                restart_only_check(config, shard_set.restart_only_servers, server_types, turn_users)
-            except ValueError as refused:
-                (hooks or RunHooks()).on_restart_only_servers(refused)
+            _discover_and_check(config, shard_set, server_types, shard_turn_users, hooks)
     except BaseException:
         shard_set.shutdown()
         raise
     return shard_set
+
+
+def _agent_resources(parsed: Any) -> dict[str, str | None]:
+    """Agent -> the resources server it uses (None without one): what ``turn_level_users`` needs to
+    tell which servers a turn-level rollout passes through. Split out of ``_spinup_gym``."""
+    return {
+        name: ((inst.config.get("resources_server") or {}).get("name") or None)
+        for name, inst in parsed.instances.items()
+        if inst.server_type == "responses_api_agents"
+    }
+
+
+def _agent_servers(parsed: Any) -> dict[str, list[str]]:
+    """Agent -> the Gym servers its rollouts touch (itself, its model and resources servers), so a
+    server's restart-only status can be tied to the agents it affects. Split out of ``_spinup_gym``."""
+    return {
+        name: sorted({name, *(((inst.config.get(key) or {}).get("name")) for key in
+                              ("model_server", "resources_server") if (inst.config.get(key) or {}).get("name"))})
+        for name, inst in parsed.instances.items()
+        if inst.server_type == "responses_api_agents"
+    }
+
+
+def _register_servers(parsed: Any, shard_name: str, server_types: dict[str, str], agent_shards: dict[str, str]) -> None:
+    """Record each server's type and each agent's shard, refusing an agent configured in two shards
+    (rollouts are routed to a shard by agent name). Split out of ``_spinup_gym``."""
+    for name, inst in parsed.instances.items():
+        server_types[name] = inst.server_type
+        if inst.server_type == "responses_api_agents":
+            if name in agent_shards and agent_shards[name] != shard_name:
+                raise GymConfigError(f"Gym agent {name!r} is configured in shards {agent_shards[name]!r} and {shard_name!r}")
+            agent_shards[name] = shard_name
+
+
+def _start_replicas(config: MasterConfig, shard: ShardConfig, gym_cfg: dict[str, Any], shard_set: NemoGymShardSet,
+                    *, token: str, log_dir: str | Path) -> None:
+    """Create one ``NemoGym`` actor per replica of ``shard`` (not yet spun up: ``_gather`` does that
+    for all shards under one deadline). Split out of ``_spinup_gym``."""
+    shard_set.handles[shard.name] = []
+    for i in range(shard.replicas):
+        inst_id = GymCheckpointInstance(shard.name, i)
+        shard_set.instances[inst_id.instance_id] = inst_id
+        shard_set.handles[shard.name].append(
+            NemoGym.options(name=None, resources=dict(shard.ray_resources) or None).remote(
+                inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir),
+                rollout_timeout_s=config.async_rl.rollout_failure.nemo_gym.rollout_timeout_s,
+            )
+        )
+
+
+def _discover_and_check(config: MasterConfig, shard_set: NemoGymShardSet, server_types: dict[str, str],
+                        shard_turn_users: dict[str, dict[str, list[str]]], hooks: RunHooks | None) -> None:
+    """Find each replica's restart-only servers, derive their prepare policies, and run the
+    restart-only check (a refusal goes to ``hooks.on_restart_only_servers``; docs/design.md §5.2).
+    Split out of ``_spinup_gym``: only turn-level checkpointing needs it."""
+    started = time.monotonic()
+    names = _gather(
+        shard_set, lambda h: h.initialize_checkpoint_adapter.remote(), "discover checkpoint participants of",
+        config.env.nemo_gym.spinup_timeout_s,
+    )
+    shard_set.restart_only_servers = {iid: sorted(n) for iid, n in names.items()}
+    turn_users = {iid: shard_turn_users[inst.shard_name] for iid, inst in shard_set.instances.items()}
+    shard_set.prepare_policy_overrides = {
+        iid: prepare_policy_overrides(shard_set.restart_only_servers[iid], turn_users[iid])
+        for iid in shard_set.restart_only_servers
+    }
+    logger.info("Gym checkpoint participants discovered in %.2fs", time.monotonic() - started)
+    try:
+        restart_only_check(config, shard_set.restart_only_servers, server_types, turn_users)
+    except ValueError as refused:
+        (hooks or RunHooks()).on_restart_only_servers(refused)
 
 
 def _check_ray_resources(env: NemoGymEnvConfig) -> None:

@@ -130,6 +130,61 @@ class SampleOutput:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+def _empty_outputs(outputs: list[SampleOutput] | None, rows: int) -> list[SampleOutput]:
+    """The outputs ``sample_batch`` fills in place: the caller's (one empty per prompt, so another
+    thread can read them while they fill) or fresh ones. Split out of ``sample_batch``."""
+    if outputs is None:
+        return [SampleOutput([], [], "length") for _ in range(rows)]
+    if len(outputs) != rows or any(o.token_ids or o.logprobs for o in outputs):
+        raise ValueError("outputs must hold one empty SampleOutput per prompt")
+    return outputs
+
+
+def _pick_tokens(last: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor, generator: torch.Generator | None,
+                 k_max: int) -> tuple[torch.Tensor, list[int], list[float], tuple[list, list] | None]:
+    """One decoding step's token per row (sampled, or the argmax for greedy rows), its logprob under
+    ``logits / temperature``, and the ``k_max`` most likely (ids, logprobs) when asked for.
+    Split out of ``sample_batch``."""
+    logp = torch.log_softmax(last / temps, dim=-1)
+    sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    tok = torch.where(greedy, logp.argmax(-1), sampled)
+    tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+    tok_l, lp_l = tok.tolist(), tok_lp.tolist()
+    top = None
+    if k_max:
+        top_v, top_i = logp.topk(k_max, dim=-1)
+        top = (top_i.tolist(), top_v.tolist())
+    return tok, tok_l, lp_l, top
+
+
+@dataclass(frozen=True)
+class _RowRules:
+    """Per row of a ``sample_batch``: its token limit, whether it ignores EOS, its top-k, and the stop
+    tokens; ``record`` appends one step to the active rows and retires those that are done."""
+
+    limits: list[int]
+    keep_going: list[bool]  # ignore_eos
+    top_k: list[int] | None
+    stops: frozenset[int]
+
+    def record(self, outs: list[SampleOutput], active: list[bool], tok_l: list[int], lp_l: list[float],
+               top: tuple[list, list] | None) -> None:
+        """Token id before logprob, so a reader never sees a logprob without its token (a generation cut)."""
+        for i in range(len(outs)):
+            if not active[i]:
+                continue
+            outs[i].token_ids.append(tok_l[i])
+            outs[i].logprobs.append(lp_l[i])
+            if self.top_k and self.top_k[i] > 0:
+                top_i, top_v = top
+                outs[i].top.append(list(zip(top_i[i][: self.top_k[i]], top_v[i][: self.top_k[i]])))
+            if tok_l[i] in self.stops and not self.keep_going[i]:
+                outs[i].finish_reason = "stop"
+                active[i] = False
+            elif len(outs[i].token_ids) >= self.limits[i]:
+                active[i] = False
+
+
 class HFPolicy:
     """A causal LM and its tokenizer; see the module docstring."""
 
@@ -214,24 +269,9 @@ class HFPolicy:
         from transformers import DynamicCache
 
         B = len(prompts)
-        if not (B == len(max_new_tokens) == len(temperatures)):
-            raise ValueError("prompts, max_new_tokens and temperatures must have the same length")
+        lens, limits = self._generation_limits(prompts, max_new_tokens, temperatures)
         dev = self.device
-        lens = [len(p) for p in prompts]
-        for i, n in enumerate(lens):
-            if n == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if n >= self.max_seq_len:
-                raise ValueError(f"prompt {i} is {n} tokens; max_seq_len={self.max_seq_len} leaves no room to generate")
-        limits = [min(int(m), self.max_seq_len - n) for m, n in zip(max_new_tokens, lens)]
-        L = max(lens)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p):] = torch.as_tensor(p, dtype=torch.long)
-            attn[i, L - len(p):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        self._check_ids(ids, "prompt_ids")
+        ids, attn = self._left_padded(prompts, lens, dev)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache,
@@ -240,36 +280,13 @@ class HFPolicy:
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=dev)[:, None]
         greedy = torch.tensor([t <= 0 for t in temperatures], device=dev)
         next_pos = torch.tensor(lens, device=dev)
-        if outputs is None:
-            outputs = [SampleOutput([], [], "length") for _ in range(B)]
-        elif len(outputs) != B or any(o.token_ids or o.logprobs for o in outputs):
-            raise ValueError("outputs must hold one empty SampleOutput per prompt")
-        outs = outputs
-        keep_going = ignore_eos or [False] * B
+        outs = _empty_outputs(outputs, B)
+        rows = _RowRules(limits, ignore_eos or [False] * B, top_k, self.stop_ids)
         active = [lim > 0 for lim in limits]
-        stops = self.stop_ids
         k_max = min(max(top_k or [0]), self.vocab_size)
         while any(active):
-            logp = torch.log_softmax(last / temps, dim=-1)
-            sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            tok = torch.where(greedy, logp.argmax(-1), sampled)
-            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            tok_l, lp_l = tok.tolist(), tok_lp.tolist()
-            if k_max:
-                top_v, top_i = logp.topk(k_max, dim=-1)
-                top_v, top_i = top_v.tolist(), top_i.tolist()
-            for i in range(B):
-                if not active[i]:
-                    continue
-                outs[i].token_ids.append(tok_l[i])
-                outs[i].logprobs.append(lp_l[i])
-                if top_k and top_k[i] > 0:
-                    outs[i].top.append(list(zip(top_i[i][: top_k[i]], top_v[i][: top_k[i]])))
-                if tok_l[i] in stops and not keep_going[i]:
-                    outs[i].finish_reason = "stop"
-                    active[i] = False
-                elif len(outs[i].token_ids) >= limits[i]:
-                    active[i] = False
+            tok, tok_l, lp_l, top = _pick_tokens(last, temps, greedy, generator, k_max)
+            rows.record(outs, active, tok_l, lp_l, top)
             if not any(active):
                 break
             if between_steps is not None:
@@ -280,6 +297,36 @@ class HFPolicy:
             last = out.logits[:, -1].float()
             next_pos = next_pos + 1
         return outs
+
+    def _generation_limits(self, prompts: list[list[int]], max_new_tokens: list[int],
+                           temperatures: list[float]) -> tuple[list[int], list[int]]:
+        """Each prompt's length and its generation limit (its ``max_new_tokens`` capped so prompt +
+        generation fits ``max_seq_len``), refusing mismatched lists and empty or too-long prompts
+        before anything runs. Split out of ``sample_batch``."""
+        if not (len(prompts) == len(max_new_tokens) == len(temperatures)):
+            raise ValueError("prompts, max_new_tokens and temperatures must have the same length")
+        lens = [len(p) for p in prompts]
+        for i, n in enumerate(lens):
+            if n == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if n >= self.max_seq_len:
+                raise ValueError(f"prompt {i} is {n} tokens; max_seq_len={self.max_seq_len} leaves no room to generate")
+        limits = [min(int(m), self.max_seq_len - n) for m, n in zip(max_new_tokens, lens)]
+        return lens, limits
+
+    def _left_padded(self, prompts: list[list[int]], lens: list[int],
+                     dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded to one length (ids, attention mask) on ``dev``, ids checked, so every
+        row's next token comes from the same last position. Split out of ``sample_batch``."""
+        B, L = len(prompts), max(lens)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            attn[i, L - len(p):] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        self._check_ids(ids, "prompt_ids")
+        return ids, attn
 
     def decode_completion(self, token_ids: list[int]) -> str:
         """Reply text of generated ids (a trailing stop token dropped; tool-call tags kept)."""

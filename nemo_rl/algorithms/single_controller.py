@@ -23,7 +23,6 @@ import hashlib
 import json
 import contextlib
 import logging
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +48,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
     RunRestorer,
     SnapshotInputs,
 )
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore, TrainerBookkeeping
 from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymReplicaLost, GymRolloutError, NemoGymShardSet
 from nemo_rl.experience.data_plane import DataPlaneStore
@@ -65,14 +65,7 @@ from nemo_rl.algorithms.single_controller_utils.run_identity_check import record
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.stop_signals import RunStopped
 from nemo_rl.utils.write_errors import as_write_error
-from nemo_rl.utils.snapshot_store import (
-    anchor_dir,
-    ensure_bootstrap_anchor,
-    prepare_trainer_step,
-    prune_trainer_steps,
-    publish_trainer_step,
-    recording_digests,
-)
+from nemo_rl.utils.snapshot_store import anchor_dir, ensure_bootstrap_anchor
 
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
@@ -141,6 +134,8 @@ class SingleController:
         self.rows = rows
         self.on_progress = on_progress or (lambda _: None)
         self.checkpoint_dir = Path(config.checkpointing.checkpoint_dir)
+        # The one owner of checkpoint_dir's layout: snapshots, trainer steps, restore (docs/design.md §5.4).
+        self.store = RunStore(self.checkpoint_dir, keep_latest_k=config.rollout_checkpointing.keep_latest_k)
         self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file, loggers)
         self.ledger = RolloutRecoveryLedger(config.async_rl.rollout_failure.max_infra_attempts_per_prompt)
         self.data_plane = DataPlaneStore()
@@ -199,6 +194,7 @@ class SingleController:
                                    for iid, inst in self.shard_set.instances.items()},
                 ),
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
+                store=self.store,
             )
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -585,8 +581,6 @@ class SingleController:
         wrote through ``write_bytes_atomic`` as they were written, and pruning only stats: no
         checkpoint is read back. ``step_N/config.yaml`` is the config the step was trained with.
         """
-        from nemo_rl.utils.snapshot_store import write_bytes_atomic
-
         step = self.step
         config_yaml = self.config.to_yaml().encode()
         taken = [g for s in sorted(self._trained_pending) if s <= step for g in self._trained_pending[s]]
@@ -596,27 +590,11 @@ class SingleController:
         dataloader = self.dataloader.state_dict()
         if resume_at is not None:
             dataloader["position"] = min(dataloader["position"], resume_at)
-        extra = {
-            "step": step,
-            "dataloader": dataloader,
-            "ledger": ledger_state,
-            "metrics_row": metrics_row,  # written to metrics.jsonl after the save; restore rewrites it if lost
-        }
-
-        def write() -> None:
-            tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
-            try:
-                with recording_digests(tmp) as digests:
-                    self.trainer.save(tmp, extra)
-                    write_bytes_atomic(tmp / "config.yaml", config_yaml)
-                publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (startup would remove it too)
-                raise
-
+        # metrics_row: written to metrics.jsonl after the save; restore rewrites it if lost
+        kept = TrainerBookkeeping(step=step, dataloader=dataloader, ledger=ledger_state, metrics_row=metrics_row)
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(write)
+            await asyncio.to_thread(self.store.save_step, step, kept, self.trainer.save, {"config.yaml": config_yaml})
         except OSError as exc:  # not named by the trainer (mkdir, rename): the file the OS names, else the step
             named = as_write_error(exc, None if exc.filename else self.checkpoint_dir / f"step_{step}")
             if named is exc:
@@ -644,8 +622,7 @@ class SingleController:
             spare = self.snapshotter.newest_anchor if self.snapshotter is not None else None
             t1 = time.monotonic()
             try:
-                await asyncio.to_thread(prune_trainer_steps, self.checkpoint_dir,
-                                        self.config.checkpointing.keep_top_k, step, spare)
+                await asyncio.to_thread(self.store.prune_steps, self.config.checkpointing.keep_top_k, step, spare)
             except OSError as exc:  # a read-only or failing disk: name what could not be removed
                 raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
             self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())
@@ -685,7 +662,7 @@ class SingleController:
             read_snapshots=self.config.rollout_checkpointing.restore_mode != "trainer_checkpoint",
             coordinator=self.coordinator,
             max_attempts_per_sibling=self.config.async_rl.rollout_failure.max_infra_attempts_per_prompt,
-            load_trainer=load_trainer, hooks=self.hooks,
+            load_trainer=load_trainer, hooks=self.hooks, store=self.store,
         )
         restored = await restorer.restore(self.restore_lookup)
         self.startup.resumed = restored is not None and restored.step > 0

@@ -390,13 +390,15 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
     from nemo_rl.algorithms.recording_trainer import STATE_FILE, RecordingTrainer
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
     from nemo_rl.experience.data_plane import DataPlaneStore
     from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
     from nemo_rl.utils.run_hooks import RunHooks
 
     ckpt = tmp_path / "ckpt"
     controller = SimpleNamespace(
-        step=0, anchor_step=0, checkpoint_dir=ckpt, snapshotter=None, trainer=RecordingTrainer(tmp_path / "logs"),
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt), snapshotter=None,
+        trainer=RecordingTrainer(tmp_path / "logs"),
         dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
         hooks=RunHooks(),

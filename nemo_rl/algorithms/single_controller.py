@@ -157,7 +157,6 @@ class SingleController:
                 recovery.gym_prepare_timeout_s,
                 "best_effort" if recovery.allow_restart_only_gym_servers else "block",
                 park_grace_s=recovery.gym_park_grace_s,
-                cut=recovery.generation_cuts_enabled,
             )
             if recovery.turn_checkpointing_enabled and config.checkpointing.enabled
             else None
@@ -192,6 +191,7 @@ class SingleController:
                     self.anchor_dir,
                     agent_servers={iid: self.shard_set.agent_servers.get(inst.shard_name, {})
                                    for iid, inst in self.shard_set.instances.items()},
+                    generation_cuts=self.config.rollout_recovery.generation_cuts_enabled,
                 ),
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
                 store=self.store,

@@ -22,3 +22,5 @@ class SnapshotInputs:
     anchor_step: Callable[[], int]  # the newest durable trainer step: the snapshot belongs to it
     anchor_dir: Callable[[], Path]  # that step's directory
     agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # instance -> agent -> servers
+    # target_level prefix: prepares take a generation cut of the prefix-level rollouts' calls (§5.10)
+    generation_cuts: bool = False

@@ -16,7 +16,8 @@ The server drives one call through the gate like this::
         participant.delivered(ticket)
 
 Records: per episode, how many replies it has received, and, when the prepare
-asked for a *generation cut* (``target_level: prefix``), the tokens its call in
+asked for a *generation cut* (``target_level: prefix``) and named the episode's
+rollout among the prefix-level ones (``cut_rollouts``), the tokens its call in
 flight had decoded when admission closed (``gym_patches.checkpoint.cuts``). A
 restored episode's next call continues from its cut, once; a cut that cannot
 be taken never blocks the prepare (those calls regenerate at turn level).
@@ -30,7 +31,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol, TypeVar, get_args
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Literal, Protocol, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -251,15 +252,20 @@ class PolicyModelParticipant(CheckpointParticipant):
         self.notify_changed()
 
     # -- generation cuts -----------------------------------------------------
-    async def take_cut(self) -> CutSummary:
+    async def take_cut(self, rollouts: Collection[str] | None = None) -> CutSummary:
         """Note every tracked call generating now and start pinning them at the backend (the calls go on
         untouched). Nothing here waits on the backend, so the cut adds nothing to the pause: the pin lands
         a round trip later, while the calls still decode (any prefix of a call's own tokens is a valid
         cut: the restored call continues from it and only the rest is decoded again), and the tokens are
         fetched after resume (``capture_completion``) or by a blocking commit's ``export``. A backend
-        without cuts is reported here; a pin or fetch that fails, when the tokens are asked for."""
+        without cuts is reported here; a pin or fetch that fails, when the tokens are asked for.
+
+        ``rollouts``: only calls of these rollout ids (any attempt) are cut, the prefix-level ones; a
+        call of any other rollout is never noted (docs/design.md §5.10). None: every call in flight."""
+        wanted = None if rollouts is None else set(rollouts)
         calls = {t.call_id: t.episode for t in self._by_state["generating"].values()
-                 if t.episode is not None and t.call_id is not None and not t.retired}
+                 if t.episode is not None and t.call_id is not None and not t.retired
+                 and (wanted is None or t.episode.rollout_id in wanted)}
         summary = CutSummary(in_flight=len(calls))
         if self._cut is not None:
             self._cut.task.cancel()  # an older cut nobody asked the tokens of

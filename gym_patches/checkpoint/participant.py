@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar, Collection
 
 from gym_patches.checkpoint.cuts import CutSummary
 from gym_patches.checkpoint.errors import StaleAttemptError
@@ -90,9 +90,10 @@ class CheckpointParticipant(ABC):
         (the default): the capture is complete as taken."""
         return None
 
-    async def take_cut(self) -> CutSummary | None:
+    async def take_cut(self, rollouts: Collection[str] | None = None) -> CutSummary | None:
         """A prepare with ``cut`` asks this as admission closes: the model server saves the tokens of
-        its calls in flight (``gym_patches.checkpoint.cuts``). Other kinds have nothing to cut."""
+        its calls in flight of ``rollouts`` (None: of every rollout; ``gym_patches.checkpoint.cuts``).
+        Other kinds have nothing to cut."""
         return None
 
     def cut_summary(self) -> CutSummary | None:

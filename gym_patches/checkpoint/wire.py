@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gym_patches.checkpoint.cuts import CutSummary
 from gym_patches.checkpoint.identity import EpisodeId
@@ -48,9 +48,18 @@ class PrepareRequest(CheckpointRequest):
     # True (a staged snapshot): on becoming prepared, serialise every exportable session in memory;
     # ``persist`` writes the commit scope's records from that copy after resume. No ``commit`` follows.
     capture: bool = False
-    # True (``target_level: prefix``): the model server also takes a generation cut of every call in
+    # True (``target_level: prefix``): the model server also takes a generation cut of the calls in
     # flight as it closes admission (``gym_patches.checkpoint.cuts``); other kinds ignore it.
     cut: bool = False
+    # With ``cut``: the rollout ids (every attempt) whose calls are cut, those at prefix level; the
+    # model server cuts no other call (docs/design.md §5.10). None (older callers): every call in flight.
+    cut_rollouts: list[str] | None = Field(default=None, max_length=MAX_EPISODES_PER_REQUEST)
+
+    @model_validator(mode="after")
+    def _cut_rollouts_need_cut(self) -> "PrepareRequest":
+        if self.cut_rollouts is not None and not self.cut:
+            raise ValueError("cut_rollouts is given without cut: set cut=true or leave cut_rollouts out")
+        return self
 
 
 class RenewRequest(CheckpointRequest):

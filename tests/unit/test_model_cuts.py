@@ -87,6 +87,31 @@ async def test_a_cut_is_noted_at_close_and_its_tokens_join_the_record_after_resu
     await asyncio.gather(*tasks)
 
 
+async def test_only_calls_of_the_prefix_level_rollouts_are_cut():
+    """A rollout at ``turn`` under a ``prefix`` target (an override) is never cut: the prepare names the
+    prefix-level rollouts, any attempt of each, and no other call is noted, pinned or saved."""
+    model = PolicyModelParticipant()
+    model.cut_source = backend = FakeCutBackend({"p1.c": [1, 2], "t1.c": [3, 4], "p2-a1.c": [5]})
+    release, tasks = await _generating(model, ["p1", "t1", "p2-a1"])
+    await model.close_admission("block")
+    summary = await model.take_cut(["p1", "p2"])  # rollout ids: p2's restored attempt is in
+    assert (summary.in_flight, summary.error) == (2, None)
+    complete = model.capture_completion()
+    await model.open_admission()
+    late, failed, _ = await complete()
+    assert backend.asked == [["p1.c", "p2-a1.c"]] and failed == 0
+    assert set(late) == {"p1", "p2-a1"}  # t1 has no cut
+    # no prefix-level rollout in flight: nothing is pinned at all
+    await model.close_admission("block")
+    assert (await model.take_cut([])).in_flight == 0 and model.capture_completion() is None
+    assert len(backend.asked) == 1
+    # an older caller's prepare (no list): every call in flight, as before
+    assert (await model.take_cut()).in_flight == 3
+    await model.open_admission()
+    release.set()
+    await asyncio.gather(*tasks)
+
+
 @pytest.mark.parametrize("backend, why", [
     (FakeCutBackend({}, fail=RuntimeError("policy backend http://x/v1/ng-cuts returned 500")), "returned 500"),
     (FakeCutBackend({}, hang=True), "did not answer the cut within 0.2s"),

@@ -96,7 +96,8 @@ class ParticipantControlPlane:
         self._scope: TaskScope | None = None  # the active checkpoint's jobs, from prepare (or restore) to reopen
         self._captures = NewestCapture()  # of the last ``capture`` prepare; owns its persist write
         self._closed = False  # admission closed by us, not yet reopened
-        self._prepare_args: tuple[str, bool, bool] | None = None  # (restart_only_policy, capture) of the running prepare
+        # (restart_only_policy, capture, cut, cut_rollouts) of the running prepare
+        self._prepare_args: tuple[str, bool, bool, frozenset[str] | None] | None = None
         self._collector = CollectorHold()  # held while prepared: no full collection inside the pause
 
     # -- public state ------------------------------------------------------
@@ -159,7 +160,8 @@ class ParticipantControlPlane:
 
     # -- operations ----------------------------------------------------------
     async def _prepare(self, req: PrepareRequest) -> dict[str, Any]:
-        cid, args = req.checkpoint_id, (req.restart_only_policy, req.capture, req.cut)
+        cut_rollouts = None if req.cut_rollouts is None else frozenset(req.cut_rollouts)
+        cid, args = req.checkpoint_id, (req.restart_only_policy, req.capture, req.cut, cut_rollouts)
         async with self._lock:
             stored = self._replay(cid, "prepare", args)
             if stored is not None:
@@ -169,13 +171,14 @@ class ParticipantControlPlane:
                 assert self._prepare_args is not None
                 raise CheckpointError(
                     f"prepare for {cid!r} is running with restart_only_policy {self._prepare_args[0]!r}, "
-                    f"capture {self._prepare_args[1]}, cut {self._prepare_args[2]}",
+                    f"capture {self._prepare_args[1]}, cut {self._prepare_args[2]}"
+                    + ("" if self._prepare_args[3] is None else f" of {len(self._prepare_args[3])} rollouts"),
                     code="checkpoint_conflict",
                 )
             if self.phase == "idle":
                 await self._close_admission(cid, req.restart_only_policy, args)
                 if req.cut:  # as admission closes: never fails, never blocks past its own timeout
-                    await self.participant.take_cut()
+                    await self.participant.take_cut(cut_rollouts)  # only prefix-level rollouts' calls
             self._lease.extend(req.deadline_ts)
         await self._wait_ready(cid, req.deadline_ts)  # outside the lock: a resume may interleave
         async with self._lock:
@@ -206,7 +209,8 @@ class ParticipantControlPlane:
             self._phases.remember(cid, "prepare", args, reply)
             return reply
 
-    async def _close_admission(self, cid: str, policy: RestartOnlyPolicy, args: tuple[str, bool, bool]) -> None:
+    async def _close_admission(self, cid: str, policy: RestartOnlyPolicy,
+                               args: tuple[str, bool, bool, frozenset[str] | None]) -> None:
         """Idle -> preparing: open the checkpoint's scope and close admission (undone if that fails)."""
         self.participant.policy = policy
         self._phases.move("close", cid)

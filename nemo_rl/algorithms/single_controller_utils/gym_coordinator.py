@@ -18,7 +18,9 @@ after a snapshot.
 
 Each operation builds its typed request (``gym_patches.checkpoint.calls``) once
 and sends it to every replica's one ``checkpoint`` entry; only what differs per
-replica (its scope, its directory, its servers' policies) is filled in per copy.
+replica (its scope, its directory, its servers' policies, the rollouts its generation
+cut takes) is filled in per copy. What a prepare asks beyond the id, the deadline and
+the policies is the stager's ``PrepareAsk``, sent as built.
 """
 
 from __future__ import annotations
@@ -151,11 +153,29 @@ class PreparedGym:
         return self.results[instance_id].unsaved_keys()
 
 
+@dataclass(frozen=True)
+class PrepareAsk:
+    """What a stager asks of each replica's prepare; the coordinator adds the snapshot id, the deadline
+    and the restart-only policies and sends the rest as built (docs/design.md §5.10).
+
+    ``capture``: each server copies its sessions as it is prepared (staged). ``cut``: the model servers
+    take a generation cut; ``cut_rollouts`` (instance -> rollout ids) limits each replica's cut to the
+    calls of its prefix-level rollouts (None: every call in flight, when every rollout is at prefix)."""
+
+    capture: bool = False
+    cut: bool = False
+    cut_rollouts: dict[str, list[str]] | None = None
+
+    def fields_for(self, instance_id: str) -> dict[str, Any]:
+        """The prepare request's fields for one replica."""
+        rollouts = None if self.cut_rollouts is None or not self.cut else self.cut_rollouts.get(instance_id, [])
+        return {"capture": self.capture, "cut": self.cut, "cut_rollouts": rollouts}
+
+
 class GymCheckpointCoordinator:
     def __init__(self, shard_set: NemoGymShardSet, prepare_timeout_s: float, restart_only_policy: RestartOnlyPolicy,
-                 park_grace_s: float = 1.5, cut: bool = False):
+                 park_grace_s: float = 1.5):
         self.shard_set = shard_set
-        self.cut = cut  # target_level prefix: every prepare also takes a generation cut of the model calls
         self.prepare_timeout_s = prepare_timeout_s
         self.policy = restart_only_policy
         self.park_grace_s = park_grace_s
@@ -224,9 +244,10 @@ class GymCheckpointCoordinator:
             await self._collect("retire", calls, deadline)
 
     @contextlib.asynccontextmanager
-    async def prepared(self, checkpoint_id: str, *, capture: bool = False) -> AsyncIterator[PreparedGym]:
-        """Prepare every replica (``capture``: each server serialises its sessions as it becomes
-        prepared, for ``persist`` after resume); resume all of them on exit, whatever happened.
+    async def prepared(self, checkpoint_id: str, ask: PrepareAsk = PrepareAsk()) -> AsyncIterator[PreparedGym]:
+        """Prepare every replica as the stager's ``ask`` says (``capture``: each server serialises its
+        sessions as it becomes prepared, for ``persist`` after resume; ``cut``: which model calls a
+        generation cut takes); resume all of them on exit, whatever happened.
 
         Replicas that cannot be parked in time leave the snapshot (``PreparedGym.left_out``); if
         every one does, ``GymReplicasLeftOut`` names them."""
@@ -236,7 +257,7 @@ class GymCheckpointCoordinator:
         left_out = self._sit_out_unresumed(leavers)
         asked = [iid for iid in self.instance_ids if iid not in left_out]
         try:
-            results = await self._prepare_replicas(checkpoint_id, asked, deadline, capture, left_out, leavers)
+            results = await self._prepare_replicas(checkpoint_id, asked, deadline, ask, left_out, leavers)
             not_ready = {iid: r.blockers for iid, r in results.items() if not r.prepared}
             if not_ready:
                 raise GymCheckpointNotReady(not_ready, left_out)
@@ -266,19 +287,13 @@ class GymCheckpointCoordinator:
         await self._reopenings.aclose()
 
     async def _prepare_replicas(
-        self, checkpoint_id: str, asked: list[str], deadline: float, capture: bool,
+        self, checkpoint_id: str, asked: list[str], deadline: float, ask: PrepareAsk,
         left_out: dict[str, str], leavers: dict[str, asyncio.Task],
     ) -> dict[str, PrepareResult]:
         """Prepare ``asked`` at once; probe the servers of replicas that take long; move replicas
         that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``).
         Each tick drives the round's transitions in this order (``prepare_rounds.py``)."""
-        request = PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, restart_only_policy=self.policy,
-                              capture=capture, cut=self.cut)
-        overrides = self.shard_set.prepare_policy_overrides
-        calls = {
-            iid: self._send(iid, request.replace(policy_overrides=overrides[iid]) if overrides.get(iid) else request)
-            for iid in asked
-        }
+        calls = {iid: self._send(iid, self._prepare_call(checkpoint_id, deadline, ask, iid)) for iid in asked}
         round_ = PrepareRound.start(checkpoint_id, calls, self._round_clock(deadline))
         probe = ProbeCall(timeout_s=self.park_grace_s)
         try:
@@ -298,6 +313,12 @@ class GymCheckpointCoordinator:
         if failures:
             raise GymCheckpointOperationError("prepare", failures)
         return round_.results()
+
+    def _prepare_call(self, checkpoint_id: str, deadline: float, ask: PrepareAsk, iid: str) -> PrepareCall:
+        """One replica's prepare: the stager's ask with the id, the deadline and the servers' policies."""
+        override = self.shard_set.prepare_policy_overrides.get(iid)
+        return PrepareCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, restart_only_policy=self.policy,
+                           policy_overrides=override or None, **ask.fields_for(iid))
 
     def _round_clock(self, deadline: float) -> RoundClock:
         """The round's times: it stops at the deadline plus the reply grace; the probe periods are

@@ -4,7 +4,9 @@ One stager per ``rollout_checkpointing.commit_mode``, chosen once at setup
 (``make_stager``); the snapshotter calls the same three methods on each (the
 snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
 
-- ``hold(checkpoint_id)``: close the dispatch gate and prepare Gym (an async
+- ``hold(checkpoint_id)``: close the dispatch gate and prepare Gym with the
+  stager's own ``PrepareAsk`` (a capture if it stages; at prefix, a generation
+  cut of the prefix-level rollouts' calls only, docs/design.md §5.10) (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
 - ``stage(prepared, outcome)``: inside the pause, the exclusive cut: plan,
   Gym's share, drain, ownership check, the controller's state serialised in
@@ -30,7 +32,12 @@ from typing import Any, AsyncIterator, ClassVar
 
 from gym_patches.utils.collector import CollectorHold
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
-from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator, PreparedGym
+from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
+    GymCheckpointCoordinator,
+    PrepareAsk,
+    PreparedGym,
+)
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.generation_cut_scope import prefix_rollouts
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
@@ -182,11 +189,18 @@ class _GymStager(Stager):
     async def hold(self, checkpoint_id: str) -> AsyncIterator[PreparedGym]:
         async with self.gate.closed():
             try:
-                async with self.coordinator.prepared(checkpoint_id, capture=self.captures) as prepared:
+                async with self.coordinator.prepared(checkpoint_id, self._prepare_ask()) as prepared:
                     self._collector.hold()  # prepared to resumed: no full collection while rollouts are held
                     yield prepared
             finally:
                 self._collector.release()
+
+    def _prepare_ask(self) -> PrepareAsk:
+        """This stager's prepare, built with the gate closed: a capture if it stages, and a generation
+        cut of the prefix-level rollouts' calls only when the run cuts (docs/design.md §5.10)."""
+        if not self.inputs.generation_cuts:
+            return PrepareAsk(capture=self.captures)
+        return PrepareAsk(capture=self.captures, cut=True, cut_rollouts=prefix_rollouts(self.inputs.ledger))
 
     @abstractmethod
     async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
@@ -208,7 +222,7 @@ class _GymStager(Stager):
         renamed there at the publish (docs/design.md §5.9)."""
         inputs, step = self.inputs, outcome.step
         self.hooks.reached("prepare", step)
-        if self.coordinator.cut:
+        if self.inputs.generation_cuts:
             note_cut(prepared, outcome)
         iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
         restart_only = self.coordinator.shard_set.restart_only_servers

@@ -318,7 +318,7 @@ async def test_a_slow_replica_that_answers_every_probe_is_probed_again_and_stays
     coordinator = gc.GymCheckpointCoordinator(shards, prepare_timeout_s=10.0, restart_only_policy="block")
     left_out: dict[str, str] = {}
     leavers: dict[str, asyncio.Task] = {}
-    results = await coordinator._prepare_replicas("c1", ["nemo_gym/replica-0"], time.time() + 10.0, False,
+    results = await coordinator._prepare_replicas("c1", ["nemo_gym/replica-0"], time.time() + 10.0, gc.PrepareAsk(),
                                                   left_out, leavers)
     probes = [r for r in shards.sent if not hasattr(r, "restart_only_policy")]
     assert len(probes) >= 2 and all(type(p) is ProbeCall and p.timeout_s == 1.5 for p in probes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -27,9 +27,11 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import 
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
     RunStore,
+    SnapshotContents,
 )
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.experience.rollout_recovery.restart import RestartSummary, RestoredEpisode
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_replicas, replica_changes
 from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError
@@ -75,6 +77,88 @@ def _without(exported: dict[str, dict[str, list[str]]], rollout_ids: set[str]) -
     kept = {iid: {server: [k for k in keys if EpisodeId.from_capture_key(k).rollout_id not in rollout_ids]
                   for server, keys in by_server.items()} for iid, by_server in exported.items()}
     return {iid: by_server for iid, by_server in kept.items() if any(by_server.values())}
+
+
+@dataclass(frozen=True)
+class _TrainerState:
+    """What the restored trainer step kept beside its weights (a fresh ledger at step 0)."""
+
+    step: int
+    ledger: RolloutRecoveryLedger
+    dataloader: dict[str, Any] | None
+    metrics_row: dict[str, Any] | None
+
+
+@dataclass
+class _GymRestore:
+    """What Gym installed, keyed so the ledger and ``restore.json`` can say where each episode went."""
+
+    plan: RestorePlan = field(default_factory=lambda: RestorePlan({}))
+    attempts: set[RestoredEpisode] = field(default_factory=set)  # (instance it ran on, rollout id, Gym's attempt)
+    restored_on: dict[str, str] = field(default_factory=dict)  # new capture key -> the replica that restored it
+    saved_on: dict[str, str] = field(default_factory=dict)  # new capture key -> the replica that saved it
+    relocated: dict[str, str] = field(default_factory=dict)  # base rollout id -> the replica it moved to
+
+    def add(self, iid: str, key: str) -> None:
+        """Replica ``iid`` restored ``key`` (attempt + 1 of a saved episode): trace it to its saver."""
+        e = EpisodeId.from_capture_key(key)
+        saved = EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key
+        source = self.plan.source_of(iid, saved)
+        self.attempts.add((source, e.rollout_id, e.attempt))
+        self.restored_on[key], self.saved_on[key] = iid, source
+        if source != iid:
+            self.relocated[e.rollout_id] = iid
+
+
+def _prefix_cuts(snap: SnapshotContents, summary: RestartSummary, saved_on: dict[str, str]) -> dict[str, int]:
+    """Restored rollouts whose model call in flight was cut -> the tokens cut: their next call
+    continues from them (docs/design.md §5.10)."""
+    prefix = {}
+    for key in summary.restored_turn:
+        e = EpisodeId.from_capture_key(key)
+        cut = 0 if snap.gym is None or e.attempt == 0 else snap.gym.cut_of(
+            saved_on[key], EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key)
+        if cut:
+            prefix[key] = cut
+    return prefix
+
+
+def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, dropped_groups: list[str],
+                     summary: RestartSummary, gym: _GymRestore, prefix: dict[str, int]) -> dict[str, Any]:
+    """``restore.json``'s fields for a restored snapshot, in their order."""
+    return dict(
+        snapshot=str(snap.path),
+        snapshot_anchor_step=snap.state.anchor,
+        snapshot_step=snap.state.step,
+        dropped_trained_groups=len(dropped_groups),  # the restored step trained them after the snapshot
+        retrained_groups=len(ledger.complete_groups()),  # taken by the trainer after the anchor: trained again
+        restored_turn=len(summary.restored_turn),
+        restored_prefix=len(prefix),
+        prefix_tokens=sum(prefix.values()),
+        restored_prefix_tokens=prefix,
+        restarted_from_prompt=len(summary.restarted_from_prompt),
+        kept_siblings=len(summary.kept_siblings),
+        redone_groups=len(summary.redone_groups),
+        restored_rollout_ids=summary.restored_turn,
+        restored_instances={key: gym.restored_on[key] for key in summary.restored_turn},
+        moved_rollouts={key: {"from": gym.saved_on[key], "to": gym.restored_on[key]}
+                        for key in summary.restored_turn if gym.saved_on[key] != gym.restored_on[key]},
+        not_portable_rollouts=gym.plan.not_portable,  # a vanished replica's, restarted from the prompt
+        restarted_rollout_ids=summary.restarted_from_prompt,
+        kept_rollout_ids=summary.kept_siblings,
+    )
+
+
+def _snapshot_message(snap: SnapshotContents, step: int, record: dict[str, Any], plan: RestorePlan) -> str:
+    """The console's one line for a restored snapshot (and the replicas it moved off, if any)."""
+    message = (f"Restored rollout snapshot {snap.path.name} (under step {snap.state.anchor}) at step {step}: "
+               f"{record['retrained_groups']} complete groups to train, {record['restored_turn']} continue at "
+               f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
+               f"{record['kept_siblings']} sealed kept.")
+    if record["moved_rollouts"] or plan.not_portable:
+        message += (f" {len(record['moved_rollouts'])} saved on replicas that no longer run continue on their "
+                    f"shard's others ({len(plan.not_portable)} restart from the prompt: records not portable).")
+    return message
 
 
 class RunRestorer:
@@ -134,24 +218,60 @@ class RunRestorer:
             record_replicas(self.checkpoint_dir, now)
 
     async def restore(self, lookup: RestoreLookup | None = None) -> RestoredState | None:
-        """None: nothing to restore (a new run). ``lookup``: the start's lookup, if the runner took it."""
+        """None: nothing to restore (a new run). ``lookup``: the start's lookup, if the runner took it.
+
+        The plan, step by step: select; load the trainer; without a snapshot, restart what was in
+        flight from its prompt; else read the snapshot, drop what the trainer step trained since, let
+        Gym install its saved episodes (resharded onto the replicas that run now), apply the ledger's
+        restart rules and record it all in ``restore.json``."""
         turn_level = self.coordinator is not None
+        point = self._select(lookup, turn_level)
+        if point is None:
+            return None
+        trainer = await self._load_trainer(point)
+        record = self._first_record(point)
+        if point.snapshot.path is None:
+            return self._from_trainer_only(point, trainer, record)
+        snap = self._read_snapshot(point.snapshot.path, turn_level, trainer.step)
+        ledger, dropped_groups, dropped = self._adopt_snapshot_ledger(snap, trainer)
+        exported = _without(snap.gym.exported() if snap.gym is not None else {}, set(dropped))
+        gym = await self._restore_gym(snap, exported)
+        self.hooks.reached("restore")  # Gym restored, the ledger not applied
+        summary = ledger.prepare_for_restart(gym.attempts, gym.relocated)
+        snap.data_plane.discard(summary.discarded_rollout_ids)
+        prefix = _prefix_cuts(snap, summary, gym.saved_on)
+        record.update(_snapshot_fields(snap, ledger, dropped_groups, summary, gym, prefix))
+        message = _snapshot_message(snap, trainer.step, record, gym.plan)
+        self._record_replicas(record)
+        return RestoredState(trainer.step, ledger, snap.state.dataloader, snap.data_plane, record, message,
+                             trainer.metrics_row)
+
+    def _select(self, lookup: RestoreLookup | None, turn_level: bool) -> RestorePoint | None:
+        """The start's restore point (selected here when the runner did not); the trainer steps it
+        skipped are logged first, before anything loads, so a skipped step shows before a failing load."""
         if lookup is None:
             lookup = RestoreLookup(self.store.select(turn_level=turn_level, read_snapshots=self.read_snapshots))
         point = lookup.point
-        if point is None:
-            return None
+        if point is not None:
+            for path, why in point.skipped:
+                logger.warning("skipping trainer checkpoint %s: %s", path, why)
+        return point
+
+    async def _load_trainer(self, point: RestorePoint) -> _TrainerState:
+        """The trainer's weights and optimizer are loaded and its bookkeeping read; step 0 (snapshots
+        but no trainer step yet) loads nothing and starts from a fresh ledger."""
+        if point.step <= 0:
+            return _TrainerState(0, self._ledger(None), None, None)
+        kept = self.store.read_step(point.anchor, await self.load_trainer(point.anchor))
+        return _TrainerState(kept.step, self._ledger(kept.ledger), kept.dataloader, kept.metrics_row)
+
+    def _first_record(self, point: RestorePoint) -> dict[str, Any]:
+        """``restore.json`` before any snapshot is applied (the fields a trainer-only restore writes
+        too, in their order); the skipped snapshots are logged as they are recorded."""
         selection = point.snapshot
-        for path, why in point.skipped:
-            logger.warning("skipping trainer checkpoint %s: %s", path, why)
-        step, ledger, dataloader, metrics_row = 0, self._ledger(None), None, None
-        if point.step > 0:
-            kept = self.store.read_step(point.anchor, await self.load_trainer(point.anchor))
-            step, dataloader, ledger = kept.step, kept.dataloader, self._ledger(kept.ledger)
-            metrics_row = kept.metrics_row
         for path, why in selection.skipped:
             logger.warning("skipping rollout snapshot %s: %s", path, why)
-        record: dict[str, Any] = {
+        return {
             "trainer_step": point.step,
             "snapshot": None,
             "skipped_snapshots": [{"path": str(p), "reason": r} for p, r in selection.skipped],
@@ -162,83 +282,51 @@ class RunRestorer:
             "restarted_from_prompt": 0,
             "kept_siblings": 0,
         }
-        if selection.path is None:
-            # Anything the trainer state still counts as in flight restarts from its prompt.
-            summary = ledger.prepare_for_restart(set())
-            why = ("rollout_checkpointing.restore_mode=trainer_checkpoint: rollout snapshots are not read"
-                   if not self.read_snapshots else "no valid rollout snapshot")
-            record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
-                          kept_siblings=len(summary.kept_siblings), snapshot_reason=why)
-            self._record_replicas(record)
-            return RestoredState(step, ledger, dataloader, DataPlaneStore(), record,
-                                 f"Resuming from trainer checkpoint step {point.step} ({why}).", metrics_row)
-        snap = self.store.read(selection.path, turn_level)
+
+    def _from_trainer_only(self, point: RestorePoint, trainer: _TrainerState,
+                           record: dict[str, Any]) -> RestoredState:
+        """No snapshot to read (none valid, or restore_mode=trainer_checkpoint): anything the trainer
+        state still counts as in flight restarts from its prompt."""
+        summary = trainer.ledger.prepare_for_restart(set())
+        why = ("rollout_checkpointing.restore_mode=trainer_checkpoint: rollout snapshots are not read"
+               if not self.read_snapshots else "no valid rollout snapshot")
+        record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
+                      kept_siblings=len(summary.kept_siblings), snapshot_reason=why)
+        self._record_replicas(record)
+        return RestoredState(trainer.step, trainer.ledger, trainer.dataloader, DataPlaneStore(), record,
+                             f"Resuming from trainer checkpoint step {point.step} ({why}).", trainer.metrics_row)
+
+    def _read_snapshot(self, path: Path, turn_level: bool, step: int) -> SnapshotContents:
+        """The selected snapshot, read and validated; one taken under a newer trainer step than the one
+        restored is refused (its ledger would count groups this trainer never saw)."""
+        snap = self.store.read(path, turn_level)
         if snap.state.anchor > step:
             raise SnapshotStoreError(f"{snap.path / CONTROLLER_STATE_FILE}: snapshot belongs to trainer step "
                                      f"{snap.state.anchor}, newer than the restored step {step}")
-        trained = ledger.trained_positions  # the trainer step's: what it trained is done
-        ledger, dataloader = self._ledger(snap.state.ledger), snap.state.dataloader
-        # A snapshot under an older anchor: the groups the restored step trained since leave it.
+        return snap
+
+    def _adopt_snapshot_ledger(self, snap: SnapshotContents,
+                               trainer: _TrainerState) -> tuple[RolloutRecoveryLedger, list[str], list[str]]:
+        """The snapshot's ledger, less the groups the restored trainer step trained since (a snapshot
+        under an older anchor); their sealed samples leave the data plane. Returns the ledger, the
+        dropped group ids and their Gym rollout ids (every attempt)."""
+        trained = trainer.ledger.trained_positions  # the trainer step's: what it trained is done
+        ledger = self._ledger(snap.state.ledger)
         dropped_groups, dropped = ledger.adopt_trained(trained)
         snap.data_plane.discard(s.rollout_id for g in dropped_groups for s in snap.data_plane.group_samples(g))
-        restored: set[tuple[str, str, int]] = set()  # (instance it ran on, rollout id, the attempt Gym restored it as)
-        restored_on: dict[str, str] = {}  # new capture key -> the replica that restored it
-        saved_on: dict[str, str] = {}  # new capture key -> the replica that saved it (another one if it moved)
-        relocated: dict[str, str] = {}  # base rollout id -> the replica it moved to
-        exported = _without(snap.gym.exported() if snap.gym is not None else {}, set(dropped))
-        plan = RestorePlan({})
-        if exported:
-            assert self.coordinator is not None
-            plan = await self._plan(exported)
-            new_keys = await self.coordinator.restore(
-                f"restore-{uuid.uuid4().hex[:12]}", str(snap.path), plan.sources, snap.gym.checkpoint_id)
-            for iid, keys in new_keys.items():
-                for key in keys:
-                    e = EpisodeId.from_capture_key(key)
-                    saved = EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key
-                    source = plan.source_of(iid, saved)
-                    restored.add((source, e.rollout_id, e.attempt))
-                    restored_on[key], saved_on[key] = iid, source
-                    if source != iid:
-                        relocated[e.rollout_id] = iid
-        self.hooks.reached("restore")  # Gym restored, the ledger not applied
-        summary = ledger.prepare_for_restart(restored, relocated)
-        snap.data_plane.discard(summary.discarded_rollout_ids)
-        # Restored rollouts whose model call in flight was cut: their next call continues from its tokens.
-        prefix = {}
-        for key in summary.restored_turn:
-            e = EpisodeId.from_capture_key(key)
-            cut = 0 if snap.gym is None or e.attempt == 0 else snap.gym.cut_of(
-                saved_on[key], EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key)
-            if cut:
-                prefix[key] = cut
-        record.update(
-            snapshot=str(snap.path),
-            snapshot_anchor_step=snap.state.anchor,
-            snapshot_step=snap.state.step,
-            dropped_trained_groups=len(dropped_groups),  # the restored step trained them after the snapshot
-            retrained_groups=len(ledger.complete_groups()),  # taken by the trainer after the anchor: trained again
-            restored_turn=len(summary.restored_turn),
-            restored_prefix=len(prefix),
-            prefix_tokens=sum(prefix.values()),
-            restored_prefix_tokens=prefix,
-            restarted_from_prompt=len(summary.restarted_from_prompt),
-            kept_siblings=len(summary.kept_siblings),
-            redone_groups=len(summary.redone_groups),
-            restored_rollout_ids=summary.restored_turn,
-            restored_instances={key: restored_on[key] for key in summary.restored_turn},
-            moved_rollouts={key: {"from": saved_on[key], "to": restored_on[key]}
-                            for key in summary.restored_turn if saved_on[key] != restored_on[key]},
-            not_portable_rollouts=plan.not_portable,  # a vanished replica's, restarted from the prompt
-            restarted_rollout_ids=summary.restarted_from_prompt,
-            kept_rollout_ids=summary.kept_siblings,
-        )
-        message = (f"Restored rollout snapshot {snap.path.name} (under step {snap.state.anchor}) at step {step}: "
-                   f"{record['retrained_groups']} complete groups to train, {record['restored_turn']} continue at "
-                   f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
-                   f"{record['kept_siblings']} sealed kept.")
-        if record["moved_rollouts"] or plan.not_portable:
-            message += (f" {len(record['moved_rollouts'])} saved on replicas that no longer run continue on their "
-                        f"shard's others ({len(plan.not_portable)} restart from the prompt: records not portable).")
-        self._record_replicas(record)
-        return RestoredState(step, ledger, dataloader, snap.data_plane, record, message, metrics_row)
+        return ledger, dropped_groups, dropped
+
+    async def _restore_gym(self, snap: SnapshotContents, exported: dict[str, dict[str, list[str]]]) -> _GymRestore:
+        """Gym installs its saved episodes on the replicas that run now (``_plan``); each new capture
+        key is traced back to the replica that saved it, so the ledger pins the continued attempt there."""
+        gym = _GymRestore()
+        if not exported:
+            return gym
+        assert self.coordinator is not None and snap.gym is not None
+        gym.plan = await self._plan(exported)
+        new_keys = await self.coordinator.restore(
+            f"restore-{uuid.uuid4().hex[:12]}", str(snap.path), gym.plan.sources, snap.gym.checkpoint_id)
+        for iid, keys in new_keys.items():
+            for key in keys:
+                gym.add(iid, key)
+        return gym

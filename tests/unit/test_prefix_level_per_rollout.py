@@ -48,6 +48,7 @@ from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.run_hooks import RunHooks
 from tests.unit.test_control_plane import TOKEN, start
+from tests.unit.test_model_cuts import _generating  # one call per key, parked in the backend
 
 IID = "nemo_gym/replica-0"
 TOKENS = [7, 8, 9]  # what the backend has decoded for every call
@@ -114,22 +115,6 @@ def _ledger() -> tuple[RolloutRecoveryLedger, dict[str, list[str]]]:
         ledger.mark_dispatched(req.rollout_id, IID)
         keys[ledger.groups[req.group_id].agent_name].append(req.rollout_id)
     return ledger, keys
-
-
-async def _generating(model: PolicyModelParticipant, keys: list[str]):
-    """One tracked call per key, decoding (parked in the backend call) until the event is set."""
-    release, started = asyncio.Event(), []
-
-    async def one(key: str) -> None:
-        async with model.call(key) as ticket:
-            ticket.call_id = f"{key}.c"
-            started.append(key)
-            await model.run(ticket, release.wait())
-
-    tasks = [asyncio.ensure_future(one(k)) for k in keys]
-    while len(started) < len(keys):
-        await asyncio.sleep(0)
-    return release, tasks
 
 
 def test_the_cut_scope_names_only_prefix_level_rollouts_and_nothing_when_all_are():

@@ -130,6 +130,43 @@ def test_openai_client_reads_every_reply_with_its_own_types(scripted, client):
     assert client.sent == 3
 
 
+FAN_OUT = 300  # more calls at once than aiohttp's default connection cap (100)
+
+
+def test_every_concurrent_call_reaches_the_backend_at_once(scripted):
+    """Thousands of rollouts each hold a model call; the model server must pass all of them to the
+    backend at once, not 100 at a time (a capped client session queued the rest invisibly)."""
+    backend, url = scripted
+    backend.reset()
+    user = "fan out"
+    backend.set_plans({user: [{"content": "ok"}]})
+    backend.hold(user, 0)
+
+    async def send_all() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="not-checked", max_retries=0, timeout=120)
+        try:  # one rollout (capture key) per call, all on the client's one connection pool
+            calls = [asyncio.create_task(client.with_options(base_url=f"{url}/ng-rollout/fan{i}/v1").responses.create(
+                model="test-policy", input=user)) for i in range(FAN_OUT)]
+            deadline = time.monotonic() + 60
+            held = 0
+            while time.monotonic() < deadline:
+                held = (await asyncio.to_thread(backend.state))["held"]
+                if held >= FAN_OUT:
+                    break
+                await asyncio.sleep(0.2)
+            assert held == FAN_OUT, f"only {held} of {FAN_OUT} concurrent calls reached the backend"
+            assert await asyncio.to_thread(backend.release, user, 0)
+            return await asyncio.gather(*calls)
+        finally:
+            await client.close()
+
+    try:
+        replies = asyncio.run(send_all())
+    finally:
+        backend.reset()
+    assert [r.output_text for r in replies] == ["ok"] * FAN_OUT
+
+
 @pytest.mark.parametrize(
     "kwargs, param, fragment",
     [

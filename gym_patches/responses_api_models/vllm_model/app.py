@@ -58,7 +58,7 @@ from gym_patches.responses_api_models.vllm_model.converter import (
     chat_to_responses,
     responses_to_chat,
 )
-from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES, GymServer, ServerConfigBase
+from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES, GymServer, ServerConfigBase, new_client_session
 from gym_patches.wire_models import ROLLOUT_PREFIX, ResponsesRequest
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,9 @@ class VLLMModelServer(GymServer):
         app.router.add_post(f"{ROLLOUT_PREFIX}/{{capture_key}}/v1/responses", self._responses)
 
     async def on_startup(self) -> None:
-        self._session = aiohttp.ClientSession()
+        # No cap on open connections (aiohttp's default is 100): every rollout in flight may hold a
+        # backend call at once, and a cap of 100 made thousands of them queue here, invisibly.
+        self._session = new_client_session()
 
     async def on_cleanup(self) -> None:
         if self._session is not None:

@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import ray
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PREFIX_FIELD, GenerationCut, prompt_digest
@@ -279,7 +279,8 @@ class VllmGenerationServer:
                                       preexec_fn=_die_with_parent)
         log.close()
         self._vllm_url = f"http://127.0.0.1:{vport}"
-        self._session = ClientSession(timeout=ClientTimeout(total=None))
+        # No cap on open connections (aiohttp's default is 100 would cap vLLM's batch at 100 calls).
+        self._session = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None))
         deadline = t0 + self.cfg.generation.vllm_cfg.startup_timeout_s
         while True:
             if self._proc.poll() is not None:

@@ -70,6 +70,8 @@ from nemo_rl.utils.snapshot_store import anchor_dir, ensure_bootstrap_anchor
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
 MAX_REFUSALS_PER_ATTEMPT = 20
+# A failed final snapshot is tried again only while at least this much of the stop's budget is left.
+FINAL_SNAPSHOT_RETRY_MIN_S = 1.0
 ACTIVITY_TIMEOUT_S = 2.0  # each agent's answer to the stall watchdog's activity call
 # Infra failures that mean a Gym server did not answer: new rollouts prefer another replica meanwhile.
 _UNANSWERED_CODES = ("rollout_timeout", "upstream_timeout", "server_dead", "server_stopped")
@@ -355,7 +357,7 @@ class SingleController:
         async def one(i: int, row: dict[str, Any]) -> float | None:
             instance = self.shard_set.pick_instance((row.get("agent_ref") or {}).get("name") or "")
             try:
-                reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, rollout_ids[i])
+                reply = await self.shard_set.run_rollout(instance, row, rollout_ids[i])
             except GymRolloutError as exc:
                 if not exc.infra:
                     raise
@@ -452,7 +454,7 @@ class SingleController:
         """
         try:
             try:
-                reply = await self.shard_set.handle_for(instance).run_rollout.remote(row, rollout_id)
+                reply = await self.shard_set.run_rollout(instance, row, rollout_id)
             except ray.exceptions.RayActorError as lost:
                 raise GymReplicaLost(instance, lost, self.shard_set.placement.get(instance)) from None
             except GymCheckpointParked:
@@ -544,17 +546,34 @@ class SingleController:
                              in_flight=len(self._rollouts))
         await self.changes.notify(transition=False)  # the dispatcher sees admission closed
         if self.snapshotter is not None:
-            budget = self.stop_budget_s()
-            try:
-                async with asyncio.timeout(budget):
-                    stopped.outcome = await self.snapshotter.attempt(requested=self._stop_reason)
-            except TimeoutError:
-                stopped.error = f"it did not finish within {budget:.1f} s of the grace"
-            except Exception as exc:  # noqa: BLE001 - a failed final snapshot still ends the run as asked
-                stopped.error = f"{type(exc).__name__}: {exc}"
-            if stopped.outcome is not None and stopped.outcome.committed:
-                self.snapshot_counts["committed"] += 1
+            await self._final_snapshot(stopped, self.stop_budget_s())
         raise stopped
+
+    async def _final_snapshot(self, stopped: RunStopped, budget: float) -> None:
+        """Attempts until one commits or the grace's budget is spent: an attempt that failed (a replica
+        too busy to answer its probe in time, at thousands of rollouts) is tried again at once while time
+        is left; the timeout cancels the last one before it publishes anything torn (docs/design.md §5.11)."""
+        deadline = time.monotonic() + budget
+        try:
+            async with asyncio.timeout(budget):
+                while True:
+                    stopped.outcome = await self.snapshotter.attempt(requested=self._stop_reason, final=True)
+                    stopped.attempts += 1
+                    if stopped.outcome.committed:
+                        self.snapshot_counts["committed"] += 1
+                        return
+                    self.snapshot_counts["failed"] += 1
+                    if self.coordinator is not None:  # a replica that left the attempt is reopened first
+                        await self.coordinator.reopened(deadline - time.monotonic() - FINAL_SNAPSHOT_RETRY_MIN_S)
+                    if deadline - time.monotonic() < FINAL_SNAPSHOT_RETRY_MIN_S:
+                        return
+                    logger.warning("final snapshot attempt %d failed (%s); trying again within the grace "
+                                   "(%.1f s left)", stopped.attempts, stopped.outcome.reason,
+                                   deadline - time.monotonic())
+        except TimeoutError:
+            stopped.error = f"it did not finish within {budget:.1f} s of the grace"
+        except Exception as exc:  # noqa: BLE001 - a failed final snapshot still ends the run as asked
+            stopped.error = f"{type(exc).__name__}: {exc}"
 
     def anchor_dir(self) -> Path:
         return anchor_dir(self.checkpoint_dir, self.anchor_step)

@@ -166,6 +166,7 @@ class NemoGym:
         self.client: ServerClient | None = None  # rollouts (the default concurrency group's loop)
         self.control_client: ServerClient | None = None  # checkpoint calls (the control group's loop)
         self.adapter: GymCheckpointAdapter | None = None
+        self.closing = False  # shutdown began: a /run that fails now failed because of it
 
     async def spinup(self, startup_timeout_s: float = 60.0) -> list[dict[str, str]]:
         # Started from the actor's event-loop thread, which lives as long as the
@@ -188,8 +189,12 @@ class NemoGym:
         self.adapter = GymCheckpointAdapter(self.instance, self.control_client, self.control_auth_token)
         return await self.adapter.discover(timeout_s=timeout_s)
 
-    async def run_rollout(self, row: dict[str, Any], rollout_id: str) -> dict[str, Any]:
-        """POST the row to its agent's ``/run`` under ``rollout_id`` (a capture key)."""
+    async def run_rollout(self, row: dict[str, Any], rollout_id: str) -> dict[str, Any] | None:
+        """POST the row to its agent's ``/run`` under ``rollout_id`` (a capture key).
+
+        None: this replica shut down under the call (``NemoGymShardSet.run_rollout`` raises for a
+        caller still waiting). At a stop thousands of calls end at once; an exception each would have
+        Ray format thousands of tracebacks while the run's grace runs out (docs/design.md §5.11)."""
         assert self.client is not None, "spinup() first"
         agent = (row.get("agent_ref") or {}).get("name")
         if not agent:
@@ -199,7 +204,12 @@ class NemoGym:
         body = dict(row)
         body[ROLLOUT_ID_FIELD] = rollout_id
         try:
-            resp = await self.client.post(agent, "/run", json=body, timeout_s=self.rollout_timeout_s)
+            try:
+                resp = await self.client.post(agent, "/run", json=body, timeout_s=self.rollout_timeout_s)
+            except Exception:
+                if self.closing:
+                    return None
+                raise
         except ServerCallError as exc:
             raise self._infra_error(str(exc), rollout_id, agent) from None
         except TimeoutError:
@@ -317,6 +327,7 @@ class NemoGym:
         self.deployment.kill_server(name)
 
     async def shutdown(self) -> None:
+        self.closing = True
         if self.client is not None:
             await self.client.close()
         if self.control_client is not None:
@@ -372,6 +383,14 @@ class NemoGymShardSet:
             return self.checkpoint_handles[instance_id]
         except KeyError:
             raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.checkpoint_handles)}") from None
+
+    async def run_rollout(self, instance_id: str, row: dict[str, Any], rollout_id: str) -> dict[str, Any]:
+        """One rollout on one replica (``NemoGym.run_rollout``); its reply as a dict."""
+        reply = await self.handle_for(instance_id).run_rollout.remote(row, rollout_id)
+        if reply is None:
+            raise GymRolloutError(f"Gym instance {instance_id} shut down while rollout {rollout_id} ran",
+                                  rollout_id=rollout_id, server="?", infra=True, code="shutting_down")
+        return reply
 
     def send_checkpoint(self, instance_id: str, request: GymCall) -> Any:
         """Start ``request`` on one replica's one checkpoint entry; returns the Ray object ref."""

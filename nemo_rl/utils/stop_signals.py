@@ -182,7 +182,8 @@ class RunStopped(Exception):
     def __init__(self, by: str, *, step: int, anchor_step: int, in_flight: int):
         super().__init__(f"stopped by {by}")
         self.by, self.step, self.anchor_step, self.in_flight = by, step, anchor_step, in_flight
-        self.outcome = None  # the final snapshot's SnapshotOutcome, if one was attempted
+        self.outcome = None  # the final snapshot's SnapshotOutcome (the last attempt's), if one was attempted
+        self.attempts = 0  # final snapshot attempts that ended (a failed one is tried again within the grace)
         self.error: str | None = None
 
     def line(self) -> str:
@@ -194,6 +195,8 @@ class RunStopped(Exception):
                     f"({o.unsaved} unsaved on restart-only servers; the rest finished meanwhile, had no "
                     f"finished turn or run at a coarser level); run the same command to continue")
         why = self.error or (o.error or o.reason if o is not None else "snapshots are off")
+        if self.attempts > 1:
+            why = f"{self.attempts} attempts; the last: {why}"
         return (f"stopped by {self.by}: no final snapshot ({why}); the relaunch continues from trainer step "
                 f"{self.anchor_step} and the newest snapshot published before; run the same command to continue")
 

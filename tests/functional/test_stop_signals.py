@@ -14,7 +14,10 @@ command to the end:
   trains (the step then writes its checkpoint), and again while the final
   snapshot is written: the second exits at once;
 - ``ctrl_c``: one replica started with SIGINT ignored (a background job), a
-  Ctrl-C to its process group: no traceback.
+  Ctrl-C to its process group: no traceback;
+- ``agent_stopped``: one replica, sync, its agent server SIGSTOPped just before
+  the SIGTERM and resumed 4 s later: the final snapshot's first attempts fail
+  (the agent does not answer), and one within the grace commits.
 
 Every stop must exit with 128 + the signal number and one ``stopped by`` line,
 leave no process behind, publish nothing torn, and the relaunch must restore
@@ -24,6 +27,7 @@ train every prompt group exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,6 +50,7 @@ GRACE_S = 25.0  # rollout_checkpointing.stop_grace_s's default
 SIGNAL_ENV = "NEMO_RL_TEST_ONLY_SIGNAL_AT"
 SBATCH = REPO / "examples" / "slurm" / "grpo.sbatch"  # the batch script forwards its signals to the run
 SLOW_VALIDATION_S = GRACE_S + 5  # a validation longer than the grace
+AGENT_STOPPED_S = 4.0  # how long ``agent_stopped`` holds the agent server stopped after the SIGTERM
 
 
 @dataclass
@@ -106,9 +111,9 @@ def _slow_validation(root: Path) -> list[str]:
 
 def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_at: str | None = None,
                usr1_first: bool = False, ignore_sigint: bool = False, via_sbatch: bool = False,
-               slow_validation: bool = False) -> Stopped:
+               slow_validation: bool = False, delay_s: float = 0.6) -> Stopped:
     root.mkdir(parents=True, exist_ok=True)
-    spec = cm.RunSpec(root, config=config, steps=3, interval_s=30.0, delay_s=0.6, lookahead=lookahead,
+    spec = cm.RunSpec(root, config=config, steps=3, interval_s=30.0, delay_s=delay_s, lookahead=lookahead,
                       shuffle=lookahead == 0, extra=_slow_validation(root) if slow_validation else [])
     marker = new_marker()
     extra = {SIGNAL_ENV: signal_at} if signal_at else {}
@@ -130,6 +135,16 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
             t0 = time.monotonic()
             if deliver == "launcher":
                 os.kill(proc.pid, signal.SIGTERM)
+            elif deliver == "agent_stopped":
+                agent = _server_pid(marker, "workplace_simple_agent")
+                assert agent is not None, "no agent server process found"
+                os.kill(agent, signal.SIGSTOP)
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                    time.sleep(AGENT_STOPPED_S)
+                finally:
+                    with contextlib.suppress(ProcessLookupError):  # the run may be gone already
+                        os.kill(agent, signal.SIGCONT)
             elif deliver == "every_process":
                 for pid in {proc.pid, *processes_with_marker(marker)}:
                     try:
@@ -157,6 +172,19 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
                    spec.records("snapshots.jsonl"), spec.records("metrics.jsonl"), _published(spec), notes=notes)
 
 
+def _server_pid(marker: str, name: str) -> int | None:
+    """The pid of the run's Gym server ``name`` (its process carries the run's marker)."""
+    for pid in processes_with_marker(marker):
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"NEMO_GYM_CONFIG_PATH={name}".encode() in env and b"gym_patches.server_main" in cmd:
+            return pid
+    return None
+
+
 def _published(spec) -> dict[str, dict[str, bytes]]:
     """The files of every snapshot a row says was published and that is still on disk (a relaunch prunes)."""
     out = {}
@@ -173,6 +201,8 @@ CASES = {
     "every_process": dict(config=cm.TWO_SHARDS_CONFIG, lookahead=1, deliver="every_process"),
     "during_training": dict(config=cm.MIXED_CONFIG, lookahead=1, deliver="hook", signal_at="train:2,persist"),
     "ctrl_c": dict(config=WORKPLACE, lookahead=0, deliver="ctrl_c", ignore_sigint=True),
+    # replies slower than the agent is held stopped: rollouts are still in flight when it answers again
+    "agent_stopped": dict(config=WORKPLACE, lookahead=0, deliver="agent_stopped", delay_s=AGENT_STOPPED_S + 2),
     # async: step 3's groups generate while step 2 validates; the stop lands when a quick validation
     # rollout has finished and the slow one (longer than the grace) still runs
     "during_validation": dict(config=cm.MIXED_CONFIG, lookahead=1, deliver="hook", signal_at="validate",
@@ -189,7 +219,7 @@ def stopped(tmp_path_factory):
         if name not in done:
             root = tmp_path_factory.mktemp(name)
             case = _stop_case(root, **CASES[name])
-            if name != "ctrl_c":  # its final snapshot is the same path as SIGTERM's: no second relaunch
+            if name not in ("ctrl_c", "agent_stopped"):  # their final snapshot is the same path as SIGTERM's: no second relaunch
                 runner = cm.Runner(case.spec, log=lambda _: None)
                 runner.count = 1  # the stopped run was the first
                 case.final = runner.run(timeout_s=300)
@@ -285,3 +315,17 @@ def test_a_stop_during_validation_snapshots_at_once_and_saves_no_validation_roll
     _check_relaunch(case, final[0])
     validated = [m["step"] for m in case.spec.records("metrics.jsonl") if "val_reward_mean" in m]
     assert validated == [2], validated  # the relaunch validates step 2 again
+
+
+def test_a_failed_final_snapshot_is_tried_again_within_the_grace(stopped):
+    # One attempt used to be all: a replica too busy (here: stopped) to answer its probe in time
+    # meant no final snapshot, with most of the grace unused.
+    case = stopped("agent_stopped")
+    assert case.returncode == 143, case.output[-3000:]
+    assert case.exit_s < GRACE_S and case.leftover == [], (case.exit_s, case.leftover)
+    final = case.final_rows("SIGTERM")
+    assert len(final) >= 2, final
+    assert not any(r["committed"] for r in final[:-1]) and final[0]["reason"] == "gym_unavailable", final
+    assert final[-1]["committed"] and final[-1]["saved"] > 0, final[-1]
+    line = _stop_line(case, "SIGTERM")
+    assert Path(final[-1]["path"]).name in line, line

@@ -282,6 +282,10 @@ class GymCheckpointCoordinator:
                 for iid, task in leavers.items():
                     self._reopenings.adopt(iid, task, left_out.get(iid, "a server did not answer"))
 
+    async def reopened(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the replicas being reopened after they left a snapshot."""
+        await self._reopenings.wait(timeout_s)
+
     async def aclose(self) -> None:
         """Stop reopening left-out replicas (the run is ending; their leases reopen them)."""
         await self._reopenings.aclose()

@@ -39,6 +39,13 @@ class Reopenings:
             self._report(done)
         return {r.iid: r.why for r in self._tasks}
 
+    async def wait(self, timeout_s: float) -> None:
+        """Until every replica being reopened now is reopened, or ``timeout_s`` passed (a stop's final
+        snapshot retries once they are back, docs/design.md §5.11)."""
+        tasks = [r.task for r in self._tasks if not r.task.done()]
+        if tasks and timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
     async def aclose(self) -> None:
         """Stop reopening (the run is ending; the replicas' leases reopen them) and read each end."""
         tasks, self._tasks = self._tasks, []

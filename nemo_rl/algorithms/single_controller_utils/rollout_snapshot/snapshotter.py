@@ -61,9 +61,10 @@ class RolloutSnapshotter:
         self.newest_anchor: int | None = None
         self.consecutive_failures = 0
 
-    async def attempt(self, requested: str | None = None) -> "SnapshotOutcome":
+    async def attempt(self, requested: str | None = None, *, final: bool = False) -> "SnapshotOutcome":
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
-        The pump awaits this, so at most one snapshot is ever being written."""
+        The pump awaits this, so at most one snapshot is ever being written. ``final``: a stop's last
+        snapshot, whose retries the stop's grace bounds: failures in a row do not raise."""
         async with self.busy:
             begun_under = self.inputs.anchor_step()  # the capture may belong to a newer one (``stage``)
             outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}", self.stager.mode, self.inputs.step(),
@@ -81,7 +82,7 @@ class RolloutSnapshotter:
                 self.consecutive_failures = 0
                 self._note_overtaken(begun_under, outcome)
             except BaseException as exc:
-                self._failed(outcome, exc)
+                self._failed(outcome, exc, final)
             finally:
                 if not outcome.pause_s:
                     outcome.pause_s = outcome.elapsed()
@@ -116,7 +117,7 @@ class RolloutSnapshotter:
         logger.info("rollout snapshot %s began under trainer step %d; step %d was published meanwhile (%s)",
                     outcome.checkpoint_id, begun_under, now, how)
 
-    def _failed(self, outcome: SnapshotOutcome, exc: BaseException) -> None:
+    def _failed(self, outcome: SnapshotOutcome, exc: BaseException, final: bool = False) -> None:
         """Record the failure; raise what must stop the run (a bug, a fatal error, too many in a row)."""
         if outcome.committed:
             # Published: the snapshot stands. Record what failed after it, then let fatal errors stop the run.
@@ -134,7 +135,7 @@ class RolloutSnapshotter:
             return
         self.consecutive_failures += 1
         limit = self.settings.max_consecutive_failures
-        if self.consecutive_failures >= limit:
+        if self.consecutive_failures >= limit and not final:
             raise RuntimeError(
                 f"{self.consecutive_failures} consecutive rollout snapshots failed "
                 f"(rollout_checkpointing.max_consecutive_failures={limit}); last error: {exc}"

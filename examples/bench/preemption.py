@@ -132,8 +132,10 @@ def run_and_stop(args: list[str], env: dict[str, str], out_path: Path, stop_when
         info["stop_lines"] = lines
         info["status_ok"] = outcome.returncode == SIGTERM_STATUS and len(lines) == 1
         snaps.poll()
-        final = next((s for _, s in snaps.items if s.get("requested") == "SIGTERM"), None)
-        info["final_row"] = final
+        # a failed final attempt is tried again within the grace: the row that counts is the committed one
+        finals = [s for _, s in snaps.items if s.get("requested") == "SIGTERM"]
+        info["final_attempts"] = len(finals)
+        info["final_row"] = next((s for s in finals if s.get("committed")), finals[-1] if finals else None)
     return outcome, info
 
 
@@ -141,20 +143,21 @@ def _wait_for_exit(proc: subprocess.Popen, snaps: JsonlFollower, seen: int, t0: 
                    limit_s: float) -> dict[str, Any]:
     """Wait for the driver after the SIGTERM, noting when the final snapshot's row appeared."""
     out: dict[str, Any] = {"final_row_s": None, "hung": False}
+
+    def final_written() -> bool:  # the committed final row (a failed attempt is tried again)
+        snaps.poll()
+        return any(s.get("requested") == "SIGTERM" and s.get("committed") for _, s in snaps.items[seen:])
+
     while proc.poll() is None:
-        if out["final_row_s"] is None:
-            snaps.poll()
-            if any(s.get("requested") == "SIGTERM" for _, s in snaps.items[seen:]):
-                out["final_row_s"] = time.monotonic() - t0
+        if out["final_row_s"] is None and final_written():
+            out["final_row_s"] = time.monotonic() - t0
         if time.monotonic() - t0 > limit_s:
             out["hung"] = True
             kill_group(proc)
             break
         time.sleep(POLL_S)
-    if out["final_row_s"] is None:
-        snaps.poll()
-        if any(s.get("requested") == "SIGTERM" for _, s in snaps.items[seen:]):
-            out["final_row_s"] = time.monotonic() - t0  # written in the last poll interval before the exit
+    if out["final_row_s"] is None and final_written():
+        out["final_row_s"] = time.monotonic() - t0  # written in the last poll interval before the exit
     return out
 
 
@@ -373,7 +376,7 @@ def exit_once(root: Path, n: int, *, generations: int, delay_s: float, fill: flo
         problems.append("the driver did not exit within the grace + 60 s (killed)")
     res["problems"] = problems
     log(f"  N={n}: signal -> final row {_s(info.get('final_row_s'))}, -> exit {_s(info.get('exit_s'))} "
-        f"(status {info.get('returncode')}); row: committed {final.get('committed')}, saved {final.get('saved')}, "
+        f"(status {info.get('returncode')}); {info.get('final_attempts')} attempt(s); row: committed {final.get('committed')}, saved {final.get('saved')}, "
         f"unsaved {final.get('unsaved')}, not admitted {final.get('not_admitted')}, pause {_s(final.get('pause_s'))}, "
         f"persist {_s(final.get('persist_s'))}; {info['alive_at_exit']} processes alive at exit, none after "
         f"{info['gone_after_exit_s']:.1f}s; load {info.get('loadavg_1m', float('nan')):.1f}"
@@ -418,6 +421,7 @@ def _exit_rows(runs: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
             "unsaved": summary(int(f.get("unsaved") or 0) for f in finals),
             "not_admitted": summary(int(f.get("not_admitted") or 0) for f in finals),
             "committed": sum(1 for f in finals if f.get("committed")),
+            "attempts": summary(int(r.get("final_attempts") or 0) for r in ok),
             "final_row_s": summary(r["final_row_s"] for r in ok if r.get("final_row_s") is not None),
             "exit_s": summary(r["exit_s"] for r in ok if r.get("exit_s") is not None),
             "pause_s": summary(float(f["pause_s"]) for f in finals if f.get("pause_s") is not None),
@@ -524,12 +528,12 @@ def table(res: dict[str, Any]) -> str:
                      ", ".join(str(s) for s in r["statuses"]) or "—", fmt(r["loadavg_1m"], 1, 1)])
     part1 = md_table(head, body)
     head2 = ["N in flight", "runs", "reply delay s", "in the final snapshot (saved / unsaved / not admitted)",
-             "committed", "signal → final row s", "signal → exit s", "pause ms", "persist ms", "exit status",
+             "committed", "final snapshot attempts", "signal → committed row s", "signal → exit s", "pause ms", "persist ms", "exit status",
              "processes alive at exit", "all gone after s", "left after 30 s", "load 1m"]
     body2 = [[f"{r['n']:,}", r["runs"] if not r["errors"] else f"{r['runs']} ({len(r['errors'])} failed)",
               f"{r['delay_s']:g}" if r["delay_s"] is not None else "—",
               f"{fmt(r['saved'])} / {fmt(r['unsaved'])} / {fmt(r['not_admitted'])}", f"{r['committed']}/{r['runs']}",
-              fmt(r["final_row_s"], 1, 2), fmt(r["exit_s"], 1, 2), fmt(r["pause_s"], 1e3), fmt(r["persist_s"], 1e3),
+              fmt(r.get("attempts")), fmt(r["final_row_s"], 1, 2), fmt(r["exit_s"], 1, 2), fmt(r["pause_s"], 1e3), fmt(r["persist_s"], 1e3),
               ", ".join(str(s) for s in r["statuses"]) or "—", fmt(r["alive_at_exit"]),
               fmt(r["gone_after_exit_s"], 1, 1), r["leftover"], fmt(r["loadavg_1m"], 1, 1)] for r in res["exit_rows"]]
     part2 = md_table(head2, body2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import sys
@@ -15,6 +16,18 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def process_state(pid: int) -> tuple[str, float] | None:
+    """``(state letter, CPU seconds used so far)`` of a live process from ``/proc/<pid>/stat``
+    (``T``: stopped), or None if it is gone or unreadable. Two readings tell a busy process from one
+    that is stuck waiting: only the busy one's CPU seconds grow."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def signals_blocked() -> bool:

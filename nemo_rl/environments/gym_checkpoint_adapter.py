@@ -86,6 +86,7 @@ class GymServerProbe:
     blocker_count: int = 0
     blockers: list[str] | None = None  # the first few blocking capture keys
     records_portable: bool = True  # its status: its records can be installed on another replica (§5.7)
+    busy: bool = False  # did not answer, but its process kept computing meanwhile: busy, not hung (§5.8)
 
 
 def _is_restart_only(name: str, status: StatusReply) -> bool:

@@ -25,6 +25,7 @@ from gym_patches.checkpoint.wire import RestartOnlyPolicy
 from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
+from gym_patches.utils.processes import process_state
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
 from gym_patches.checkpoint.coordination import CoordinationError
@@ -141,6 +142,8 @@ ROLLOUT_CONCURRENCY = 100_000
 # How long a replica that failed to answer is passed over for new rollouts (while its shard has another).
 UNHEALTHY_FOR_S = 60.0
 CONTROL_CONCURRENCY = 32
+# A server silent to a status probe that used this share of a core meanwhile is busy, not hung.
+BUSY_CPU_SHARE = 0.1
 
 
 @ray.remote(max_restarts=0, num_cpus=0, max_concurrency=ROLLOUT_CONCURRENCY,
@@ -263,18 +266,21 @@ class NemoGym:
 
     def stopped_servers(self) -> list[str]:
         """Servers whose process is stopped (SIGSTOP, a debugger): alive, but answering nothing."""
+        return sorted(name for name, (state, _) in self._process_states().items() if state in ("T", "t"))
+
+    def _process_states(self) -> dict[str, tuple[str, float]]:
+        """Each live server process's state letter and CPU seconds so far."""
         if self.deployment is None:
-            return []
-        out = []
+            return {}
+        out = {}
         for name in self.deployment.config.instances:
             try:
-                with open(f"/proc/{self.deployment.pid(name)}/stat") as fh:
-                    state = fh.read().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError, KeyError, ValueError):
+                state = process_state(self.deployment.pid(name))
+            except KeyError:
                 continue
-            if state in ("T", "t"):
-                out.append(name)
-        return sorted(out)
+            if state is not None:
+                out[name] = state
+        return out
 
     # -- checkpoint calls ----------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -282,19 +288,31 @@ class NemoGym:
         """The one checkpoint entry: run ``request`` over this replica's servers (the adapter says
         what each request answers). A failure caused by a server process that is gone names it; a
         probe also says which servers are dead or stopped, which only this actor can see."""
+        if not isinstance(request, ProbeCall):
+            return await self._named(self._adapter().checkpoint(request))
+        before, t0 = self._process_states(), time.monotonic()
         reply = await self._named(self._adapter().checkpoint(request))
-        if isinstance(request, ProbeCall):
-            reply = self._with_process_state(reply)
-        return reply
+        return self._with_process_state(reply, before, time.monotonic() - t0)
 
-    def _with_process_state(self, probes: dict[str, GymServerProbe]) -> dict[str, GymServerProbe]:
-        """A dead server's probe says it is dead; a silent one's says when its process is stopped."""
+    def _with_process_state(self, probes: dict[str, GymServerProbe], before: dict[str, tuple[str, float]],
+                            elapsed_s: float) -> dict[str, GymServerProbe]:
+        """A dead server's probe says it is dead; a silent one's says when its process is stopped, or
+        that it is busy: it used at least ``BUSY_CPU_SHARE`` of a core while the probe waited (at
+        thousands of rollouts an agent can be too busy to answer in time; docs/design.md §5.8)."""
         for name in self.dead_servers():
             if name in probes:
                 probes[name] = GymServerProbe(False, f"Gym server {name!r} is dead (its process exited)")
-        for name in self.stopped_servers():
-            if name in probes and not probes[name].answered:
-                probes[name] = GymServerProbe(False, f"{probes[name].detail} (its process is stopped)")
+        for name, (state, cpu_s) in self._process_states().items():
+            probe = probes.get(name)
+            if probe is None or probe.answered:
+                continue
+            if state in ("T", "t"):
+                probes[name] = GymServerProbe(False, f"{probe.detail} (its process is stopped)")
+                continue
+            share = (cpu_s - before[name][1]) / elapsed_s if name in before and elapsed_s > 0 else 0.0
+            if share >= BUSY_CPU_SHARE:
+                probes[name] = GymServerProbe(False, f"{probe.detail} (busy: its process ran {share:.0%} of a "
+                                              "core meanwhile)", busy=True)
         return probes
 
     async def _named(self, call: Awaitable[Any]) -> Any:

@@ -13,6 +13,7 @@ import pytest
 
 from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
 from nemo_rl.algorithms.single_controller_utils.prepare_rounds import (
+    MAX_BUSY_PROBES,
     PrepareRound,
     ReplicaState,
     RoundClock,
@@ -97,6 +98,37 @@ async def test_a_server_silent_to_a_probe_takes_its_replica_out_at_once():
     assert rnd.read_answers() == [replica]
     assert replica.state is ReplicaState.LEFT_OUT and replica.prepare.cancelled()
     assert replica.why_left == "Gym server 'tools' on r0 did not answer (no reply within 1.5s)"
+    await rnd.close()
+
+
+BUSY = {"agent": GymServerProbe(False, "no reply within 1.5s (busy: its process ran 80% of a core meanwhile)",
+                                busy=True),
+        "tools": GymServerProbe(True, "phase preparing")}
+
+
+async def test_a_busy_silent_server_is_waited_on_for_a_few_probes_then_its_replica_leaves():
+    rnd, calls = new_round("r0")
+    replica = rnd.replicas["r0"]
+    for i in range(MAX_BUSY_PROBES):  # silent but computing: thousands of rollouts, not a hang
+        replica.probe_sent(answered_probe(BUSY), 100.5 + i)
+        assert rnd.read_answers() == [], i
+        assert replica.state is ReplicaState.ASKED and replica.busy_probes == i + 1
+    replica.probe_sent(answered_probe(BUSY), 110.0)
+    assert rnd.read_answers() == [replica] and replica.state is ReplicaState.LEFT_OUT
+    assert "busy: its process ran 80% of a core" in replica.why_left
+    await rnd.close()
+
+
+async def test_a_busy_server_that_prepares_parks_and_a_busy_one_beside_a_hung_one_leaves():
+    rnd, calls = new_round("r0", "r1")
+    busy = rnd.replicas["r0"]
+    busy.probe_sent(answered_probe(BUSY), 100.5)
+    assert rnd.read_answers() == []
+    calls["r0"].set_result(PrepareResult(prepared=True))
+    assert rnd.read_answers() == [] and busy.state is ReplicaState.PARKED
+    mixed = rnd.replicas["r1"]  # one busy server and one silent without computing: the hung one decides
+    mixed.probe_sent(answered_probe({**BUSY, "tools": GymServerProbe(False, "no reply within 1.5s")}), 100.5)
+    assert rnd.read_answers() == [mixed] and mixed.state is ReplicaState.LEFT_OUT
     await rnd.close()
 
 

@@ -7,6 +7,7 @@ leaves the snapshot"):
     ASKED   --probe sent-------------------------> PROBING --every server answered--> ASKED
     ASKED / PROBING --prepare answered-----------> PARKED | NOT_READY | FAILED
     ASKED / PROBING --a server did not answer----> LEFT_OUT   (a silent probe, an unanswered prepare)
+    PROBING --only busy servers were silent--------> ASKED      (at most ``MAX_BUSY_PROBES`` times)
     ASKED / PROBING --past the grace, no probe---> LEFT_OUT   (a straggler)
     ASKED / PROBING --past the hard stop---------> FAILED     (TimeoutError)
 
@@ -30,6 +31,9 @@ from nemo_rl.environments.gym_checkpoint_adapter import GymServerProbe
 logger = logging.getLogger(__name__)
 
 _UNANSWERED_CODES = ("timeout", "unreachable", "server_dead")
+# Probes in a row a replica may stay in a round while its only silent servers are busy (their process
+# computing, not stuck): each takes at least the park grace, so a busy server gets several seconds.
+MAX_BUSY_PROBES = 4
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -94,6 +98,7 @@ class ReplicaPrepare:
     error: BaseException | None = None
     why_left: str | None = None
     answer_read: bool = False  # ``prepare_answered`` read the prepare's outcome; else ``close`` does
+    busy_probes: int = 0  # probes in a row whose only silent servers were busy
 
     @property
     def waiting(self) -> bool:
@@ -125,7 +130,9 @@ class ReplicaPrepare:
 
     def probe_answered(self) -> bool:
         """Read the finished probe; if a server did not answer it while the replica still waits, the
-        replica leaves (True): waiting on for a hung server would hold every other replica. A probe
+        replica leaves (True): waiting on for a hung server would hold every other replica. A server
+        that was silent but busy (its process computing) is waited on for up to ``MAX_BUSY_PROBES``
+        probes in a row. A probe
         that itself failed says nothing the prepare call will not (it reports what is wrong with the
         actor), so it is logged and the replica is probed again later."""
         probe, self.probe = self.probe, None
@@ -138,10 +145,16 @@ class ReplicaPrepare:
             return False
         self.last_probe = probe.result()
         silent = {name: p for name, p in self.last_probe.items() if not p.answered}
-        if silent and self.waiting:
-            self.leave(silent_reason(self.iid, silent))
-            return True
-        return False
+        if not silent or not self.waiting:
+            self.busy_probes = 0
+            return False
+        if all(p.busy for p in silent.values()) and self.busy_probes < MAX_BUSY_PROBES:
+            self.busy_probes += 1  # busy, not hung: it may still prepare (thousands of rollouts, §5.8)
+            logger.info("status probe %d of %s: %s; waiting on", self.busy_probes, self.iid,
+                        silent_reason(self.iid, silent))
+            return False
+        self.leave(silent_reason(self.iid, silent))
+        return True
 
     def leave(self, why: str) -> None:
         """Out of this snapshot: its prepare stops here (the coordinator stops it in the actor and

@@ -170,7 +170,12 @@ async def test_the_ledger_taken_unvalidated_in_the_pause_is_checked_before_the_s
     by a bug fails the attempt as invariant_error and publishes nothing."""
     run = Run(tmp_path)
     assert json.loads(run.ledger.state_json()) == run.ledger.state_dict()
-    run.ledger.groups["g1"].__dict__["position"] = -1  # a corruption no transition makes (bypasses validation)
+    group = run.ledger.groups["g1"]
+    sibling = group.siblings[0]
+    # a corruption no transition makes, through the ledger's unchecked record edit (as a bug in a restart
+    # rule would make it): model_construct bypasses validation
+    run.ledger.replace_current(group, sibling, sibling.current_attempt.model_construct(
+        **{**sibling.current_attempt.__dict__, "refusals": -1}))
     with pytest.raises(Exception, match="ledger state is inconsistent"):
         await run.snapshotter().attempt()
     assert [r["reason"] for r in run.rows()] == ["invariant_error"]

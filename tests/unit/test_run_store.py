@@ -59,7 +59,7 @@ class NotingReader(FileSystemReader):
 
 
 def _capture(step: int = 0, anchor: int = 0) -> ControllerStateCapture:
-    return ControllerStateCapture.take(step, anchor, RolloutRecoveryLedger(3).state_json(), {"position": 0},
+    return ControllerStateCapture.take(step, anchor, RolloutRecoveryLedger(3), {"position": 0},
                                        DataPlaneStore())
 
 

@@ -11,6 +11,7 @@ re-exported here, so importers use ``nemo_rl.experience.rollout_recovery``.
 from nemo_rl.experience.rollout_recovery.ledger import (
     DEFAULT_MAX_ATTEMPTS_PER_SIBLING,
     DispatchRequest,
+    LedgerJsonParts,
     RolloutRecoveryLedger,
 )
 from nemo_rl.experience.rollout_recovery.levels import RecoveryTargetLevel
@@ -48,6 +49,7 @@ __all__ = [
     "RestoredEpisode",
     "RolloutAttemptRecord",
     "RolloutAttemptStatus",
+    "LedgerJsonParts",
     "RolloutRecoveryLedger",
     "RolloutRetriesExhausted",
     "RolloutSiblingRecord",

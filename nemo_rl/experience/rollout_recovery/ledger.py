@@ -58,6 +58,7 @@ class RolloutRecoveryLedger:
         self.trained_positions: list[PositionRange] = []
         self._by_base: dict[str, tuple[str, int, int]] = {}  # base id -> (group, g, attempt idx)
         self._by_position: dict[int, str] = {}  # dataloader position -> group id in the ledger
+        self._views = _CutViews()  # what a snapshot's cut reads, kept up to date per changed group
 
     @property
     def trained_count(self) -> int:
@@ -116,6 +117,7 @@ class RolloutRecoveryLedger:
             group.siblings[g].current_attempt.episode(group_id, g)
         self.groups[group_id] = group
         self._index_group(group)
+        self._views.touch(group_id)
         return group
 
     def reserved_attempts(self) -> list[DispatchRequest]:
@@ -188,15 +190,9 @@ class RolloutRecoveryLedger:
         return refusals
 
     def refused_waiting(self) -> list[str]:
-        """Turn-level attempts Gym refused that wait for redispatch (never admitted)."""
-        return [
-            group.rollout_id(sibling.generation_index)
-            for group in self.groups.values()
-            if group.status is PromptGroupStatus.GENERATING and group.restore_level.requires_gym_checkpoint
-            for sibling in group.siblings
-            if sibling.current_attempt.status is RolloutAttemptStatus.RESERVED
-            and sibling.current_attempt.refusals > 0 and sibling.current_attempt.gym_attempt == 0
-        ]
+        """Turn-level attempts Gym refused that wait for redispatch (never admitted); kept up to date
+        per changed group, as ``turn_level_held`` (a snapshot counts them in the pause)."""
+        return self._views.refused(self)
 
     def mark_sealed(self, rollout_id: str, reward: float) -> PromptGroupRecoveryRecord:
         """Seal a dispatched attempt; the group becomes complete with its last sibling."""
@@ -241,6 +237,7 @@ class RolloutRecoveryLedger:
         if group.status is not PromptGroupStatus.COMPLETE:
             raise LedgerError(f"group {group_id} is {group.status.value}, not complete")
         group.status = PromptGroupStatus.TRAINED
+        self._views.touch(group_id)
         self.trained_positions = with_position(self.trained_positions, group.position)
 
     def checkpoint_state(self, trained_now: list[str]) -> tuple[dict, int | None]:
@@ -309,6 +306,7 @@ class RolloutRecoveryLedger:
                     self._by_base.pop(base, None)
             self._by_position.pop(group.position, None)
             del self.groups[group_id]
+            self._views.touch(group_id)
         return rollout_ids
 
     def attempt_status(self, rollout_id: str) -> RolloutAttemptStatus | None:
@@ -331,6 +329,12 @@ class RolloutRecoveryLedger:
         }
 
     # ----- what Gym holds (the snapshot cut's inventory reads it) ----------
+    def turn_level_held(self) -> dict[str, dict[str, str | None]]:
+        """``turn_level_live`` as instance -> capture key -> agent name, kept up to date per changed
+        group: a snapshot's cut reads it in the pause at a cost that grows with what changed since the
+        last read, not with the rollouts in flight (docs/design.md §5.4). The caller must not change it."""
+        return self._views.held(self)
+
     def turn_level_live(self) -> Iterator[tuple[PromptGroupRecoveryRecord, int, RolloutAttemptRecord]]:
         """``(group, generation_index, attempt)`` for every current attempt Gym holds at turn level.
 
@@ -383,18 +387,18 @@ class RolloutRecoveryLedger:
         """Pure-JSON state (enums as strings)."""
         return self._state().model_dump(mode="json")
 
+    def state_json_parts(self) -> "LedgerJsonParts":
+        """``state_json`` not yet joined: each group's bytes by reference, so a snapshot's pause takes
+        them at a cost that follows what changed; ``encode`` joins them after rollouts resume."""
+        return self._views.state_json(self)
+
     def state_json(self) -> bytes:
-        """``state_dict`` as JSON bytes, serialised by pydantic-core in one pass (about twice as fast:
-        a snapshot takes it while rollouts are held). Not validated here: the transitions keep the
-        ledger consistent, and the snapshot checks these bytes after rollouts resume
+        """``state_dict`` as JSON bytes, as pydantic-core writes them, with each group's part kept from
+        the last call unless the group changed since (a snapshot takes this while rollouts are held:
+        its cost follows what changed, not the ledger's size). Not validated here: the transitions keep
+        the ledger consistent, and the snapshot checks these bytes after rollouts resume
         (``check_state_json``), before anything is sealed."""
-        state = LedgerState.model_construct(
-            max_attempts_per_sibling=self.max_attempts_per_sibling,
-            groups=list(self.groups.values()),
-            trained_positions=list(self.trained_positions),
-            trained_count=self.trained_count,
-        )
-        return state.__pydantic_serializer__.to_json(state)
+        return self._views.state_json(self).encode()
 
     @staticmethod
     def check_state_json(data: bytes) -> None:
@@ -459,11 +463,13 @@ class RolloutRecoveryLedger:
                         attempt: RolloutAttemptRecord) -> None:
         """Swap in the sibling's new current attempt (no checks: the transitions and ``restart`` check)."""
         sibling.attempts = [*sibling.attempts[:-1], attempt]
+        self._views.touch(group.group_id)
 
     def append_attempt(self, group: PromptGroupRecoveryRecord, sibling: RolloutSiblingRecord) -> str:
         """Reserve a fresh attempt for the sibling and index it; returns its capture key."""
         attempt = RolloutAttemptRecord()
         sibling.attempts = [*sibling.attempts, attempt]
+        self._views.touch(group.group_id)
         g = sibling.generation_index
         self._by_base[attempt.base_rollout_id(group.group_id, g)] = (
             group.group_id,
@@ -484,3 +490,99 @@ class RolloutRecoveryLedger:
         self._by_position = {}
         for group in self.groups.values():
             self._index_group(group)
+        self._views = _CutViews()  # every group replaced: computed afresh when next read
+
+
+class _CutViews:
+    """What a snapshot's cut reads of the ledger, derived per group and recomputed only for the groups
+    the ledger's transitions touched since the last read (docs/design.md §5.4): each group's JSON and
+    the turn-level rollouts Gym holds for it. Every edit of a group record goes through the ledger,
+    which touches the group; group records replaced wholesale (load, restart) start new views, whose
+    first read computes every group."""
+
+    def __init__(self) -> None:
+        self._json: dict[str, bytes] = {}  # group id -> its part of ``state_json``
+        self._json_dirty: set[str] | None = None  # None: every group
+        self._held: dict[str, dict[str, str | None]] = {}  # instance -> capture key -> agent
+        self._held_of: dict[str, list[tuple[str, str, str | None]]] = {}  # group -> its entries in ``_held``
+        self._refused_of: dict[str, list[str]] = {}  # group -> its refused attempts waiting for redispatch
+        self._held_dirty: set[str] | None = None
+
+    def touch(self, group_id: str) -> None:
+        if self._json_dirty is not None:
+            self._json_dirty.add(group_id)
+        if self._held_dirty is not None:
+            self._held_dirty.add(group_id)
+
+    def held(self, ledger: "RolloutRecoveryLedger") -> dict[str, dict[str, str | None]]:
+        self._update_turn_level(ledger)
+        return self._held
+
+    def refused(self, ledger: "RolloutRecoveryLedger") -> list[str]:
+        self._update_turn_level(ledger)
+        return [key for keys in self._refused_of.values() for key in keys]
+
+    def _update_turn_level(self, ledger: "RolloutRecoveryLedger") -> None:
+        changed, self._held_dirty = (list(ledger.groups) if self._held_dirty is None else self._held_dirty), set()
+        for group_id in changed:
+            for iid, key, _ in self._held_of.pop(group_id, ()):
+                del self._held[iid][key]
+            self._refused_of.pop(group_id, None)
+            group = ledger.groups.get(group_id)
+            if group is None:
+                continue
+            entries, refused = _turn_level_entries(group)
+            if entries:
+                self._held_of[group_id] = entries
+                for iid, key, agent in entries:
+                    self._held.setdefault(iid, {})[key] = agent
+            if refused:
+                self._refused_of[group_id] = refused
+
+    def state_json(self, ledger: "RolloutRecoveryLedger") -> bytes:
+        changed, self._json_dirty = (list(ledger.groups) if self._json_dirty is None else self._json_dirty), set()
+        serialize = PromptGroupRecoveryRecord.__pydantic_serializer__.to_json
+        for group_id in changed:
+            group = ledger.groups.get(group_id)
+            if group is None:
+                self._json.pop(group_id, None)
+            else:
+                self._json[group_id] = serialize(group)
+        frame = LedgerState.model_construct(max_attempts_per_sibling=ledger.max_attempts_per_sibling, groups=[],
+                                            trained_positions=list(ledger.trained_positions),
+                                            trained_count=ledger.trained_count)
+        head, tail = frame.__pydantic_serializer__.to_json(frame).split(_EMPTY_GROUPS, 1)
+        return LedgerJsonParts(head, tuple(self._json[g] for g in ledger.groups), tail)
+
+
+class LedgerJsonParts(NamedTuple):
+    """``state_json`` in parts: the frame around the groups, and each group's JSON (shared bytes)."""
+
+    head: bytes
+    groups: tuple[bytes, ...]
+    tail: bytes
+
+    def encode(self) -> bytes:
+        return b"".join((self.head, b'"groups":[', b",".join(self.groups), b"]", self.tail))
+
+
+_EMPTY_GROUPS = b'"groups":[]'
+
+
+def _turn_level_entries(group: PromptGroupRecoveryRecord) -> tuple[list[tuple[str, str, str | None]], list[str]]:
+    """Of the group's current attempts: ``(instance, capture key, agent)`` of each Gym holds at turn level
+    (the rule of ``RolloutRecoveryLedger.turn_level_live``), and the capture keys of those Gym refused
+    that wait for redispatch, never admitted (``refused_waiting``)."""
+    if group.status is not PromptGroupStatus.GENERATING or not group.restore_level.requires_gym_checkpoint:
+        return [], []
+    held, refused = [], []
+    for sibling in group.siblings:
+        attempt = sibling.attempts[-1]
+        status = attempt.status
+        if status is RolloutAttemptStatus.DISPATCHED or (status is RolloutAttemptStatus.RESERVED
+                                                         and attempt.gym_attempt > 0):
+            held.append((attempt.gym_instance_id, attempt.rollout_id(group.group_id, sibling.generation_index),
+                         group.agent_name))
+        elif status is RolloutAttemptStatus.RESERVED and attempt.refusals > 0:
+            refused.append(attempt.rollout_id(group.group_id, sibling.generation_index))
+    return held, refused

@@ -107,26 +107,32 @@ def gym_checkpoint_agents(
 ) -> dict[str, dict[str, str | None]]:
     """Per instance, the turn-level rollouts Gym holds: capture key -> ``agent_name``.
 
-    One pass over ``ledger.turn_level_live()`` and capture keys only (this
-    runs inside the pause, with every rollout held). An attempt on an instance
-    outside ``instance_ids`` means the topology changed: ``LedgerError``.
+    Read from the ledger's ``turn_level_held``, which is kept up to date per changed group (this runs
+    inside the pause, with every rollout held: its cost is a copy of each instance's dict, not a pass
+    over the ledger). An attempt on an instance outside ``instance_ids`` means the topology changed:
+    ``LedgerError``.
     """
-    out: dict[str, dict[str, str | None]] = {iid: {} for iid in instance_ids}
-    for group, g, attempt in ledger.turn_level_live():
-        key = attempt.rollout_id(group.group_id, g)
-        agents = out.get(attempt.gym_instance_id)
-        if agents is None:
-            raise LedgerError(
-                f"rollout {key} is held by Gym instance "
-                f"{attempt.gym_instance_id}, which is not in the live topology {sorted(out)}"
-            )
-        agents[key] = group.agent_name
+    held = ledger.turn_level_held()
+    out = {iid: dict(held.get(iid, ())) for iid in instance_ids}
+    _check_topology(held, out)
     return out
+
+
+def _check_topology(held: Mapping[str, Mapping[str, str | None]], instance_ids: Collection[str]) -> None:
+    for iid, agents in held.items():
+        if agents and iid not in instance_ids:
+            raise LedgerError(
+                f"rollout {next(iter(agents))} is held by Gym instance "
+                f"{iid}, which is not in the live topology {sorted(instance_ids)}"
+            )
 
 
 def gym_checkpoint_keys(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, set[str]]:
     """The capture keys of ``gym_checkpoint_agents`` (no ``EpisodeId`` built: this runs in the cut)."""
-    return {iid: set(agents) for iid, agents in gym_checkpoint_agents(ledger, instance_ids).items()}
+    instance_ids = list(instance_ids)
+    held = ledger.turn_level_held()
+    _check_topology(held, instance_ids)
+    return {iid: set(held.get(iid, ())) for iid in instance_ids}
 
 
 def gym_checkpoint_inventory(
@@ -161,7 +167,8 @@ def plan_cut(
         late = {k for k, agent in owned[iid].items() if agent in agents} if agents else set()
         # Only the ledger's: Gym also holds rollouts no snapshot is about (validation runs, §5.6).
         unsaved[iid] = frozenset(k for k in gym_unsaved.get(iid, ()) if k in owned[iid]) | late
-    scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} for iid in iids}
+    scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} if unsaved[iid]
+             else owned[iid] for iid in iids}  # (``owned`` holds copies: the scope may be one)
     return CutPlan(iids, scope, unsaved, out)
 
 
@@ -260,15 +267,13 @@ def cut_counts(
     saved: list[str] = []
     unsaved: list[str] = []
     waiting = 0
-    for iid in plan.instance_ids:
+    for iid in plan.instance_ids:  # set operations: this runs in the pause, over every rollout held
         done = set(exported.get(iid, ()))
         idle = set((not_started or {}).get(iid, ()))
-        for key in inventory[iid]:
-            if key in done:
-                saved.append(key)
-            elif key in idle:
-                waiting += 1
-            elif key in plan.unsaved[iid]:
-                unsaved.append(key)
+        held = inventory[iid]
+        rest = held - done
+        saved.extend(held & done)
+        waiting += len(rest & idle)
+        unsaved.extend((rest - idle) & plan.unsaved[iid])
     keys = CutKeys(first, saved, unsaved, inventory) if first is not None else None
     return CutCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), keys)

@@ -117,7 +117,7 @@ class Stager(ABC):
         restore re-trains them."""
         inputs = self.inputs
         outcome.anchor_step = inputs.anchor_step()
-        return ControllerStateCapture.take(inputs.step(), outcome.anchor_step, inputs.ledger.state_json(),
+        return ControllerStateCapture.take(inputs.step(), outcome.anchor_step, inputs.ledger,
                                            inputs.dataloader.state_dict(), inputs.data_plane)
 
 

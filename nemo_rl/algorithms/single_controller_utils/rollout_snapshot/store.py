@@ -31,7 +31,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.experience.data_plane import DataPlaneCapture, DataPlaneStore
-from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.experience.rollout_recovery import LedgerJsonParts, RolloutRecoveryLedger
 from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
 from nemo_rl.utils.snapshot_store import (
     DirectoryManifest,
@@ -171,22 +171,24 @@ class ControllerStateCapture:
 
     step: int
     anchor_step: int
-    ledger_json: bytes
+    ledger_json: LedgerJsonParts  # each group's JSON by reference; joined by ``write``
     dataloader: dict[str, Any]
     data_plane: DataPlaneCapture
 
     @classmethod
-    def take(cls, step: int, anchor_step: int, ledger_json: bytes, dataloader: dict[str, Any],
+    def take(cls, step: int, anchor_step: int, ledger: RolloutRecoveryLedger, dataloader: dict[str, Any],
              data_plane: DataPlaneStore) -> "ControllerStateCapture":
-        return cls(step, anchor_step, ledger_json, dataloader, data_plane.capture())
+        return cls(step, anchor_step, ledger.state_json_parts(), dataloader, data_plane.capture())
 
     def write(self, directory: Path, writer: StorageWriter | None = None) -> None:
-        # The ledger was serialised unvalidated in the pause; it is checked here, after resume and
-        # before anything is sealed: an inconsistent ledger (a bug) fails the attempt, publishes nothing.
-        RolloutRecoveryLedger.check_state_json(self.ledger_json)
+        # The ledger was serialised unvalidated in the pause (and joined only now); it is checked here,
+        # after resume and before anything is sealed: an inconsistent ledger (a bug) fails the attempt,
+        # publishes nothing.
+        ledger_json = self.ledger_json.encode()
+        RolloutRecoveryLedger.check_state_json(ledger_json)
         data, meta = self.data_plane.encode()
         DataPlaneStore.write_dump(directory, data)
-        state = {"step": self.step, "anchor_step": self.anchor_step, "ledger": msgspec.Raw(self.ledger_json),
+        state = {"step": self.step, "anchor_step": self.anchor_step, "ledger": msgspec.Raw(ledger_json),
                  "dataloader": self.dataloader, "data_plane": meta}
         encoded = msgspec.json.encode(state, order="sorted")
         write_bytes_atomic(directory / CONTROLLER_STATE_FILE, msgspec.json.format(encoded, indent=2) + b"\n", writer)

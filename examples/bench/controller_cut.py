@@ -1,0 +1,136 @@
+"""Micro-benchmark: the controller's own work inside a snapshot's pause, at N rollouts in flight.
+
+    python examples/bench/controller_cut.py 512 2048 8192 16384          # table, median of --repeats
+    python examples/bench/controller_cut.py 8192 --changed 0.02 --repeats 9
+
+One process, no Gym, no I/O: a real ``RolloutRecoveryLedger`` with N turn-level rollouts dispatched
+(N / 16 prompt groups x 16 generations, on one Gym instance, the shape of measurement 1b), and the
+very functions a staged snapshot runs in the pause (``rollout_snapshot/stagers.py``): the plan
+(``plan_cut``: the commit scope), the ownership check (``check_cut``), the counts (``cut_counts``) and
+the ledger's JSON (``state_json_parts``: each group's bytes by reference, joined after resume). The Gym side's prepare is ``prepare_micro.py``'s; the data plane's
+capture copies references (its lines are encoded as each sample seals) and is not timed here.
+
+- **first**: the first cut of a ledger (its cut views computed for every group);
+- **steady**: the cut after ``--changed`` of the rollouts moved since the previous one (each sealed,
+  and a new group reserved and dispatched in its place): the state between two snapshots. The ledger
+  keeps what the cut reads up to date per changed group (docs/design.md §5.4), so this should not
+  grow with N.
+
+Times are CPU ms (``time.thread_time``, GC frozen), median of ``--repeats``; the load average is printed
+with the table (run it on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (  # noqa: E402
+    FirstCounts,
+    check_cut,
+    cut_counts,
+    plan_cut,
+)
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger  # noqa: E402
+
+IID = "nemo_gym/replica-0"
+GENERATIONS = 16
+
+
+class Flight:
+    """A ledger with ``n`` rollouts in flight, and the moves between two snapshots."""
+
+    def __init__(self, n: int):
+        self.ledger = RolloutRecoveryLedger()
+        self.next_group = 0
+        for _ in range(n // GENERATIONS):
+            self._new_group()
+        self.first = FirstCounts()
+
+    def _new_group(self) -> None:
+        i = self.next_group
+        self.next_group += 1
+        self.ledger.reserve_group(f"s1p{i}", f"p{i}", i, "workplace", "workplace_simple_agent", "turn",
+                                  GENERATIONS, 1, position=i)
+        for req in self.ledger.reserved_attempts():
+            self.ledger.mark_dispatched(req.rollout_id, IID, weight_version=0)
+
+    def move(self, share: float) -> None:
+        """``share`` of the rollouts finish: whole groups seal, are trained and compacted, and as many
+        new groups are dispatched in their place."""
+        groups = max(1, round(share * len(self.ledger.groups)))
+        for group_id in list(self.ledger.groups)[:groups]:
+            group = self.ledger.groups[group_id]
+            for sibling in group.siblings:
+                self.ledger.mark_sealed(group.rollout_id(sibling.generation_index), 1.0)
+            self.ledger.mark_group_trained(group_id)
+            self.ledger.compact_trained([group_id])
+        for _ in range(groups):
+            self._new_group()
+
+    def cut(self) -> dict[str, float]:
+        """The pause's controller work, each part timed; every in-scope rollout counts as captured."""
+        ledger, t = self.ledger, {}
+        c0 = time.thread_time()
+        plan = plan_cut(ledger, [IID], {IID: ()})
+        c1 = time.thread_time()
+        exported = {IID: set(plan.scope[IID])}
+        owned = check_cut(ledger, plan, exported, {IID: set()})
+        c2 = time.thread_time()
+        counts = cut_counts(ledger, plan, exported, {IID: set()}, owned, self.first)
+        c3 = time.thread_time()
+        data = ledger.state_json_parts()  # joined after resume (``ControllerStateCapture.write``)
+        c4 = time.thread_time()
+        assert counts.saved == len(plan.scope[IID]) and data
+        counts.keys.settle()  # after the pause, as the snapshot does once it commits
+        t.update(plan=c1 - c0, ownership=c2 - c1, counts=c3 - c2, ledger_json=c4 - c3, total=c4 - c0)
+        return {k: v * 1e3 for k, v in t.items()}
+
+
+def measure(n: int, repeats: int, changed: float) -> dict[str, dict[str, float]]:
+    firsts, steadies = [], []
+    for _ in range(repeats):
+        flight = Flight(n)
+        gc.collect()
+        gc.freeze()
+        try:
+            firsts.append(flight.cut())
+            flight.move(changed)
+            steadies.append(flight.cut())
+        finally:
+            gc.unfreeze()
+    return {"first": _median(firsts), "steady": _median(steadies)}
+
+
+def _median(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sizes", nargs="*", type=int, default=[512, 2048, 8192])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--changed", type=float, default=0.02, help="share of rollouts moved between two cuts")
+    args = ap.parse_args(argv)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"| N | cut | plan ms | ownership ms | counts ms | ledger JSON ms | total ms |")
+    print("|---|---|---|---|---|---|---|")
+    for n in args.sizes:
+        res = measure(n, args.repeats, args.changed)
+        for kind in ("first", "steady"):
+            r = res[kind]
+            label = kind if kind == "first" else f"steady ({args.changed:.0%} moved)"
+            print(f"| {n:,} | {label} | {r['plan']:.2f} | {r['ownership']:.2f} | {r['counts']:.2f} | "
+                  f"{r['ledger_json']:.2f} | {r['total']:.2f} |")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -100,6 +100,12 @@ BURST, STEADY = "burst", "steady"
 # Laid over every run: a burst of failed attempts must not stop the run (the product stops after
 # max_consecutive_failures in a row), and a prepare may wait long on a saturated agent.
 RUN_SETTINGS = ("rollout_checkpointing.max_consecutive_failures=1000", "rollout_recovery.gym_prepare_timeout_s=60")
+# The scripted backend works on at most this many replies at once, as a generation server's batch does
+# (vLLM's max_num_seqs): replies come back at a bounded rate, not all N at once. 100 is what every figure
+# measured before the model server's connection fix ran at by accident (aiohttp's default cap of 100
+# connections to the backend), so figures stay comparable; without a bound the fake backend answers
+# thousands of calls at once and the 2 cores only measure its CPU load.
+BACKEND_BATCH = 100
 
 
 def tmpfs_root() -> Path | None:
@@ -143,7 +149,8 @@ def measure(*, sizes: list[int], repeats: int, workdir: Path, tool_s: float = 0.
     return {"name": NAME, "title": TITLE, "rows": rows, "fits": fits,
             "goal": goal_of(rows, variants, goal_n, goal_ms),
             "config": {"sizes": sizes, "repeats": repeats, "tool_s": tool_s, "backend_delay_s": delay_s,
-                       "backend_delay_s_tool_runs": tool_delay_s, "snapshot_interval_s": interval_s,
+                       "backend_delay_s_tool_runs": tool_delay_s,
+                       "backend_max_num_seqs": BACKEND_BATCH, "snapshot_interval_s": interval_s,
                        "generations": generations, "fill": fill, "per_replica": per_replica,
                        "tmpfs_sizes": list(tmpfs_sizes), "kinds": list(kinds),
                        "variants": [{"label": v[0], "overrides": v[1]} for v in variants],
@@ -175,6 +182,7 @@ def _one(root: Path, n: int, kind: str, storage: str, shm: Path | None, extra: l
         f"grpo.max_num_steps={steps}", f"grpo.num_prompts_per_step={prompts}", f"grpo.num_generations_per_prompt={gens}",
         f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
         "rollout_checkpointing.keep_latest_k=100000", *RUN_SETTINGS,
+        f"policy.scripted_backend.max_num_seqs={BACKEND_BATCH}",
     ]
     if replicas > 1:
         overrides.append(f"env.nemo_gym.shards=[{{name: nemo_gym, replicas: {replicas}}}]")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import json
 import re
@@ -74,6 +75,7 @@ class SettingsRequest(BaseModel):
     delay_s: float | None = Field(default=None, ge=0.0, le=600.0)
     jitter_s: float | None = Field(default=None, ge=0.0, le=600.0)
     tokens_per_s: float | None = Field(default=None, ge=0.0, le=1e9)  # 0: a reply's length costs no time
+    max_num_seqs: int | None = Field(default=None, ge=0, le=1_000_000)  # 0: no bound on replies worked on at once
     respect_max_tokens: bool | None = None
 
 
@@ -199,11 +201,19 @@ class ScriptedState:
         self.waiting: dict[Key, int] = {}  # replies currently held, per turn
         self.calls: list[dict[str, Any]] = []
         self.pending = 0
+        self.working = 0  # replies being worked on (past the ``max_num_seqs`` bound)
         self.delay_s = 0.0  # every reply waits this long (keeps rollouts in flight in RL tests)
         self.jitter_s = 0.0  # plus up to this long more, drawn from a fixed-seed generator
         self.jitter = random.Random(0)
         self.decoder = SimulatedDecoder()  # rate > 0: replies also wait for the simulated device to decode them
         self.respect_max_tokens = True  # False: plans play out whole (fake tokens are bytes, not words)
+        self.max_num_seqs = 0  # > 0: at most this many replies are worked on at once (a server's batch)
+        self.batch: asyncio.Semaphore | None = None
+
+    def set_max_num_seqs(self, n: int) -> None:
+        """Bound the replies worked on at once; calls past it wait their turn, as in a server's queue."""
+        self.max_num_seqs = n
+        self.batch = asyncio.Semaphore(n) if n > 0 else None
 
     def turn_for(self, user: str, turn: int, tool_text: str = "") -> ScriptedTurn:
         variants = self.plans.get(user)
@@ -285,10 +295,15 @@ def build_app() -> web.Application:
             tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
             turn = state.turn_for(user, turn_index, tool_text)
             reply = _completion(messages, turn, turn_index, body.get("model"), limit)
-            wait = state.wait_for(turn)
-            if wait:
-                await asyncio.sleep(wait)
-            await state.decoder.decode(reply["usage"]["completion_tokens"])
+            async with state.batch or contextlib.nullcontext():
+                state.working += 1
+                try:
+                    wait = state.wait_for(turn)
+                    if wait:
+                        await asyncio.sleep(wait)
+                    await state.decoder.decode(reply["usage"]["completion_tokens"])
+                finally:
+                    state.working -= 1
             state.calls.append(
                 {
                     "user": user,
@@ -324,6 +339,7 @@ def build_app() -> web.Application:
             {
                 "calls": state.calls,
                 "pending": state.pending,
+                "working": state.working,
                 "held": sum(state.waiting.values()),
                 "held_turns": [{"user": u, "turn": t, "waiting": n} for (u, t), n in state.waiting.items()],
             }
@@ -339,8 +355,10 @@ def build_app() -> web.Application:
             state.decoder.set_rate(req.tokens_per_s)
         if req.respect_max_tokens is not None:
             state.respect_max_tokens = req.respect_max_tokens
+        if req.max_num_seqs is not None:
+            state.set_max_num_seqs(req.max_num_seqs)
         return web.json_response({"delay_s": state.delay_s, "jitter_s": state.jitter_s,
-                                  "tokens_per_s": state.decoder.rate,
+                                  "tokens_per_s": state.decoder.rate, "max_num_seqs": state.max_num_seqs,
                                   "respect_max_tokens": state.respect_max_tokens})
 
     async def reset(_: web.Request) -> web.Response:
@@ -538,14 +556,16 @@ class ScriptedBackend:
         return {user: plans[0] for user, plans in variants.items()}
 
     def configure(self, *, delay_s: float | None = None, respect_max_tokens: bool | None = None,
-                  jitter_s: float | None = None, tokens_per_s: float | None = None) -> dict[str, Any]:
+                  jitter_s: float | None = None, tokens_per_s: float | None = None,
+                  max_num_seqs: int | None = None) -> dict[str, Any]:
         """``delay_s``: every reply waits that long (plus up to ``jitter_s``); ``tokens_per_s``: then for
         a simulated device decoding that many tokens per second, shared by the replies in flight (a
-        reply of k tokens alone: k / rate more; 0 turns it off);
+        reply of k tokens alone: k / rate more; 0 turns it off); ``max_num_seqs``: at most that many
+        replies worked on at once, the rest wait their turn (0: no bound);
         ``respect_max_tokens=False``: plans are never cut. Returns the settings now in force."""
         return self._call("POST", "/scripted/settings",
                           {"delay_s": delay_s, "jitter_s": jitter_s, "tokens_per_s": tokens_per_s,
-                           "respect_max_tokens": respect_max_tokens})
+                           "max_num_seqs": max_num_seqs, "respect_max_tokens": respect_max_tokens})
 
     def hold(self, user: str, turn: int) -> None:
         self._call("POST", "/scripted/hold", {"user": user, "turn": turn})

@@ -130,6 +130,37 @@ def test_openai_client_reads_every_reply_with_its_own_types(scripted, client):
     assert client.sent == 3
 
 
+def test_the_scripted_backend_works_on_at_most_max_num_seqs_replies_at_once(scripted):
+    """The fake's ``max_num_seqs`` (a server's batch bound, as vLLM's): the other calls wait their turn."""
+    backend, url = scripted
+    backend.reset()
+    user = "batched"
+    backend.set_plans({user: [{"content": "ok"}]})
+    backend.configure(delay_s=1.0, max_num_seqs=3)
+
+    async def send_all() -> tuple[list[Any], list[dict[str, Any]]]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="not-checked", max_retries=0, timeout=60)
+        seen = []
+        try:
+            calls = [asyncio.create_task(client.with_options(base_url=f"{url}/ng-rollout/batch{i}/v1").responses.create(
+                model="test-policy", input=user)) for i in range(9)]
+            while not all(c.done() for c in calls):
+                seen.append(await asyncio.to_thread(backend.state))
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*calls), seen
+        finally:
+            await client.close()
+
+    try:
+        replies, seen = asyncio.run(send_all())
+    finally:
+        backend.configure(delay_s=0.0, max_num_seqs=0)
+        backend.reset()
+    assert [r.output_text for r in replies] == ["ok"] * 9
+    assert max(s["working"] for s in seen) == 3, [s["working"] for s in seen]
+    assert any(s["pending"] == 9 and s["working"] == 3 for s in seen), [(s["pending"], s["working"]) for s in seen]
+
+
 FAN_OUT = 300  # more calls at once than aiohttp's default connection cap (100)
 
 

@@ -32,14 +32,14 @@ class ScriptedTestGeneration:
     many tokens per second, shared by the replies in flight (sleeping, not computing)."""
 
     def __init__(self, rows: list[dict[str, Any]], delay_s: float = 0.0, jitter_s: float = 0.0,
-                 tokens_per_s: float | None = None):
+                 tokens_per_s: float | None = None, max_num_seqs: int | None = None):
         from gym_patches.fakes.scripted_backend import ScriptedBackend
 
         self._backend = ScriptedBackend().start()
         self._backend.plans_from_rows(rows)
         # Fake tokens are bytes, so a row's max_output_tokens would cut a scripted call short.
         self._backend.configure(delay_s=delay_s, jitter_s=jitter_s, tokens_per_s=tokens_per_s or 0.0,
-                                respect_max_tokens=False)
+                                max_num_seqs=max_num_seqs or 0, respect_max_tokens=False)
         self.base_url = self._backend.base_url
 
     def refit(self, trainer: Any) -> None:

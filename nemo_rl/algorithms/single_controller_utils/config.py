@@ -70,6 +70,9 @@ class ScriptedBackendConfig(_Section):
     delay_s: float = Field(default=0.0, ge=0.0, le=600.0)  # the fake's own bounds
     jitter_s: float = Field(default=0.0, ge=0.0, le=600.0)
     tokens_per_s: float | None = Field(default=None, gt=0.0, le=1e9)  # None: a reply's length costs no time
+    # At most this many replies are worked on at once, the rest wait their turn, as a server's batch
+    # (vLLM's max_num_seqs) bounds it; None: no bound.
+    max_num_seqs: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class SimulatedTrainerConfig(_Section):

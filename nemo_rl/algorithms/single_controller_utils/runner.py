@@ -217,7 +217,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         if scripted:
             replies = config.policy.scripted_backend
             generation = ScriptedTestGeneration(rows + val_rows, delay_s=replies.delay_s, jitter_s=replies.jitter_s,
-                                                tokens_per_s=replies.tokens_per_s)
+                                                tokens_per_s=replies.tokens_per_s, max_num_seqs=replies.max_num_seqs)
             policy_url, port = generation.base_url, 0
         else:
             policy_url, port = reserve_policy_url(config)

@@ -65,7 +65,8 @@ class ScriptedBackendConfig(_Section):
     replies (``gym_patches/fakes/scripted_backend.py``); each reply waits ``delay_s`` plus up to
     ``jitter_s`` more (seeded) and, with ``tokens_per_s`` set, for a stand-in generation device that
     decodes that many fake tokens per second shared by the replies in flight (a reply of k tokens
-    alone: k / ``tokens_per_s``), sleeping, not computing. Only that fake reads it."""
+    alone: k / ``tokens_per_s``), sleeping, not computing; ``max_num_seqs`` bounds the replies it works
+    on at once, as a server's batch does (the rest wait their turn). Only that fake reads it."""
 
     delay_s: float = Field(default=0.0, ge=0.0, le=600.0)  # the fake's own bounds
     jitter_s: float = Field(default=0.0, ge=0.0, le=600.0)

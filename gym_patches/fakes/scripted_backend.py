@@ -210,6 +210,19 @@ class ScriptedState:
         self.max_num_seqs = 0  # > 0: at most this many replies are worked on at once (a server's batch)
         self.batch: asyncio.Semaphore | None = None
 
+    async def work_on(self, turn: "ScriptedTurn", tokens: int) -> None:
+        """A reply's time: its turn's wait and the simulated decode of its ``tokens``, inside the batch
+        bound (``max_num_seqs``) when one is set."""
+        async with self.batch or contextlib.nullcontext():
+            self.working += 1
+            try:
+                wait = self.wait_for(turn)
+                if wait:
+                    await asyncio.sleep(wait)
+                await self.decoder.decode(tokens)
+            finally:
+                self.working -= 1
+
     def set_max_num_seqs(self, n: int) -> None:
         """Bound the replies worked on at once; calls past it wait their turn, as in a server's queue."""
         self.max_num_seqs = n
@@ -295,15 +308,7 @@ def build_app() -> web.Application:
             tool_text = "\n".join(message_text(m.get("content")) for m in messages if m.get("role") == "tool")
             turn = state.turn_for(user, turn_index, tool_text)
             reply = _completion(messages, turn, turn_index, body.get("model"), limit)
-            async with state.batch or contextlib.nullcontext():
-                state.working += 1
-                try:
-                    wait = state.wait_for(turn)
-                    if wait:
-                        await asyncio.sleep(wait)
-                    await state.decoder.decode(reply["usage"]["completion_tokens"])
-                finally:
-                    state.working -= 1
+            await state.work_on(turn, reply["usage"]["completion_tokens"])
             state.calls.append(
                 {
                     "user": user,

@@ -191,6 +191,19 @@ def processes_with_marker(marker: str) -> list[int]:
     return processes_with_env(MARKER_ENV, marker)
 
 
+def gym_server_pid(marker: str, name: str) -> int | None:
+    """The pid of the run's Gym server ``name`` (its process carries the run's marker), or None."""
+    for pid in processes_with_marker(marker):
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"NEMO_GYM_CONFIG_PATH={name}".encode() in env and b"gym_patches.server_main" in cmd:
+            return pid
+    return None
+
+
 def wait_for_no_processes(marker: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
     """Wait until no process of the run is left; the PIDs still there at the timeout."""
     return wait_until_gone(MARKER_ENV, marker, timeout_s)

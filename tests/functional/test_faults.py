@@ -51,6 +51,7 @@ from nemo_rl.environments.gym_checkpoint_adapter import (
 )
 from gym_patches.checkpoint.coordination import CoordinationError
 from tests.functional.rl_run import processes_with_marker, wait_for_no_processes, load_crash_matrix
+from testkit.run_harness import gym_server_pid
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(120)]
 
@@ -180,18 +181,6 @@ async def test_sigkilled_controller_leaves_gym_prepared_until_the_lease_reopens_
 
 
 # =============================================================================== 2. a Gym server dies
-def _server_pid(marker: str, name: str) -> int | None:
-    for pid in processes_with_marker(marker):
-        try:
-            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"NEMO_GYM_CONFIG_PATH={name}".encode() in env and b"gym_patches.server_main" in cmd:
-            return pid
-    return None
-
-
 def test_a_dead_gym_server_stops_the_run_naming_it(tmp_path):
     spec = cm.RunSpec(tmp_path, steps=3)
     marker = uuid.uuid4().hex
@@ -204,7 +193,7 @@ def test_a_dead_gym_server_stops_the_run_naming_it(tmp_path):
         while not any(s.get("committed") for s in spec.records("snapshots.jsonl")):  # rollouts are in flight
             assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
             time.sleep(0.05)
-        pid = _server_pid(marker, "policy_model")
+        pid = gym_server_pid(marker, "policy_model")
         assert pid is not None
         token = _control_token(pid)
         os.kill(pid, signal.SIGKILL)

@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from testkit.run_harness import REPO, grpo_command, new_marker, processes_with_marker, reap, run_env
+from testkit.run_harness import REPO, grpo_command, gym_server_pid, new_marker, processes_with_marker, reap, run_env
 from tests.functional.rl_run import load_crash_matrix
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -136,7 +136,7 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
             if deliver == "launcher":
                 os.kill(proc.pid, signal.SIGTERM)
             elif deliver == "agent_stopped":
-                agent = _server_pid(marker, "workplace_simple_agent")
+                agent = gym_server_pid(marker, "workplace_simple_agent")
                 assert agent is not None, "no agent server process found"
                 os.kill(agent, signal.SIGSTOP)
                 try:
@@ -170,19 +170,6 @@ def _stop_case(root: Path, *, config: str, lookahead: int, deliver: str, signal_
     leftover = reap(marker, 30)
     return Stopped(spec, proc.returncode, out.read_text(errors="replace"), exit_s, signalled_at, leftover,
                    spec.records("snapshots.jsonl"), spec.records("metrics.jsonl"), _published(spec), notes=notes)
-
-
-def _server_pid(marker: str, name: str) -> int | None:
-    """The pid of the run's Gym server ``name`` (its process carries the run's marker)."""
-    for pid in processes_with_marker(marker):
-        try:
-            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"NEMO_GYM_CONFIG_PATH={name}".encode() in env and b"gym_patches.server_main" in cmd:
-            return pid
-    return None
 
 
 def _published(spec) -> dict[str, dict[str, bytes]]:

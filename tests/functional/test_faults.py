@@ -50,7 +50,7 @@ from nemo_rl.environments.gym_checkpoint_adapter import (
     GymStatusError,
 )
 from gym_patches.checkpoint.coordination import CoordinationError
-from tests.functional.rl_run import processes_with_marker, wait_for_no_processes, load_crash_matrix
+from tests.functional.rl_run import wait_for_no_processes, load_crash_matrix
 from testkit.run_harness import gym_server_pid
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(120)]

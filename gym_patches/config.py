@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gym_patches.checkpoint.storage import StorageWriterSpec
+
 ServerType = Literal["responses_api_models", "responses_api_agents", "resources_servers"]
 SERVER_TYPES: tuple[str, ...] = ("responses_api_models", "responses_api_agents", "resources_servers")
 SERVER_KIND: dict[str, str] = {
@@ -39,6 +41,9 @@ class CheckpointSettings(BaseModel):
     enabled: bool = False
     control_auth_token: str | None = None
     lease_grace_seconds: float = Field(default=600.0, gt=0)
+    # The writer of this server's checkpoint files (None: plain files); under RL, RL sets it from
+    # checkpointing.storage_writer so every process of a run writes the same way (docs/design.md §4.7).
+    storage_writer: StorageWriterSpec | None = None
 
 
 class HeadServerConfig(BaseModel):

@@ -28,7 +28,9 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
+from pydantic import ValidationError
 
+from gym_patches.checkpoint.storage import StorageWriterSpec
 from gym_patches.config import SERVER_KIND, GymConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -191,15 +193,30 @@ def _gym_file(key: str, path: str) -> dict[str, Any]:
     return data
 
 
-def _checkpoint_block(block: Any, token: str, enabled: bool) -> dict[str, Any]:
-    """RL's checkpoint block: only ``lease_grace_seconds`` is the user's; RL sets the rest."""
+def _checkpoint_block(block: Any, token: str, enabled: bool, writer: dict[str, Any] | None) -> dict[str, Any]:
+    """RL's checkpoint block: only ``lease_grace_seconds`` is the user's; RL sets the rest (the storage
+    writer from ``checkpointing.storage_writer``)."""
     block = _mapping(block, f"{GYM_SECTION} Gym key 'checkpoint'")
     _unknown(block, ("lease_grace_seconds", "enabled", "control_auth_token"), "checkpoint")
     grace = block.get("lease_grace_seconds", DEFAULT_LEASE_GRACE_S)
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace <= 0:
         raise GymConfigError(f"Gym config key checkpoint.lease_grace_seconds must be a positive number of "
                              f"seconds, got {grace!r}")
-    return {"enabled": enabled, "control_auth_token": token, "lease_grace_seconds": float(grace)}
+    out = {"enabled": enabled, "control_auth_token": token, "lease_grace_seconds": float(grace)}
+    if writer is not None:
+        out["storage_writer"] = writer
+    return out
+
+
+def _storage_writer(data: dict[str, Any]) -> dict[str, Any] | None:
+    """``checkpointing.storage_writer`` as every Gym server of the run gets it (None: plain files)."""
+    spec = _mapping(data.get("checkpointing"), "checkpointing").get("storage_writer")
+    if spec is None:
+        return None
+    try:
+        return StorageWriterSpec.model_validate(spec).model_dump(mode="json")
+    except ValidationError as exc:
+        raise GymConfigError(f"checkpointing.storage_writer: {exc.errors()[0]['msg']}") from None
 
 
 def shard_configs(data: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
@@ -250,10 +267,11 @@ def read_rl_gym(paths: list[str], overrides: list[str] | None = None) -> RlGym:
     checkpointing = level in CHECKPOINTED_LEVELS
     token = secrets.token_urlsafe(24)
     instances = []
+    writer = _storage_writer(data)
     for name, replicas, gym in shard_configs(data):
         cfg = dict(gym)
         cfg["head_server"] = {"host": "127.0.0.1", "port": 0}
-        cfg["checkpoint"] = _checkpoint_block(gym.get("checkpoint"), token, checkpointing)
+        cfg["checkpoint"] = _checkpoint_block(gym.get("checkpoint"), token, checkpointing, writer)
         instances += [GymInstance(f"{name}/replica-{i}", copy.deepcopy(cfg)) for i in range(replicas)]
     source = paths[0] + (f" + {len(overrides)} override(s)" if overrides else "")
     return RlGym(source, level, checkpointing, float(timeout), instances, token)

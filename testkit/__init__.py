@@ -4,9 +4,8 @@
   it on a condition, reap every process it started, read what it wrote.
 - ``run_grpo``: the test entry of a run: the product's main with test hooks.
 - ``crash_points``: ``CrashAt``, run hooks that SIGKILL the run at a phase.
-- ``write_faults``: storage writers that fail one write like a full disk.
-- ``inject/``: a ``sitecustomize`` the harness puts on ``PYTHONPATH`` so Gym
-  server processes install the failing writer too.
+- ``write_faults``: a storage writer that fails one write like a full disk (a run
+  names it in ``checkpointing.storage_writer``; every process installs it).
 
 The wheel packages only ``gym_patches`` and ``nemo_rl``; product modules never
 import this package (``tests/unit/test_no_test_hooks_in_product.py``).

@@ -6,9 +6,6 @@ variables ask for, each validated before anything starts (a malformed one: one
 
 - ``NEMO_RL_TEST_ONLY_CRASH_AT=<phase>[:<nth>]``: SIGKILL the run there
   (``testkit/crash_points.py``);
-- ``NEMO_TEST_ONLY_WRITE_FAULT=<ENOSPC|EIO>:<fragment>[:<nth>]``: fail one write
-  (``testkit/write_faults.py``); installed here as this process's default
-  storage writer, and by ``testkit/inject/sitecustomize.py`` in the Gym servers;
 - ``NEMO_RL_TEST_ONLY_SIGNAL_AT=<phase>[:<nth>]``: the run sends itself a SIGTERM
   there and goes on (``testkit/crash_points.py``: ``SignalAt``);
 - ``NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK=1``: a Gym setup the restart-only
@@ -27,7 +24,6 @@ from collections.abc import Mapping
 
 from nemo_rl.utils.run_hooks import RunHooks
 from testkit.crash_points import CrashAt, SignalAt
-from testkit.write_faults import fault_from_env, install
 
 SKIP_RESTART_ONLY_ENV = "NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK"
 
@@ -69,12 +65,9 @@ def hooks_from_env(environ: Mapping[str, str] = os.environ) -> TestRunHooks:
 def main(argv: list[str] | None = None) -> int:
     try:
         hooks = hooks_from_env()
-        fault = fault_from_env()  # the one fault of this process: RL's and Gym's writes count together
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if fault is not None:
-        install(fault)  # Gym servers: testkit/inject
     from nemo_rl.cli.run_grpo import main as run_grpo
 
     return run_grpo(argv, hooks=hooks)

@@ -40,11 +40,9 @@ from typing import IO, Any, Callable, Iterable
 
 from gym_patches.utils.processes import processes_with_env, wait_until_gone
 from testkit.crash_points import CRASH_ENV
-from testkit.write_faults import WRITE_FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_GRPO_MODULE = "testkit.run_grpo"  # the test entry: the product's main with the test hooks
-INJECT_DIR = Path(__file__).resolve().parent / "inject"  # its sitecustomize installs write faults in every process
 MARKER_ENV = "NEMO_RL_TEST_RUN_ID"
 REAP_TIMEOUT_S = 30.0
 
@@ -149,32 +147,24 @@ def run_env(
     *,
     marker: str | None = None,
     crash: str | None = None,
-    write_fault: str | None = None,
     pythonpath: Iterable[str | Path] = (),
     extra: dict[str, str] | None = None,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of a run: this process's, plus the marker, the test-only crash point and
-    write fault (each removed unless given here or in ``extra``), directories put first on
-    ``PYTHONPATH`` (e.g. a ``sitecustomize`` that instruments the run) and ``extra``.
-
-    A write fault also puts ``testkit/inject`` first on ``PYTHONPATH``, so every process of the run
-    (Gym servers included) writes through the failing storage writer.
+    """The environment of a run: this process's, plus the marker, the test-only crash point
+    (removed unless given here or in ``extra``), directories put first on ``PYTHONPATH`` (e.g. a
+    ``sitecustomize`` that instruments the run) and ``extra``. (A write fault is config:
+    ``testkit.write_faults.write_fault_overrides``.)
     """
     env = dict(os.environ if base is None else base)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     if marker is not None:
         env[MARKER_ENV] = marker
     env.pop(CRASH_ENV, None)
-    env.pop(WRITE_FAULT_ENV, None)
     if crash:
         env[CRASH_ENV] = crash
-    if write_fault:
-        env[WRITE_FAULT_ENV] = write_fault
     env.update(extra or {})
     paths = [str(p) for p in pythonpath]
-    if env.get(WRITE_FAULT_ENV):
-        paths.insert(0, str(INJECT_DIR))
     if paths:
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env

@@ -22,6 +22,7 @@ import ray
 
 from gym_patches.checkpoint.calls import GymCall, ProbeCall
 from gym_patches.checkpoint.wire import RestartOnlyPolicy
+from gym_patches.checkpoint.storage import StorageWriterSpec
 from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
@@ -88,14 +89,15 @@ class GymCheckpointParked(GymRolloutError):
 
 
 def build_gym_actor_config(
-    gym_config: dict[str, Any], *, policy_base_url: str, control_auth_token: str, checkpointing: bool
+    gym_config: dict[str, Any], *, policy_base_url: str, control_auth_token: str, checkpointing: bool,
+    storage_writer: StorageWriterSpec | None = None,
 ) -> dict[str, Any]:
     """The Gym config one replica runs: RL injects the policy URL and checkpoint block.
 
     Only ``checkpoint.lease_grace_seconds`` is the user's to set (RL owns
-    ``enabled`` and the token). Every error names the Gym key, and every
-    server's implementation config is checked here, in the driver, before any
-    process starts.
+    ``enabled``, the token and the storage writer, ``checkpointing.storage_writer``).
+    Every error names the Gym key, and every server's implementation config is
+    checked here, in the driver, before any process starts.
     """
     cfg = dict(gym_config)
     cfg["policy_base_url"] = policy_base_url
@@ -105,6 +107,8 @@ def build_gym_actor_config(
         "control_auth_token": control_auth_token,
         "lease_grace_seconds": _lease_grace_seconds(gym_config.get("checkpoint")),
     }
+    if storage_writer is not None:
+        cfg["checkpoint"]["storage_writer"] = storage_writer.model_dump(mode="json")
     parsed = parse_gym_config(cfg)  # fail here, in the driver, with the key named
     from gym_patches.server_main import server_class
 
@@ -125,7 +129,8 @@ def _lease_grace_seconds(block: Any) -> float:
     if unknown:
         raise GymConfigError(
             f"Gym config key(s) {', '.join(f'checkpoint.{k}' for k in unknown)} do not exist; under RL only "
-            "checkpoint.lease_grace_seconds may be set (RL sets checkpoint.enabled and the control token)"
+            "checkpoint.lease_grace_seconds may be set (RL sets checkpoint.enabled and the control token, and "
+            "the storage writer from checkpointing.storage_writer)"
         )
     value = block.get("lease_grace_seconds", 600.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

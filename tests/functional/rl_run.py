@@ -19,10 +19,10 @@ from testkit.run_harness import (  # noqa: F401 - re-exported for the tests
 )
 
 
-def env_for(extra: dict | None = None, *, write_fault: str | None = None) -> dict:
-    """This process's environment for a run (plus ``extra``; ``write_fault``: the test-only write fault).
-    The scripted backend's reply delay is a config override: ``replies(delay_s)``."""
-    return run_env(extra=extra, write_fault=write_fault)
+def env_for(extra: dict | None = None) -> dict:
+    """This process's environment for a run (plus ``extra``). The scripted backend's reply delay is a
+    config override (``replies(delay_s)``), and so is a write fault (``write_fault_overrides(spec)``)."""
+    return run_env(extra=extra)
 
 
 def run_until_then_kill(args: list[str], *, env: dict, until: Callable[[], bool], timeout_s: float = 180) -> None:

@@ -30,6 +30,7 @@ import pytest
 from nemo_rl.utils.snapshot_store import verify_directory
 from nemo_rl.utils.write_errors import RunWriteError
 from testkit.run_harness import RunOutcome, run_once
+from testkit.write_faults import write_fault_overrides
 from tests.functional.rl_run import RunDirs, env_for, load_crash_matrix, replies
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(240)]
@@ -152,12 +153,12 @@ def test_a_disk_full_at_a_trainer_checkpoint_ends_the_run_naming_the_file_then_t
 
 
 def test_an_io_error_at_a_trainer_checkpoint_ends_the_run_the_same_way(tmp_path):
-    """EIO cannot be had from a tmpfs: the test-only hook makes step 2's lineage write fail with it."""
+    """EIO cannot be had from a tmpfs: the test's storage writer makes step 2's lineage write fail with it."""
     dirs = RunDirs(tmp_path)
-    outcome = run_once(_args() + dirs.overrides(), timeout_s=180, stderr_path=tmp_path / "run.err",
-                       env=env_for(write_fault="EIO:recording_trainer.json:2"))
+    outcome = run_once(_args() + dirs.overrides() + write_fault_overrides("EIO:recording_trainer.json:2"),
+                       timeout_s=180, stderr_path=tmp_path / "run.err", env=env_for())
     _assert_one_clean_error(outcome, dirs.ckpt / ".tmp-step_2" / "recording_trainer.json",
-                            "[Errno 5] Input/output error (test-only fault injected by NEMO_TEST_ONLY_WRITE_FAULT)")
+                            "[Errno 5] Input/output error (test-only fault injected by testkit.write_faults:FailingWriter)")
     assert not (dirs.ckpt / "step_2").exists() and not (dirs.ckpt / ".tmp-step_2").exists()
 
 

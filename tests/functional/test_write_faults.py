@@ -1,12 +1,13 @@
 """A snapshot whose files cannot be written (injected ENOSPC / EIO) fails alone.
 
-Real run_grpo processes; the test-only ``NEMO_TEST_ONLY_WRITE_FAULT`` installs
-a storage writer (``testkit/write_faults.py``) that makes one write fail the
-way a full or broken disk does: in the controller's own files (installed in the
-driver by ``testkit/run_grpo.py``), or in a Gym server's records (staged
-persist, after resume; installed in the Gym servers by ``testkit/inject``). The
-attempt is recorded as ``io_error`` with the file named, rollouts resume, the
-run finishes, and the snapshots committed before it stay valid and restorable.
+Real run_grpo processes whose config names a storage writer
+(``checkpointing.storage_writer``: ``testkit/write_faults.py``'s ``FailingWriter``)
+that makes one write fail the way a full or broken disk does: in the
+controller's own files (the driver installs it), or in a Gym server's records
+(staged persist, after resume; each Gym server installs it from its config).
+The attempt is recorded as ``io_error`` with the file named, rollouts resume,
+the run finishes, and the snapshots committed before it stay valid and
+restorable.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_rl.utils.snapshot_store import verify_directory
+from testkit.write_faults import write_fault_overrides
 from tests.functional.rl_run import RunDirs, env_for, replies, run_grpo
 
 pytestmark = pytest.mark.functional
@@ -29,7 +31,7 @@ ARGS = ["--config", "examples/configs/grpo_workplace_turn.yaml", "policy.model_n
 ])
 def test_a_failed_write_fails_that_snapshot_only_naming_the_file(tmp_path, spec, where, errno_text):
     dirs = RunDirs(tmp_path)
-    proc = run_grpo(ARGS + replies(0.3) + dirs.overrides(), env=env_for(write_fault=spec))
+    proc = run_grpo(ARGS + replies(0.3) + dirs.overrides() + write_fault_overrides(spec), env=env_for())
     assert proc.returncode == 0, proc.stderr[-3000:]
     snaps = dirs.records("snapshots.jsonl")
     failed = [s for s in snaps if not s["committed"] and s["reason"] != "superseded"]  # superseded: not a failure
@@ -49,5 +51,6 @@ def test_a_failed_write_fails_that_snapshot_only_naming_the_file(tmp_path, spec,
 
 def test_a_malformed_fault_spec_is_refused_at_start(tmp_path):
     dirs = RunDirs(tmp_path)
-    proc = run_grpo(ARGS + dirs.overrides(), env=env_for(write_fault="ENOSPACE:x"))
-    assert proc.returncode == 2 and "NEMO_TEST_ONLY_WRITE_FAULT" in proc.stderr
+    proc = run_grpo(ARGS + dirs.overrides() + write_fault_overrides("ENOSPACE:x"), env=env_for())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "checkpointing.storage_writer" in proc.stderr and "fault='ENOSPACE:x'" in proc.stderr, proc.stderr

@@ -35,7 +35,8 @@ def _rl_side(path: str, overrides: list[str]) -> dict[str, dict]:
     for shard in env.shards:
         cfg = build_gym_actor_config(shard_gym_config(env, shard), policy_base_url="http://127.0.0.1:1/v1",
                                      control_auth_token="t",
-                                     checkpointing=config.rollout_recovery.turn_checkpointing_enabled)
+                                     checkpointing=config.rollout_recovery.turn_checkpointing_enabled,
+                                     storage_writer=config.checkpointing.storage_writer)
         for i in range(shard.replicas):
             out[f"{shard.name}/replica-{i}"] = _comparable(cfg)
     return out
@@ -51,6 +52,8 @@ def _comparable(cfg: dict) -> dict:
     [],
     ["rollout_recovery.target_level=sibling", "rollout_recovery.allow_restart_only_gym_servers=false"],
     ["env.nemo_gym.spinup_timeout_s=30", "++env.nemo_gym.config.default_host=127.0.0.1"],
+    ["checkpointing.storage_writer.class_path=testkit.write_faults:FailingWriter",
+     "++checkpointing.storage_writer.kwargs.fault=EIO:records.jsonl:2"],
 ])
 @pytest.mark.parametrize("path", CONFIGS)
 def test_the_launcher_starts_what_the_run_would_start(monkeypatch, tmp_path, path, overrides):

@@ -19,10 +19,8 @@ from gym_patches.server_utils import ServerClient
 from nemo_rl.algorithms.single_controller_utils.config import load_config
 from testkit.run_harness import (
     CRASH_ENV,
-    INJECT_DIR,
     MARKER_ENV,
     REPO,
-    WRITE_FAULT_ENV,
     JsonlFollower,
     RunDirs,
     after_committed_in_step,
@@ -32,6 +30,7 @@ from testkit.run_harness import (
     run_env,
     scripted_overrides,
 )
+from testkit.write_faults import FailingWriter, write_fault_overrides
 
 
 def test_read_jsonl_skips_a_line_torn_by_a_kill(tmp_path):
@@ -62,19 +61,22 @@ def test_run_dirs_read_records_and_restore(tmp_path):
     assert f"logger.log_dir={dirs.logs}" in dirs.overrides()
 
 
-def test_run_env_marker_crash_hook_write_fault_and_pythonpath(tmp_path):
-    base = {"PATH": "/bin", CRASH_ENV: "commit:2", WRITE_FAULT_ENV: "EIO:x", "PYTHONPATH": "/elsewhere"}
+def test_run_env_marker_crash_hook_and_pythonpath(tmp_path):
+    base = {"PATH": "/bin", CRASH_ENV: "commit:2", "PYTHONPATH": "/elsewhere"}
     env = run_env(marker="m1", pythonpath=[tmp_path], base=base)
     assert env[MARKER_ENV] == "m1"
-    # a crash point or write fault from the caller's environment never leaks into a run
-    assert CRASH_ENV not in env and WRITE_FAULT_ENV not in env
+    # a crash point from the caller's environment never leaks into a run
+    assert CRASH_ENV not in env
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), str(REPO), "/elsewhere"]
     assert run_env(crash="publish:3", base=base)[CRASH_ENV] == "publish:3"
-    # a write fault puts the injecting sitecustomize (and the repo it imports from) first
-    faulty = run_env(write_fault="ENOSPC:records.jsonl:2", base=base)
-    assert faulty[WRITE_FAULT_ENV] == "ENOSPC:records.jsonl:2"
-    assert faulty["PYTHONPATH"].split(os.pathsep) == [str(INJECT_DIR), str(REPO), "/elsewhere"]
-    assert (INJECT_DIR / "sitecustomize.py").is_file()
+
+
+def test_a_write_fault_is_config_naming_the_failing_writer():
+    overrides = write_fault_overrides("ENOSPC:records.jsonl:2")
+    config = load_config(None, overrides)
+    assert config.checkpointing.storage_writer.class_path == "testkit.write_faults:FailingWriter"
+    writer = config.checkpointing.storage_writer.build()
+    assert isinstance(writer, FailingWriter) and writer.fault.fragment == "records.jsonl" and writer.fault.nth == 2
 
 
 def test_scripted_overrides_are_config_keys_of_the_fake():

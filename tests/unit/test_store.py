@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
-from gym_patches.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageWriter, use_process_writer
+from gym_patches.checkpoint.storage import (
+    FileSystemReader,
+    FileSystemWriter,
+    StorageWriter,
+    StorageWriterSpec,
+    install_writer,
+    process_writer,
+    use_process_writer,
+)
+from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.checkpoint.store import (
     MANIFEST_NAME,
     WriteStopped,
@@ -293,6 +302,50 @@ def test_use_process_writer_refuses_anything_else():
         use_process_writer(lambda path, data: None)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         StorageWriter()  # type: ignore[abstract] - an interface: the file system one is FileSystemWriter
+
+
+class CountingWriter(FileSystemWriter):
+    """A writer a config can name: plain files, counted, with a keyword argument to refuse."""
+
+    def __init__(self, label: str = "x"):
+        if not label:
+            raise ValueError("label must not be empty")
+        self.label = label
+
+
+WRITER_PATH = f"{__name__}:CountingWriter"
+
+
+def test_a_writer_named_in_config_is_built_and_installed_per_process():
+    spec = StorageWriterSpec(class_path=WRITER_PATH, kwargs={"label": "run"})
+    previous = process_writer()
+    try:
+        installed = install_writer(spec)
+        assert isinstance(installed, CountingWriter) and installed.label == "run" and process_writer() is installed
+        assert spec.build() is not installed  # each build is a new writer (each process counts its own)
+        assert type(install_writer(None)) is FileSystemWriter  # null: plain files
+    finally:
+        use_process_writer(previous)
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"class_path": "no_such_module_here:W"}, "cannot import storage writer 'no_such_module_here:W'"),
+    ({"class_path": "gym_patches.checkpoint.storage"}, "must look like 'package.module:ClassName'"),
+    ({"class_path": "gym_patches.checkpoint.storage:FileSystemReader"}, "is not a StorageWriter subclass"),
+    ({"class_path": "gym_patches.checkpoint.storage:Nope"}, "has no attribute 'Nope'"),
+    ({"class_path": WRITER_PATH, "kwargs": {"label": ""}}, "refused kwargs {'label': ''}: label must not be empty"),
+    ({"class_path": WRITER_PATH, "kwargs": {"colour": 1}}, "refused kwargs {'colour': 1}"),
+    ({"class_path": WRITER_PATH, "extra": 1}, "Extra inputs are not permitted"),
+])
+def test_a_bad_writer_spec_is_refused_naming_the_key_in_gym_config(spec, says):
+    with pytest.raises(GymConfigError) as raised:
+        parse_gym_config({"checkpoint": {"storage_writer": spec}})
+    assert "checkpoint.storage_writer" in str(raised.value) and says in str(raised.value)
+
+
+def test_gym_config_carries_the_writer_spec():
+    cfg = parse_gym_config({"checkpoint": {"storage_writer": {"class_path": WRITER_PATH, "kwargs": {"label": "g"}}}})
+    assert cfg.checkpoint.storage_writer == StorageWriterSpec(class_path=WRITER_PATH, kwargs={"label": "g"})
 
 
 def test_the_store_reads_no_environment_and_imports_no_testing_or_rl_module():

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from gym_patches.checkpoint.storage import StorageWriterSpec
 from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
 from nemo_rl.experience.rollout_recovery import RecoveryTargetLevel
 
@@ -241,6 +242,10 @@ class CheckpointingConfig(_Section):
     metric_name: str | None = None
     # Resume even if checkpoint_dir was written by a run with other data, model, group size or Gym topology.
     allow_different_run: bool = False
+    # The StorageWriter every checkpoint file of the run goes through, in the driver and in each Gym
+    # server: {class_path: "package.module:ClassName", kwargs: {...}}; null writes plain files
+    # (docs/design.md §4.7).
+    storage_writer: StorageWriterSpec | None = None
 
     @model_validator(mode="before")
     @classmethod

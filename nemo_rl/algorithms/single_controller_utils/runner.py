@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from gym_patches.checkpoint.storage import install_writer
 from gym_patches.utils.collector import freeze_startup_objects
 from nemo_rl.algorithms.single_controller_utils.components import (
     SCRIPTED_TEST_BACKEND,
@@ -148,6 +149,7 @@ def run(config: MasterConfig, *, launched_at: float | None = None, hooks: RunHoo
     launched_at = launched_at or time.monotonic()
     hooks = hooks or RunHooks()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
+    install_writer(config.checkpointing.storage_writer)  # this process's checkpoint files (Gym's: at spinup)
     ckpt = config.checkpointing
     # Entered before any child starts: each inherits the blocked stop signals (docs/design.md §5.11).
     with StopSignals(config.rollout_checkpointing.stop_grace_s) as stops:

@@ -294,6 +294,7 @@ def _spinup_gym(
                 policy_base_url=policy_base_url,
                 control_auth_token=token,
                 checkpointing=turn,
+                storage_writer=config.checkpointing.storage_writer,
             )
             parsed = parse_gym_config(gym_cfg)
             shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], _agent_resources(parsed))

@@ -7,104 +7,37 @@ row's own world, final reply ``final_answer``) teaches the format and the task
 shapes; kept short on purpose, it leaves the policy sloppy enough that RL has
 room to improve it.
 
-Tool outputs come from the pure-Python worlds in ``gym_patches``: the
-workplace ``OfficeWorld`` for workplace rows, a real interpreter session for
-python_sandbox rows and the verifier's own ``calculate`` for arithmetic rows, so
-the demonstrations show exactly what rollouts show. A row of any other task
-source carries its tool outputs itself (``ground_truth_outputs``, one string per
-call) or has no calls; ``check_demonstrable`` says which rows have neither
-before a run starts anything (docs/design.md §5.6).
+Tool outputs come from Gym's client surface, ``gym_patches.demonstrations``: it plays
+each row's calls through its task source's own tool code (the workplace
+``OfficeWorld``, a live interpreter session for python_sandbox, the verifier's
+``calculate`` for arithmetic, or a replay a resources server registered), so the
+demonstrations show exactly what rollouts show, and RL imports no resources
+server. A row of any other task source carries its tool outputs itself
+(``ground_truth_outputs``, one string per call) or has no calls;
+``check_demonstrable`` says which rows have neither before a run starts anything
+(docs/design.md §5.6).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from gym_patches.demonstrations import ground_truth_outputs, row_task_source, task_sources
 from nemo_rl.models.chat import render_with_mask
 
-def row_task_source(row: dict) -> str:
-    """``task_source`` if present, else inferred from the row's seed shape."""
-    src = row.get("task_source")
-    if src:
-        return src
-    seed = row.get("seed") or {}
-    return "workplace" if "people" in seed else "python_sandbox" if "setup" in seed else "unknown"
 
-
-def _simulate_workplace(row: dict) -> list[str]:
-    from gym_patches.resources_servers.workplace import ToolError, seed_from_row
-
-    world = seed_from_row(row)
-    outs = []
-    for i, call in enumerate(row["ground_truth"]):
-        try:
-            outs.append(world.call_tool(call["name"], call["arguments"]))
-        except ToolError as e:
-            raise ValueError(f"row {row.get('id')!r}: ground_truth[{i}] is not a valid call: {e}") from e
-    return outs
-
-
-async def _simulate_sandbox_async(rows: list[dict], concurrency: int = 8) -> list[list[str]]:
-    from gym_patches.resources_servers.python_sandbox import call_sandbox_tool, seed_sandbox
-
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(row: dict) -> list[str]:
-        async with gate:
-            session = await seed_sandbox(row)
-            try:
-                return [await call_sandbox_tool(session, c["name"], c["arguments"]) for c in row["ground_truth"]]
-            finally:
-                await session.close()
-
-    return list(await asyncio.gather(*(one(r) for r in rows)))
-
-
-def _run_async(coro_fn, *args):
-    """``asyncio.run`` that also works when the caller is already inside an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro_fn(*args))
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(lambda: asyncio.run(coro_fn(*args))).result()
-
-
-def _simulate_sandbox_many(rows: list[dict]) -> list[list[str]]:
-    """One live interpreter per row (a few at a time), exactly like the sandbox server's sessions."""
-    return _run_async(_simulate_sandbox_async, rows)
-
-
-def _simulate_arithmetic(row: dict) -> list[str]:
-    from gym_patches.resources_servers import ToolError
-    from gym_patches.resources_servers.arithmetic_verifier import call_tool
-
-    outs = []
-    for i, call in enumerate(row["ground_truth"]):
-        try:
-            outs.append(call_tool(call["name"], call["arguments"]))
-        except ToolError as e:
-            raise ValueError(f"row {row.get('id')!r}: ground_truth[{i}] is not a valid call: {e}") from e
-    return outs
-
-
-# task_source -> simulator over a list of rows (one list of tool outputs per row)
+# task_source -> simulator over a list of rows (one list of tool outputs per row): the ``simulators=``
+# override of ``check_demonstrable`` / ``simulate_rows``; any other task source is Gym's
+# (``gym_patches.demonstrations``).
 BatchSimulator = Callable[[list[dict]], list[list[str]]]
-SIMULATORS: dict[str, BatchSimulator] = {
-    "workplace": lambda rows: [_simulate_workplace(r) for r in rows],
-    "python_sandbox": _simulate_sandbox_many,
-    "arithmetic": lambda rows: [_simulate_arithmetic(r) for r in rows],
-}
 # A row field that makes any row demonstrable: the output of each ground_truth call, in order.
 OUTPUTS_FIELD = "ground_truth_outputs"
 
@@ -130,6 +63,11 @@ def _check_row(row: Any, i: int) -> dict:
     return row
 
 
+def _simulator_names(simulators: dict[str, BatchSimulator] | None) -> list[str]:
+    """The task sources whose tool outputs can be simulated: Gym's replays and the overrides."""
+    return sorted({*task_sources(), *(simulators or {})})
+
+
 def _needs_simulator(row: dict) -> bool:
     return bool(row["ground_truth"]) and row.get(OUTPUTS_FIELD) is None
 
@@ -138,7 +76,7 @@ def check_demonstrable(rows: Iterable[Any], source: str = "rows",
                        simulators: dict[str, BatchSimulator] | None = None) -> None:
     """Raise ``ValueError`` (naming ``source``, the task sources and what to do) unless every row can
     become a demonstration. Reads the rows only: no simulator runs, so it is cheap enough for startup."""
-    sims = {**SIMULATORS, **(simulators or {})}
+    sims = _simulator_names(simulators)
     missing: dict[str, list[Any]] = {}
     for i, row in enumerate(rows):
         try:
@@ -176,7 +114,7 @@ def demo_messages(row: dict, tool_outputs: Sequence[str]) -> list[dict]:
 
 def simulate_rows(rows: Iterable[dict], simulators: dict[str, BatchSimulator] | None = None) -> list[list[dict]]:
     """Demonstration conversations for ``rows``, in order (tool outputs simulated per task source)."""
-    sims = {**SIMULATORS, **(simulators or {})}
+    sims = _simulator_names(simulators)
     rows = [_check_row(r, i) for i, r in enumerate(rows)]
     by_source: dict[str, list[int]] = {}
     outputs: dict[int, list[str]] = {}
@@ -190,7 +128,9 @@ def simulate_rows(rows: Iterable[dict], simulators: dict[str, BatchSimulator] | 
                              f"and no {OUTPUTS_FIELD!r} field")
         by_source.setdefault(src, []).append(i)
     for src, idx in by_source.items():
-        for i, outs in zip(idx, sims[src]([rows[i] for i in idx]), strict=True):
+        group = [rows[i] for i in idx]
+        simulated = simulators[src](group) if simulators and src in simulators else ground_truth_outputs(group, src)
+        for i, outs in zip(idx, simulated, strict=True):
             outputs[i] = outs
     return [demo_messages(row, outputs[i]) for i, row in enumerate(rows)]
 

@@ -24,10 +24,6 @@ SERVER_IMPORTS_ALLOWED = {
     ("nemo_rl.algorithms.single_controller_utils.components", "gym_patches.fakes.scripted_backend"):
         "the named fake backend a test config (policy.model_name: scripted-test-backend) starts in place of "
         "a model",
-    ("nemo_rl.algorithms.warm_start", "gym_patches.resources_servers"):
-        "the embedded default's warm start plays each row's ground truth through the tools' own code "
-        "(workplace, python_sandbox, arithmetic_verifier); demonstrations from the data rows or a Gym route "
-        "are later work (issue 30, direction)",
     ("nemo_rl.algorithms.local_learning_check", "gym_patches.resources_servers.workplace"):
         "the offline learning check plays episodes in-process against the workplace world, without Gym: "
         "that is what it checks",

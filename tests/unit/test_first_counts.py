@@ -1,5 +1,5 @@
 """Distinct rollouts in ``snapshots.jsonl`` (``new_saved`` / ``new_unsaved``): the planner's
-``FirstCounts`` driven through the real ledger, ``plan_cut``, ``check_cut``, ``cut_counts`` and
+``FirstCounts`` driven through the real ledger, ``plan_snapshot``, ``check_ownership``, ``count_snapshot`` and
 ``SnapshotOutcome``, as the stager runs them (docs/design.md §5.4)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
     FirstCounts,
-    check_cut,
-    cut_counts,
-    plan_cut,
+    check_ownership,
+    count_snapshot,
+    plan_snapshot,
 )
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 
@@ -35,11 +35,11 @@ class Run:
 
     def snapshot(self, fails: BaseException | None = None) -> dict:
         """One attempt: restart-only agent ``plain``'s rollouts are unsaved, the rest exported."""
-        plan = plan_cut(self.ledger, [IID], {}, unsavable_agents={IID: {"plain"}})
+        plan = plan_snapshot(self.ledger, [IID], {}, unsavable_agents={IID: {"plain"}})
         exported = {IID: set(plan.scope[IID])}
-        owned = check_cut(self.ledger, plan, exported)
+        owned = check_ownership(self.ledger, plan, exported)
         outcome = SnapshotOutcome("rollout-test", "staged", 1)
-        outcome.count(cut_counts(self.ledger, plan, exported, owned=owned, first=self.first))
+        outcome.count(count_snapshot(self.ledger, plan, exported, owned=owned, first=self.first))
         if fails is None:
             outcome.committed, outcome.reason = True, "committed"
         else:

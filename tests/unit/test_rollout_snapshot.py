@@ -187,7 +187,7 @@ def test_rollouts_of_an_agent_on_a_restart_only_server_are_never_in_a_commit_sco
     """A /run that reached a restart-only agent after it answered prepare is missing from Gym's
     unsaved report; the plan still keeps it out of every scope (a blocking commit would refuse the
     scope with restart_in_scope), as it does for the ones Gym reported."""
-    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import plan_cut, server_scopes
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import plan_snapshot, server_scopes
 
     iid = "nemo_gym/replica-0"
     ledger = RolloutRecoveryLedger()
@@ -198,9 +198,9 @@ def test_rollouts_of_an_agent_on_a_restart_only_server_are_never_in_a_commit_sco
         ledger.mark_dispatched(rid, iid)
     saved = ledger.groups["g1"].rollout_id(0)
     reported, late = ledger.groups["g2"].rollout_id(0), ledger.groups["g2"].rollout_id(1)
-    plan = plan_cut(ledger, [iid], {iid: {reported}}, unsavable_agents={iid: {"plain"}})
+    plan = plan_snapshot(ledger, [iid], {iid: {reported}}, unsavable_agents={iid: {"plain"}})
     assert set(plan.scope[iid]) == {saved} and plan.unsaved[iid] == {reported, late}
     servers = {iid: {"simple": ["simple", "model", "tools"], "plain": ["plain", "model", "sandbox"]}}
     assert server_scopes(plan, servers)[iid] == {"simple": [saved], "model": [saved], "tools": [saved]}
-    without = plan_cut(ledger, [iid], {iid: {reported}})  # what Gym's report alone would give
+    without = plan_snapshot(ledger, [iid], {iid: {reported}})  # what Gym's report alone would give
     assert late in without.scope[iid]

@@ -3,7 +3,7 @@
 Hypothesis drives random sequences of dispatch, seal, fail, refuse (Gym closed),
 snapshot, train (with a trainer checkpoint), crash and restore. The code under
 test is the real ``RolloutRecoveryLedger``, ``DataPlaneStore`` and the very
-functions the snapshotter runs (``plan_cut``, ``check_cut``, ``cut_counts``).
+functions the snapshotter runs (``plan_snapshot``, ``check_ownership``, ``count_snapshot``).
 Gym is a small model (named as such: ``GymModel``) that holds episodes per
 instance, exports what it is asked to on instances whose servers save, reports
 every live run unsaved on restart-only instances, and after a crash restores
@@ -27,11 +27,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
-    check_cut,
-    cut_counts,
+    check_ownership,
+    count_snapshot,
     gym_checkpoint_inventory,
     gym_checkpoint_keys,
-    plan_cut,
+    plan_snapshot,
 )
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import (
@@ -180,14 +180,14 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
     @rule()
     def take_snapshot(self) -> None:
         """What the snapshot pump does when some group is generating (prepare, commit, cut, publish)."""
-        plan = plan_cut(self.ledger, self.iids, self.gym.unsaved())
+        plan = plan_snapshot(self.ledger, self.iids, self.gym.unsaved())
         exported = {
             iid: {k for k in plan.scope[iid] if k in self.gym.holds(iid)}
             if self.gym.saving[iid] else set()
             for iid in self.iids
         }
-        check_cut(self.ledger, plan, exported)
-        counts = cut_counts(self.ledger, plan, exported)
+        check_ownership(self.ledger, plan, exported)
+        counts = count_snapshot(self.ledger, plan, exported)
         inventory = gym_checkpoint_inventory(self.ledger, self.iids)
         assert counts.saved + counts.unsaved == sum(len(v) for v in inventory.values())
         assert counts.not_admitted == len(self.ledger.refused_waiting())

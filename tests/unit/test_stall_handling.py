@@ -16,7 +16,7 @@ from gym_patches.checkpoint.calls import ProbeCall, ResumeCall
 from gym_patches.checkpoint.wire import StatusReply
 from gym_patches.wire_models import AgentActivity, RunActivity
 from nemo_rl.algorithms.single_controller_utils.config import ConfigError, StallWatchdogConfig, load_config
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import check_cut, cut_counts, plan_cut
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import check_ownership, count_snapshot, plan_snapshot
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import (
     RolloutStallError,
     StallWatchdog,
@@ -174,16 +174,16 @@ def _ledger_with_rollouts_on(iids: list[str]) -> RolloutRecoveryLedger:
 
 def test_a_left_out_replica_gets_no_scope_and_its_rollouts_are_counted_apart():
     ledger = _ledger_with_rollouts_on(["g/replica-0", "g/replica-1"])
-    plan = plan_cut(ledger, ["g/replica-0"], {}, left_out=["g/replica-1"])
+    plan = plan_snapshot(ledger, ["g/replica-0"], {}, left_out=["g/replica-1"])
     assert plan.instance_ids == ("g/replica-0",) and plan.left_out == ("g/replica-1",)
     assert len(plan.scope["g/replica-0"]) == 2 and "g/replica-1" not in plan.scope
     exported = {"g/replica-0": set(plan.scope["g/replica-0"])}
-    owned = check_cut(ledger, plan, exported)  # rollouts of the left-out replica are not strays
+    owned = check_ownership(ledger, plan, exported)  # rollouts of the left-out replica are not strays
     assert len(owned["g/replica-1"]) == 2
-    counts = cut_counts(ledger, plan, exported, owned=owned)
+    counts = count_snapshot(ledger, plan, exported, owned=owned)
     assert (counts.saved, counts.unsaved) == (2, 0)
     with pytest.raises(Exception, match="not in the live topology"):
-        plan_cut(ledger, ["g/replica-0"], {})  # without saying it left, a replica's rollouts are an error
+        plan_snapshot(ledger, ["g/replica-0"], {})  # without saying it left, a replica's rollouts are an error
 
 
 # ----------------------------------------------------------------------------- replica health

@@ -1,10 +1,10 @@
 """Snapshot coverage: the share of a run's wall time in which a crash would lose little.
 
 A moment is covered when no rollout is in flight, or when the newest snapshot a
-restore could use was cut at most two snapshot intervals earlier: a crash then
+restore could use was taken at most two snapshot intervals earlier: a crash then
 restores every rollout in flight from it (those started after it restart from
 their prompt, having run less than two intervals). The run's start (or restore)
-counts as a cut: nothing had run before it. Uncovered are the moments
+counts as a snapshot: nothing had run before it. Uncovered are the moments
 rollouts are in flight while snapshots are skipped, failing, or gone with a
 pruned anchor. Time is integrated exactly between events (dispatch, rollout
 end, publish, prune), so no sampler runs.
@@ -23,14 +23,14 @@ class SnapshotCoverage:
         self.clock = clock
         self.started = self.last = clock()
         self.busy = False
-        self.cut_at = self.started  # when the newest usable snapshot was cut (the start: nothing to lose)
-        self.cut_anchor: int | None = None
+        self.taken_at = self.started  # when the newest usable snapshot was taken (the start: nothing to lose)
+        self.taken_anchor: int | None = None
         self.uncovered_s = 0.0
 
     def _advance(self) -> None:
         now = self.clock()
         if self.busy:
-            stale_from = max(self.last, self.cut_at + self.window_s)
+            stale_from = max(self.last, self.taken_at + self.window_s)
             self.uncovered_s += max(0.0, now - stale_from)
         self.last = now
 
@@ -40,17 +40,17 @@ class SnapshotCoverage:
             self._advance()
             self.busy = count > 0
 
-    def committed(self, cut_at: float, anchor_step: int) -> None:
-        """A snapshot cut at ``cut_at`` (this clock) under ``anchor_step`` was published: usable from now."""
+    def committed(self, taken_at: float, anchor_step: int) -> None:
+        """A snapshot taken at ``taken_at`` (this clock) under ``anchor_step`` was published: usable from now."""
         self._advance()
-        if cut_at > self.cut_at:
-            self.cut_at, self.cut_anchor = cut_at, anchor_step
+        if taken_at > self.taken_at:
+            self.taken_at, self.taken_anchor = taken_at, anchor_step
 
     def pruned(self, kept: Callable[[int], bool]) -> None:
         """Trainer anchors were pruned; ``kept(step)`` says whether one is still on disk."""
-        if self.cut_anchor is not None and not kept(self.cut_anchor):
+        if self.taken_anchor is not None and not kept(self.taken_anchor):
             self._advance()
-            self.cut_at, self.cut_anchor = -math.inf, None
+            self.taken_at, self.taken_anchor = -math.inf, None
 
     def share(self) -> float:
         """Covered share of the wall time so far (1.0 at the start)."""

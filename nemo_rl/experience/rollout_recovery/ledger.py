@@ -2,11 +2,11 @@
 
 The ledger is the RL side's single record of which rollout attempts exist,
 where they run and which are sealed. It is pure bookkeeping (no Ray, no HTTP),
-so a snapshot of it plus the data plane is a consistent cut
+so a snapshot of it plus the data plane is a consistent picture
 (docs/design.md §5.3). This module holds the mutable ledger and the checked
 moves between states (reserve, dispatch, refuse, seal, fail, train, compact)
 and its persistence; the records it moves live in ``schema``, the restart rules in
-``restart``, and what a snapshot asks of Gym in the snapshot cut planner.
+``restart``, and what a snapshot asks of Gym in the snapshot planner.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class RolloutRecoveryLedger:
         self.trained_positions: list[PositionRange] = []
         self._by_base: dict[str, tuple[str, int, int]] = {}  # base id -> (group, g, attempt idx)
         self._by_position: dict[int, str] = {}  # dataloader position -> group id in the ledger
-        self._views = _CutViews()  # what a snapshot's cut reads, kept up to date per changed group
+        self._views = _PauseViews()  # what a snapshot's pause reads, kept up to date per changed group
 
     @property
     def trained_count(self) -> int:
@@ -328,10 +328,10 @@ class RolloutRecoveryLedger:
             if s.current_attempt.status is RolloutAttemptStatus.SEALED
         }
 
-    # ----- what Gym holds (the snapshot cut's inventory reads it) ----------
+    # ----- what Gym holds (the snapshot pause's inventory reads it) ----------
     def turn_level_held(self) -> dict[str, dict[str, str | None]]:
         """``turn_level_live`` as instance -> capture key -> agent name, kept up to date per changed
-        group: a snapshot's cut reads it in the pause at a cost that grows with what changed since the
+        group: a snapshot reads it in the pause at a cost that grows with what changed since the
         last read, not with the rollouts in flight (docs/design.md §5.4). The caller must not change it."""
         return self._views.held(self)
 
@@ -490,11 +490,11 @@ class RolloutRecoveryLedger:
         self._by_position = {}
         for group in self.groups.values():
             self._index_group(group)
-        self._views = _CutViews()  # every group replaced: computed afresh when next read
+        self._views = _PauseViews()  # every group replaced: computed afresh when next read
 
 
-class _CutViews:
-    """What a snapshot's cut reads of the ledger, derived per group and recomputed only for the groups
+class _PauseViews:
+    """What a snapshot's pause reads of the ledger, derived per group and recomputed only for the groups
     the ledger's transitions touched since the last read (docs/design.md §5.4): each group's JSON and
     the turn-level rollouts Gym holds for it. Every edit of a group record goes through the ledger,
     which touches the group; group records replaced wholesale (load, restart) start new views, whose

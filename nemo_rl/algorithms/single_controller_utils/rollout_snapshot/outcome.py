@@ -15,7 +15,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
 )
 
 if TYPE_CHECKING:
-    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import CutCounts, CutKeys
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import SnapshotCounts, SnapshotKeys
 
 
 class SnapshotSuperseded(RuntimeError):
@@ -50,7 +50,7 @@ class SnapshotOutcome:
     phases_s: dict[str, float] = field(default_factory=dict)  # seconds since the attempt began, per phase end
     pause_s: float = 0.0  # rollouts held (the dispatch gate closed and Gym prepared)
     persist_s: float = 0.0  # after rollouts resumed: Gym's writes (staged) and the publish
-    captured_bytes: int = 0  # the in-memory copies the cut took (Gym records and the data plane)
+    captured_bytes: int = 0  # the in-memory copies the pause took (Gym records and the data plane)
     captured_bytes_by_server: dict[str, int] = field(default_factory=dict)  # "<instance>/<server>" -> staged copy
     cut_asked: bool = False  # target_level prefix: the prepare asked every model server for a generation cut
     cuts: int = 0  # saved turn-level rollouts whose model call in flight was cut (continues from its tokens)
@@ -65,10 +65,10 @@ class SnapshotOutcome:
     post_publish_error: str | None = None
     error: str | None = None  # why an attempt that did not commit failed (names the file for an I/O error)
     started: float = field(default_factory=time.monotonic, repr=False)
-    _keys: "CutKeys | None" = field(default=None, init=False, repr=False, compare=False)
+    _keys: "SnapshotKeys | None" = field(default=None, init=False, repr=False, compare=False)
 
-    def count(self, counts: "CutCounts") -> None:
-        """Take the cut's counts (in the pause); its first counts are settled by ``row`` if it commits."""
+    def count(self, counts: "SnapshotCounts") -> None:
+        """Take the snapshot's counts (in the pause); its first counts are settled by ``row`` if it commits."""
         self.saved, self.unsaved, self.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
         self._keys = counts.keys
 

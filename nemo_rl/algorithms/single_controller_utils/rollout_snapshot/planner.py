@@ -6,14 +6,14 @@ very same code:
 
 - ``gym_checkpoint_agents`` (and ``gym_checkpoint_keys``,
   ``gym_checkpoint_inventory``): the ledger's turn-level rollouts per
-  instance, what the cut is planned and checked against;
-- ``plan_cut``: after prepare, what each instance is asked to commit (its
+  instance, what a snapshot is planned and checked against;
+- ``plan_snapshot``: after prepare, what each instance is asked to commit (its
   turn-level rollouts minus those Gym reported unsaved), and ``server_scopes``
   splits that per Gym server;
-- ``check_cut``: after commit and drain, under the exclusive cut, every
+- ``check_ownership``: after commit and drain, inside the pause, every
   rollout the ledger still expects Gym to hold was either exported or reported
   unsaved (else ``GymOwnershipError``);
-- ``cut_counts``: what the run record says about the cut, and (with
+- ``count_snapshot``: what the run record says about the snapshot, and (with
   ``FirstCounts``) which of its rollouts no earlier snapshot had counted.
 """
 
@@ -32,7 +32,7 @@ class GymOwnershipError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class CutPlan:
+class SnapshotPlan:
     """What one snapshot asks of Gym, per instance (capture keys only: it is built while rollouts are held)."""
 
     instance_ids: tuple[str, ...]
@@ -71,17 +71,17 @@ class FirstCounts:
 
 
 @dataclass(frozen=True)
-class CutKeys:
-    """The capture keys behind one cut's counts. ``settle`` runs once the snapshot is committed, after
-    the pause (the set work stays out of it); a cut whose snapshot does not commit is never settled."""
+class SnapshotKeys:
+    """The capture keys behind one snapshot's counts. ``settle`` runs once the snapshot is committed, after
+    the pause (the set work stays out of it); a snapshot that does not commit is never settled."""
 
     first: FirstCounts
     saved: list[str]
     unsaved: list[str]
-    held: Mapping[str, set[str]]  # every instance's turn-level keys at the cut (``check_cut``'s answer)
+    held: Mapping[str, set[str]]  # every instance's turn-level keys in the pause (``check_ownership``'s answer)
 
     def settle(self) -> tuple[int, int]:
-        """Record this cut's rollouts; return how many of the saved / unsaved ones are counted first here."""
+        """Record this snapshot's rollouts; return how many of the saved / unsaved ones are counted first here."""
         first = self.first
         new_saved = {k for k in self.saved if k not in first.saved and not _RESTORED_KEY.search(k)}
         new_unsaved = {k for k in self.unsaved if k not in first.unsaved}
@@ -92,14 +92,14 @@ class CutKeys:
 
 
 @dataclass(frozen=True)
-class CutCounts:
-    """Turn-level rollouts of the cut: saved by Gym, on restart-only servers, refused by Gym and waiting;
+class SnapshotCounts:
+    """Turn-level rollouts of the snapshot: saved by Gym, on restart-only servers, refused by Gym and waiting;
     ``keys``: the keys behind them, to settle first counts with (None: not tracked)."""
 
     saved: int
     unsaved: int
     not_admitted: int
-    keys: CutKeys | None = None
+    keys: SnapshotKeys | None = None
 
 
 def gym_checkpoint_agents(
@@ -128,7 +128,7 @@ def _check_topology(held: Mapping[str, Mapping[str, str | None]], instance_ids: 
 
 
 def gym_checkpoint_keys(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, set[str]]:
-    """The capture keys of ``gym_checkpoint_agents`` (no ``EpisodeId`` built: this runs in the cut)."""
+    """The capture keys of ``gym_checkpoint_agents`` (no ``EpisodeId`` built: this runs in the pause)."""
     instance_ids = list(instance_ids)
     held = ledger.turn_level_held()
     _check_topology(held, instance_ids)
@@ -138,18 +138,18 @@ def gym_checkpoint_keys(ledger: RolloutRecoveryLedger, instance_ids: Iterable[st
 def gym_checkpoint_inventory(
     ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]
 ) -> dict[str, list[EpisodeId]]:
-    """``gym_checkpoint_agents`` as ``EpisodeId`` lists (for callers outside the cut: it parses every key)."""
+    """``gym_checkpoint_agents`` as ``EpisodeId`` lists (for callers outside the pause: it parses every key)."""
     return {iid: [EpisodeId.from_capture_key(key) for key in agents]
             for iid, agents in gym_checkpoint_agents(ledger, instance_ids).items()}
 
 
-def plan_cut(
+def plan_snapshot(
     ledger: RolloutRecoveryLedger,
     instance_ids: Iterable[str],
     gym_unsaved: Mapping[str, Iterable[str]],
     left_out: Iterable[str] = (),
     unsavable_agents: Mapping[str, Collection[str]] | None = None,
-) -> CutPlan:
+) -> SnapshotPlan:
     """The commit scope of every instance, from one pass over the whole ledger (``left_out``:
     instances not in this snapshot; they get no scope).
 
@@ -169,11 +169,11 @@ def plan_cut(
         unsaved[iid] = frozenset(k for k in gym_unsaved.get(iid, ()) if k in owned[iid]) | late
     scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} if unsaved[iid]
              else owned[iid] for iid in iids}  # (``owned`` holds copies: the scope may be one)
-    return CutPlan(iids, scope, unsaved, out)
+    return SnapshotPlan(iids, scope, unsaved, out)
 
 
 def server_scopes(
-    plan: CutPlan,
+    plan: SnapshotPlan,
     agent_servers: Mapping[str, Mapping[str, list[str]]],
     only: Mapping[str, set[str]] | None = None,
 ) -> dict[str, dict[str, list[str]]]:
@@ -221,14 +221,14 @@ def episode_scopes(scopes: Mapping[str, Mapping[str, list[str]]]) -> dict[str, d
     return out
 
 
-def check_cut(
+def check_ownership(
     ledger: RolloutRecoveryLedger,
-    plan: CutPlan,
+    plan: SnapshotPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
 ) -> dict[str, set[str]]:
     """On every instance: nothing exported outside the scope; owned minus exported is unsaved.
-    Returns what the ledger owns per instance (``cut_counts`` takes it: one pass in the cut).
+    Returns what the ledger owns per instance (``count_snapshot`` takes it: one pass in the pause).
 
     ``not_started``: in-scope rollouts Gym holds but has not started (a ``/run`` that reached a
     saving agent after it closed, or one the drain did not see finish): they restart from the
@@ -251,18 +251,18 @@ def check_cut(
     return owned_by
 
 
-def cut_counts(
+def count_snapshot(
     ledger: RolloutRecoveryLedger,
-    plan: CutPlan,
+    plan: SnapshotPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
     owned: Mapping[str, set[str]] | None = None,
     first: FirstCounts | None = None,
-) -> CutCounts:
-    """Counts at the cut (call it under the exclusive cut, where ``check_cut`` passed and returned ``owned``).
+) -> SnapshotCounts:
+    """Counts in the pause (call it inside the pause, where ``check_ownership`` passed and returned ``owned``).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted.
-    ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this cut counts first."""
+    ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this snapshot counts first."""
     inventory = owned if owned is not None else gym_checkpoint_keys(ledger, plan.topology)
     saved: list[str] = []
     unsaved: list[str] = []
@@ -275,5 +275,5 @@ def cut_counts(
         saved.extend(held & done)
         waiting += len(rest & idle)
         unsaved.extend((rest - idle) & plan.unsaved[iid])
-    keys = CutKeys(first, saved, unsaved, inventory) if first is not None else None
-    return CutCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), keys)
+    keys = SnapshotKeys(first, saved, unsaved, inventory) if first is not None else None
+    return SnapshotCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), keys)

@@ -7,7 +7,7 @@ directory; this module owns the order, the dispatch gate, the failure count and
 the record.
 
 A trainer step published while an attempt runs does not drop it
-(docs/design.md §5.9): a cut taken after the publish belongs to the new step
+(docs/design.md §5.9): a snapshot paused after the publish belongs to the new step
 (the stager re-anchors it), one taken before stays under its own anchor, which
 pruning spares (``newest_anchor``). The row names the step in ``overtaken_by``.
 """
@@ -23,7 +23,7 @@ from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, Le
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, survives_publish
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedCut, make_stager
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedSnapshot, make_stager
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.utils.run_hooks import RunHooks
@@ -73,11 +73,11 @@ class RolloutSnapshotter:
             try:
                 async with self.stager.hold(outcome.checkpoint_id) as prepared:  # gate closed, Gym prepared
                     outcome.mark("prepare")
-                    cut = await self.stager.stage(prepared, outcome)
-                    outcome.mark("cut")
+                    staged = await self.stager.stage(prepared, outcome)
+                    outcome.mark("cut")  # the record's phase name (a format: kept)
                 outcome.pause_s = outcome.elapsed()  # Gym resumed, the gate open again
                 outcome.mark("resume")
-                await self._write_and_publish(cut, outcome)
+                await self._write_and_publish(staged, outcome)
                 outcome.reason = "committed"
                 self.consecutive_failures = 0
                 self._note_overtaken(begun_under, outcome)
@@ -90,18 +90,18 @@ class RolloutSnapshotter:
                     self.records.snapshot_attempt(**outcome.row())
             return outcome
 
-    async def _write_and_publish(self, cut: StagedCut, outcome: SnapshotOutcome) -> None:
+    async def _write_and_publish(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> None:
         """Gym writes what it has not yet, then the controller's files are written and the directory
         is sealed and renamed off the event loop: only a complete write becomes a snapshot."""
         try:
-            self.hooks.reached("persist", cut.step)  # rollouts resumed, this snapshot not written
-            index = await self.stager.write(cut, outcome)
-            await asyncio.to_thread(self.store.publish, cut.snapshot, cut.capture, index, cut.checkpoint_id,
-                                    lambda: self.hooks.reached("publish", cut.step))
+            self.hooks.reached("persist", staged.step)  # rollouts resumed, this snapshot not written
+            index = await self.stager.write(staged, outcome)
+            await asyncio.to_thread(self.store.publish, staged.snapshot, staged.capture, index, staged.checkpoint_id,
+                                    lambda: self.hooks.reached("publish", staged.step))
         except BaseException:
-            self.store.abort(cut.snapshot)
+            self.store.abort(staged.snapshot)
             raise
-        outcome.committed, outcome.path = True, str(cut.snapshot.final)
+        outcome.committed, outcome.path = True, str(staged.snapshot.final)
         self.newest_anchor = outcome.anchor_step
         outcome.mark("publish")
         outcome.persist_s = outcome.elapsed() - outcome.pause_s
@@ -112,8 +112,8 @@ class RolloutSnapshotter:
         if now == begun_under:
             return
         outcome.overtaken_by = now
-        how = ("re-anchored to it: cut after its publish" if outcome.anchor_step == now
-               else f"kept under step {outcome.anchor_step}: cut before its publish")
+        how = ("re-anchored to it: paused after its publish" if outcome.anchor_step == now
+               else f"kept under step {outcome.anchor_step}: paused before its publish")
         logger.info("rollout snapshot %s began under trainer step %d; step %d was published meanwhile (%s)",
                     outcome.checkpoint_id, begun_under, now, how)
 

@@ -8,10 +8,10 @@ snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
   stager's own ``PrepareAsk`` (a capture if it stages; at prefix, a generation
   cut of the prefix-level rollouts' calls only, docs/design.md §5.10) (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
-- ``stage(prepared, outcome)``: inside the pause, the exclusive cut: plan,
+- ``stage(prepared, outcome)``: inside the pause (no awaits where it counts): plan,
   Gym's share, drain, ownership check, the controller's state serialised in
-  memory with the anchor it belongs to; returns a ``StagedCut``;
-- ``write(cut, outcome)``: after resume, Gym's files that are not written yet;
+  memory with the anchor it belongs to; returns a ``StagedSnapshot``;
+- ``write(staged, outcome)``: after resume, Gym's files that are not written yet;
   returns the ``GymCheckpointIndex`` the snapshot publishes (None: no Gym).
 
 ``StagedStager`` (default): each Gym server copies its sessions as it is
@@ -41,13 +41,13 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.generation_cut_
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
-    CutPlan,
+    SnapshotPlan,
     FirstCounts,
     GymOwnershipError,
-    check_cut,
-    cut_counts,
+    check_ownership,
+    count_snapshot,
     episode_scopes,
-    plan_cut,
+    plan_snapshot,
     server_scopes,
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
@@ -65,7 +65,7 @@ DRAIN_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
-class StagedCut:
+class StagedSnapshot:
     """What the pause captured; the write and the publish after resume need nothing else."""
 
     checkpoint_id: str
@@ -83,7 +83,7 @@ class StagedCut:
 
 @dataclass(frozen=True)
 class PendingPersist:
-    """A staged cut's Gym half: each server writes its share of the turn-level saves from its capture."""
+    """A staged snapshot's Gym half: each server writes its share of the turn-level saves from its capture."""
 
     scopes: dict[str, dict[str, list[str]]]  # instance -> server -> capture keys (``server_scopes``)
     exported: dict[str, set[str]]  # instance -> what its agents captured in the scope: continues at turn level
@@ -104,14 +104,14 @@ class Stager(ABC):
     def hold(self, checkpoint_id: str) -> contextlib.AbstractAsyncContextManager[PreparedGym | None]: ...
 
     @abstractmethod
-    async def stage(self, prepared: PreparedGym | None, outcome: SnapshotOutcome) -> StagedCut: ...
+    async def stage(self, prepared: PreparedGym | None, outcome: SnapshotOutcome) -> StagedSnapshot: ...
 
     @abstractmethod
-    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex | None: ...
+    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex | None: ...
 
     def _capture(self, outcome: SnapshotOutcome) -> ControllerStateCapture:
-        """The controller's state, serialised (no awaits: a consistent cut of ledger and data plane),
-        with the anchor read in the same instant: the cut belongs to it (``outcome.anchor_step``), even
+        """The controller's state, serialised (no awaits: a consistent picture of ledger and data plane),
+        with the anchor read in the same instant: the snapshot belongs to it (``outcome.anchor_step``), even
         when a newer trainer step was published since the attempt began (docs/design.md §5.9). Groups
         the trainer took after the anchor are still complete in the ledger, with their samples: a
         restore re-trains them."""
@@ -130,13 +130,13 @@ class LedgerOnlyStager(Stager):
     async def hold(self, checkpoint_id: str) -> AsyncIterator[None]:
         yield None
 
-    async def stage(self, prepared: None, outcome: SnapshotOutcome) -> StagedCut:
+    async def stage(self, prepared: None, outcome: SnapshotOutcome) -> StagedSnapshot:
         snapshot = self.store.begin(self.inputs.anchor_dir())  # no await up to the capture
         capture = self._capture(outcome)
         outcome.captured_bytes = capture.data_plane.nbytes
-        return StagedCut(outcome.checkpoint_id, outcome.step, snapshot, capture)
+        return StagedSnapshot(outcome.checkpoint_id, outcome.step, snapshot, capture)
 
-    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> None:
+    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> None:
         return None
 
 
@@ -172,7 +172,7 @@ def note_cut(prepared: PreparedGym, outcome: SnapshotOutcome) -> None:
 
 
 class _GymStager(Stager):
-    """The turn-level cut both Gym modes share; subclasses say what Gym does with the scope."""
+    """The turn-level snapshot both Gym modes share; subclasses say what Gym does with the scope."""
 
     captures: ClassVar[bool]  # whether prepare asks each server to copy its sessions (staged)
 
@@ -203,7 +203,7 @@ class _GymStager(Stager):
         return PrepareAsk(capture=self.captures, cut=True, cut_rollouts=prefix_rollouts(self.inputs.ledger))
 
     @abstractmethod
-    async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
+    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare: ...
 
     @abstractmethod
@@ -215,8 +215,8 @@ class _GymStager(Stager):
         return {iid: {agent for agent, servers in agents.items() if set(servers) & set(restart_only.get(iid, ()))}
                 for iid, agents in self.inputs.agent_servers.items()}
 
-    async def stage(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> StagedCut:
-        """The cut. The temporary directory is made under the anchor of now; when a trainer step is
+    async def stage(self, prepared: PreparedGym, outcome: SnapshotOutcome) -> StagedSnapshot:
+        """The pause's work. The temporary directory is made under the anchor of now; when a trainer step is
         published during the awaits before the capture, the capture sees its groups trained and
         belongs to it: it is published under the new anchor (re-anchored, exact), its directory
         renamed there at the publish (docs/design.md §5.9)."""
@@ -226,7 +226,7 @@ class _GymStager(Stager):
             note_cut(prepared, outcome)
         iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
         restart_only = self.coordinator.shard_set.restart_only_servers
-        plan = plan_cut(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out,
+        plan = plan_snapshot(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out,
                         unsavable_agents=self._unsavable_agents(restart_only))
         # A saving server reports as unsaved only runs that reached it after it closed: not started.
         not_started = {
@@ -242,12 +242,12 @@ class _GymStager(Stager):
             for iid, keys in (await self._drain(plan.scope, share.exported, prepared.deadline_ts)).items():
                 not_started[iid] |= keys
             outcome.mark("drain")
-            # Exclusive cut: no awaits until the state is captured in memory (with its anchor).
-            owned = check_cut(inputs.ledger, plan, share.exported, not_started)
+            # No awaits from here until the state is captured in memory (with its anchor).
+            owned = check_ownership(inputs.ledger, plan, share.exported, not_started)
             if plan.left_out:
                 outcome.left_out = dict(prepared.left_out)
                 outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
-            counts = cut_counts(inputs.ledger, plan, share.exported, not_started, owned, self.first_counts)
+            counts = count_snapshot(inputs.ledger, plan, share.exported, not_started, owned, self.first_counts)
             capture = self._capture(outcome)
             snapshot = self.store.reanchor(snapshot, inputs.anchor_dir())  # a step published during the awaits
         except BaseException:
@@ -256,7 +256,7 @@ class _GymStager(Stager):
         outcome.count(counts)
         unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
         gym = self._gym_part(prepared, scopes, share, unsaved, outcome, capture)
-        return StagedCut(outcome.checkpoint_id, step, snapshot, capture, gym)
+        return StagedSnapshot(outcome.checkpoint_id, step, snapshot, capture, gym)
 
     async def _drain(
         self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], deadline_ts: float
@@ -291,7 +291,7 @@ class BlockingStager(_GymStager):
     mode = "blocking"
     captures = False
 
-    async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
+    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare:
         commits = await self.coordinator.commit(prepared, str(tmp), episode_scopes(scopes))
         outcome.mark("commit")
@@ -308,8 +308,8 @@ class BlockingStager(_GymStager):
         count_cuts(index, outcome)
         return index
 
-    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
-        return cut.gym  # Gym's records are in the directory already
+    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        return staged.gym  # Gym's records are in the directory already
 
 
 class StagedStager(_GymStager):
@@ -318,7 +318,7 @@ class StagedStager(_GymStager):
     mode = "staged"
     captures = True
 
-    async def _save_in_pause(self, prepared: PreparedGym, plan: CutPlan, scopes: dict, tmp: Path,
+    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare:
         # the agents' captures are the turn-level saves
         return _GymShare(exported={iid: prepared.results[iid].captured_keys("agent") & plan.scope[iid].keys()
@@ -332,8 +332,8 @@ class StagedStager(_GymStager):
         outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + capture.data_plane.nbytes
         return PendingPersist(scopes, share.exported, unsaved)
 
-    async def write(self, cut: StagedCut, outcome: SnapshotOutcome) -> GymCheckpointIndex:
-        index = await self.persist(cut.checkpoint_id, cut.tmp, cut.gym, outcome)
+    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        index = await self.persist(staged.checkpoint_id, staged.tmp, staged.gym, outcome)
         outcome.mark("persist")
         count_cuts(index, outcome)
         return index

@@ -1,19 +1,19 @@
 """Micro-benchmark: the controller's own work inside a snapshot's pause, at N rollouts in flight.
 
-    python examples/bench/controller_cut.py 512 2048 8192 16384          # table, median of --repeats
-    python examples/bench/controller_cut.py 8192 --changed 0.02 --repeats 9
+    python examples/bench/controller_pause.py 512 2048 8192 16384          # table, median of --repeats
+    python examples/bench/controller_pause.py 8192 --changed 0.02 --repeats 9
 
 One process, no Gym, no I/O: a real ``RolloutRecoveryLedger`` with N turn-level rollouts dispatched
 (N / 16 prompt groups x 16 generations, on one Gym instance, the shape of measurement 1b), and the
 very functions a staged snapshot runs in the pause (``rollout_snapshot/stagers.py``): the plan
-(``plan_cut``: the commit scope), the ownership check (``check_cut``), the counts (``cut_counts``) and
+(``plan_snapshot``: the commit scope), the ownership check (``check_ownership``), the counts (``count_snapshot``) and
 the ledger's JSON (``state_json_parts``: each group's bytes by reference, joined after resume). The Gym side's prepare is ``prepare_micro.py``'s; the data plane's
 capture copies references (its lines are encoded as each sample seals) and is not timed here.
 
-- **first**: the first cut of a ledger (its cut views computed for every group);
-- **steady**: the cut after ``--changed`` of the rollouts moved since the previous one (each sealed,
+- **first**: the first pause over a ledger (its pause views computed for every group);
+- **steady**: the pause after ``--changed`` of the rollouts moved since the previous one (each sealed,
   and a new group reserved and dispatched in its place): the state between two snapshots. The ledger
-  keeps what the cut reads up to date per changed group (docs/design.md §5.4), so this should not
+  keeps what the pause reads up to date per changed group (docs/design.md §5.4), so this should not
   grow with N.
 
 Times are CPU ms (``time.thread_time``, GC frozen), median of ``--repeats``; the load average is printed
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (  # noqa: E402
     FirstCounts,
-    check_cut,
-    cut_counts,
-    plan_cut,
+    check_ownership,
+    count_snapshot,
+    plan_snapshot,
 )
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger  # noqa: E402
 
@@ -75,16 +75,16 @@ class Flight:
         for _ in range(groups):
             self._new_group()
 
-    def cut(self) -> dict[str, float]:
+    def pause(self) -> dict[str, float]:
         """The pause's controller work, each part timed; every in-scope rollout counts as captured."""
         ledger, t = self.ledger, {}
         c0 = time.thread_time()
-        plan = plan_cut(ledger, [IID], {IID: ()})
+        plan = plan_snapshot(ledger, [IID], {IID: ()})
         c1 = time.thread_time()
         exported = {IID: set(plan.scope[IID])}
-        owned = check_cut(ledger, plan, exported, {IID: set()})
+        owned = check_ownership(ledger, plan, exported, {IID: set()})
         c2 = time.thread_time()
-        counts = cut_counts(ledger, plan, exported, {IID: set()}, owned, self.first)
+        counts = count_snapshot(ledger, plan, exported, {IID: set()}, owned, self.first)
         c3 = time.thread_time()
         data = ledger.state_json_parts()  # joined after resume (``ControllerStateCapture.write``)
         c4 = time.thread_time()
@@ -101,9 +101,9 @@ def measure(n: int, repeats: int, changed: float) -> dict[str, dict[str, float]]
         gc.collect()
         gc.freeze()
         try:
-            firsts.append(flight.cut())
+            firsts.append(flight.pause())
             flight.move(changed)
-            steadies.append(flight.cut())
+            steadies.append(flight.pause())
         finally:
             gc.unfreeze()
     return {"first": _median(firsts), "steady": _median(steadies)}
@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sizes", nargs="*", type=int, default=[512, 2048, 8192])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--changed", type=float, default=0.02, help="share of rollouts moved between two cuts")
+    ap.add_argument("--changed", type=float, default=0.02, help="share of rollouts moved between two pauses")
     args = ap.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"| N | cut | plan ms | ownership ms | counts ms | ledger JSON ms | total ms |")
+    print(f"| N | pause | plan ms | ownership ms | counts ms | ledger JSON ms | total ms |")
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
         res = measure(n, args.repeats, args.changed)

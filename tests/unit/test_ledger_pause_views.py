@@ -1,4 +1,4 @@
-"""The ledger's cut views (``turn_level_held``, ``state_json``) are kept up to date per changed group
+"""The ledger's pause views (``turn_level_held``, ``state_json``) are kept up to date per changed group
 (docs/design.md §5.4); after any sequence of transitions, read at any moments, they must equal what a
 full pass over the ledger computes. A seeded random walk over every transition, restarts and loads
 included."""
@@ -120,7 +120,7 @@ def step(ledger: RolloutRecoveryLedger, rng: random.Random, counter: list[int]) 
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_cut_views_equal_a_full_pass_after_any_transitions(seed):
+def test_the_pause_views_equal_a_full_pass_after_any_transitions(seed):
     rng = random.Random(seed)
     ledger = RolloutRecoveryLedger(max_attempts_per_sibling=3)
     counter = [0]

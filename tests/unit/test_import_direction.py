@@ -24,9 +24,6 @@ SERVER_IMPORTS_ALLOWED = {
     ("nemo_rl.algorithms.single_controller_utils.components", "gym_patches.fakes.scripted_backend"):
         "the named fake backend a test config (policy.model_name: scripted-test-backend) starts in place of "
         "a model",
-    ("nemo_rl.algorithms.local_learning_check", "gym_patches.resources_servers.workplace"):
-        "the offline learning check plays episodes in-process against the workplace world, without Gym: "
-        "that is what it checks",
 }
 
 

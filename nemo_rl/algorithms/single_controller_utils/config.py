@@ -491,7 +491,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # Only what the main job sets differently from the schema defaults above (one source per
     # key; tests/unit/test_config.py checks that no value here repeats its schema default).
     # 32 rollouts per step for 40 steps: enough group signal for GRPO to lift reward
-    # on 2 CPU cores in a few minutes (tuned with nemo_rl/algorithms/local_learning_check.py).
+    # on 2 CPU cores in a few minutes (tuned with examples/local_learning_check.py).
     "grpo": {"num_generations_per_prompt": 8, "max_num_steps": 40, "val_period": 10},
     "policy": {"device": "cpu"},
     "data": {

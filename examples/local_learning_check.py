@@ -6,7 +6,10 @@ episodes of a step decoded turn by turn in one batch; otherwise it is the same
 data path as the real job (chat template, parse_completion, RolloutSample,
 GRPOTrainer.train_step).
 
-    python -m nemo_rl.algorithms.local_learning_check --steps 30 --eval-gens 1
+    python examples/local_learning_check.py --steps 30 --eval-gens 1
+
+A tuning script, not part of the product (it imports the workplace world directly, which the
+product never does: RL reaches Gym through its client surface, docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from nemo_rl.models.chat import parse_tool_calls, render_prompt
 from nemo_rl.models.policy import HFPolicy, load_policy
 from nemo_rl.models.tiny_model import ensure_base
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def load_rows(path: Path) -> list[dict]:

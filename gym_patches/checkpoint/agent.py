@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar, get_args
 
@@ -21,7 +22,7 @@ from gym_patches.checkpoint.errors import AdmissionClosedError, CheckpointError,
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.records import CapturedRecord, Fragment, capture_record, fragment, plain
-from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
+from gym_patches.checkpoint.wire import ENDED_WINDOW_S, PrepareReport, RestartOnlyPolicy
 from gym_patches.responses_api_agents.admission import StartGate
 from gym_patches.responses_api_agents.loop import RunRequestError, SimpleAgentLoopState, parse_run_body
 from gym_patches.server_utils import cancel_and_wait, json_error
@@ -162,6 +163,34 @@ class Activation:
 Runner = Callable[..., Awaitable[T]]
 
 
+class EndedRuns:
+    """Capture keys of the ``/run`` calls an agent answered in the last ``ENDED_WINDOW_S``, oldest
+    first: a prepare reports them (``PrepareReport.ended``) so the caller waits only for replies that
+    may still be on the wire, and not for calls that never reached the agent (docs/design.md §5.4)."""
+
+    def __init__(self, window_s: float = ENDED_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._at: dict[str, float] = {}  # insertion order is end order
+
+    def add(self, key: str) -> None:
+        self._at.pop(key, None)
+        self._at[key] = self.clock()
+        self._forget_old()
+
+    def keys(self) -> list[str]:
+        self._forget_old()
+        return list(self._at)
+
+    def _forget_old(self) -> None:
+        oldest = self.clock() - self.window_s
+        while self._at:
+            key = next(iter(self._at))
+            if self._at[key] >= oldest:
+                break
+            del self._at[key]
+
+
 class AgentSessionParticipant(CheckpointParticipant):
     """Participant of ``simple_agent``: one session per running ``/run``, parked at a boundary."""
 
@@ -186,6 +215,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         # first checkpoint, or serialising failed: what ``close_admission`` and a capture still make).
         self._records: dict[_Session, CapturedRecord] = {}
         self._uncaptured: set[_Session] = set()
+        self._ended = EndedRuns()
 
     def status_extra(self) -> dict[str, Any]:
         return {"restart_only": False}
@@ -215,6 +245,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         finally:
             if self._sessions.get(key) is s:
                 self._unlist(s)
+                self._ended.add(key)  # its reply (or error) is on its way to the caller now
             self.notify_changed()
 
     def _list(self, s: _Session) -> None:
@@ -325,6 +356,9 @@ class AgentSessionParticipant(CheckpointParticipant):
 
     def is_ready(self) -> bool:
         return not (self._by_phase["seeding"] or self._by_phase["running"])
+
+    def ended_runs(self) -> list[str]:
+        return self._ended.keys()
 
     # -- lifecycle ---------------------------------------------------------
     def _exportable(self, wanted: set[str] | None) -> list[_Session]:
@@ -438,6 +472,7 @@ class RestartOnlyAgentParticipant(CheckpointParticipant):
         self.name: str = getattr(agent, "name", None) or "agent"
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._retired_tasks: set[asyncio.Task[Any]] = set()
+        self._ended = EndedRuns()
 
     def status_extra(self) -> dict[str, Any]:
         return {"restart_only": True}
@@ -472,6 +507,7 @@ class RestartOnlyAgentParticipant(CheckpointParticipant):
             self._retired_tasks.discard(task)
             if self._tasks.get(key) is task:
                 del self._tasks[key]
+                self._ended.add(key)
             self.notify_changed()
 
     async def close_admission(self, policy: RestartOnlyPolicy) -> None:
@@ -489,6 +525,9 @@ class RestartOnlyAgentParticipant(CheckpointParticipant):
         if not self.accepting and self.policy == "best_effort":
             return PrepareReport.build([], keys, counts)
         return PrepareReport.build(keys, [], counts)
+
+    def ended_runs(self) -> list[str]:
+        return self._ended.keys()
 
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         return []  # nothing it runs can be saved

@@ -244,6 +244,14 @@ class PrepareResult:
         """Capture keys some participant cannot save: they restart after a crash."""
         return {key for keys in self.unsaved.values() for key in keys}
 
+    def ended_keys(self) -> set[str] | None:
+        """Capture keys of /runs the agents answered lately (replies maybe still on the wire); None when
+        an agent did not say, so a caller must assume any rollout it lacks may have ended."""
+        agents = [reply for name, reply in self.replies.items() if self.kinds.get(name) == "agent"]
+        if any(reply.report.ended is None for reply in agents):
+            return None
+        return {key for reply in agents for key in reply.report.ended or ()}
+
     def continued(self, episode_ids: Iterable[EpisodeId]) -> list[EpisodeId]:
         """The scope minus unsaved rollouts: what a commit can keep at turn level."""
         unsaved = self.unsaved_keys()

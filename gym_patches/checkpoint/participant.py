@@ -60,6 +60,11 @@ class CheckpointParticipant(ABC):
         An override must agree with ``readiness``."""
         return self.readiness().ready
 
+    def ended_runs(self) -> list[str] | None:
+        """Capture keys of the ``/run`` calls this server answered lately (an agent's, reported once
+        prepared: ``PrepareReport.ended``); None: it does not keep them."""
+        return None
+
     # -- lifecycle ---------------------------------------------------------
     @abstractmethod
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:

@@ -17,6 +17,9 @@ CHECKPOINT_ROUTE_PREFIX = "/ng-control/v1/checkpoint"
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_EPISODES_PER_REQUEST = 100_000
 MAX_REPORTED_BLOCKERS = 100
+# How long an agent keeps saying a /run ended (``PrepareReport.ended``): longer than a reply takes to
+# reach the caller, shorter than a step's worth of rollouts.
+ENDED_WINDOW_S = 10.0
 
 ParticipantKind = Literal["model", "agent", "resources"]
 Phase = Literal["idle", "preparing", "prepared", "committed", "restored"]
@@ -113,6 +116,10 @@ class PrepareReport(BaseModel):
     blocker_count: int = 0
     unsaved: list[str] = Field(default_factory=list)  # capture keys, never capped
     counts: dict[str, int] = Field(default_factory=dict)
+    # In a prepared reply, an agent's: capture keys of the /runs it answered in the last
+    # ``ENDED_WINDOW_S``, whose replies may still be on their way to the caller; None: the server does
+    # not say (docs/design.md §5.4).
+    ended: list[str] | None = None
 
     @classmethod
     def build(

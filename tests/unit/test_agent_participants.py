@@ -15,6 +15,7 @@ import pytest
 
 from gym_patches.checkpoint.agent import (
     AgentSessionParticipant,
+    EndedRuns,
     RestartOnlyAgentParticipant,
     make_record,
 )
@@ -640,3 +641,48 @@ async def test_capture_refuses_a_session_off_its_boundary_naming_the_first_in_ke
     io.gate_model("rc", 1).set()
     for run in runs.values():
         assert (await run).reward == 1.0
+
+
+# -- what ended lately (the caller's drain waits only for those replies) ------
+
+
+async def test_the_agent_names_the_runs_it_answered_lately_and_not_those_still_running_or_unseen():
+    p = AgentSessionParticipant()
+    io = FakeLoopIO({"done": [final_reply()], "live": [call_reply("lookup"), final_reply()]})
+    gate = io.gate_model("live", 1)
+    assert p.ended_runs() == []
+    done, live = start(p, io, "done"), start(p, io, "live")
+    await done
+    await until(lambda: phase(p, "live") == "awaiting_model")
+    await p.close_admission("block")
+    assert p.readiness().ready and p.readiness().ended is None  # a status report never carries them
+    assert p.ended_runs() == ["done"]  # "live" is held (exported); a run never sent is in neither
+    gate.set()
+    await p.open_admission()
+    await live
+    assert p.ended_runs() == ["done", "live"]
+
+
+async def test_a_restart_only_agent_names_its_ended_runs_too():
+    p = RestartOnlyAgentParticipant()
+
+    async def work() -> str:
+        return "ok"
+
+    assert await p.track(EpisodeId(rollout_id="r1"), work) == "ok"
+    assert p.ended_runs() == ["r1"]
+
+
+def test_ended_runs_are_forgotten_after_the_window_oldest_first():
+    now = [0.0]
+    ended = EndedRuns(window_s=10.0, clock=lambda: now[0])
+    ended.add("a")
+    now[0] = 4.0
+    ended.add("b")
+    now[0] = 5.0
+    ended.add("a")  # the same key again: it moves to the end, with its new time
+    assert ended.keys() == ["b", "a"]
+    now[0] = 14.5
+    assert ended.keys() == ["a"]
+    now[0] = 100.0
+    assert ended.keys() == []

@@ -212,6 +212,30 @@ async def test_full_cycle_prepare_commit_resume(h, tmp_path):
     assert h.plane.phase == "idle"
 
 
+class EndingParticipant(FakeParticipant):
+    """An agent that says which runs it answered lately (``ended_runs``)."""
+
+    def ended_runs(self) -> list[str]:
+        return ["done-1", "done-2"]
+
+
+async def test_the_prepared_reply_alone_carries_the_runs_the_agent_answered_lately(h, tmp_path):
+    assert (await h.ok("prepare", checkpoint_id="c0"))["report"]["ended"] is None  # the default: not said
+    await h.ok("resume", checkpoint_id="c0")
+    ending = await start(EndingParticipant())
+    try:
+        ending.participant.live.add("r9")
+        preparing = await ending.ok("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.3)
+        assert preparing["phase"] == "preparing" and preparing["report"]["ended"] is None  # not ready: not yet
+        ending.participant.live.clear()
+        prepared = await ending.ok("prepare", checkpoint_id="c1")
+        assert prepared["phase"] == "prepared" and prepared["report"]["ended"] == ["done-1", "done-2"]
+        _, status = await ending.call("status")
+        assert status["report"]["ended"] is None  # probes stay small
+    finally:
+        await ending.client.close()
+
+
 async def test_idempotent_retries_and_conflicts(h, tmp_path):
     first = await h.ok("prepare", checkpoint_id="c1")
     assert await h.ok("prepare", checkpoint_id="c1") == first

@@ -190,6 +190,7 @@ class ParticipantControlPlane:
             report = self.participant.readiness()
             if not report.ready:
                 return dump(PrepareReply(phase="preparing", report=report))
+            report.ended = self.participant.ended_runs()  # once, in the prepared reply only
             self._collector.hold()  # released by resume or lease expiry (``_reopen``)
             captured: StagedCapture | None = None
             if req.capture:

@@ -239,7 +239,8 @@ class _GymStager(Stager):
             scopes = server_scopes(plan, inputs.agent_servers)
             share = await self._save_in_pause(prepared, plan, scopes, snapshot.tmp, outcome)
             self.hooks.reached("commit", step)
-            for iid, keys in (await self._drain(plan.scope, share.exported, prepared.deadline_ts)).items():
+            ended = {iid: prepared.results[iid].ended_keys() for iid in plan.scope}
+            for iid, keys in (await self._drain(plan.scope, share.exported, ended, prepared.deadline_ts)).items():
                 not_started[iid] |= keys
             outcome.mark("drain")
             # No awaits from here until the state is captured in memory (with its anchor).
@@ -259,14 +260,17 @@ class _GymStager(Stager):
         return StagedSnapshot(outcome.checkpoint_id, step, snapshot, capture, gym)
 
     async def _drain(
-        self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], deadline_ts: float
+        self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]],
+        ended: dict[str, set[str] | None], deadline_ts: float,
     ) -> dict[str, set[str]]:
-        """Give in-scope rollouts Gym did not export a moment to finish (a reply or a verify on the
-        wire seals them), without holding every rollout for them: whatever has not sealed, failed or
-        been refused after ``DRAIN_GRACE_S`` is returned per instance as not started. Such a rollout
-        restarts from its prompt after a crash; nothing it did is in the snapshot or lost by it."""
+        """Give in-scope rollouts Gym did not export a moment to finish, when their reply may be on
+        the wire (their agent answered them lately: ``ended``), without holding every rollout for
+        them: whatever has not sealed or failed after ``DRAIN_GRACE_S`` is returned per instance as
+        not started, and so is, at once, every rollout Gym neither holds nor answered (its ``/run``
+        has not reached the agent: nothing it did can be lost). Such a rollout restarts from its
+        prompt after a crash."""
         ledger = self.inputs.ledger
-        pending = {key: iid for iid, keys in scope.items() for key in keys if key not in exported[iid]}
+        pending, out = drain_plan(scope, exported, ended)
 
         def settled() -> bool:
             for key in [k for k in pending if ledger.attempt_status(k) is not RolloutAttemptStatus.DISPATCHED]:
@@ -279,10 +283,29 @@ class _GymStager(Stager):
             logger.info("snapshot drain: %d rollouts neither exported nor finished within %.1fs; they restart "
                         "from the prompt if this snapshot is restored: %s", len(pending), DRAIN_GRACE_S,
                         sorted(pending)[:5])
-        out: dict[str, set[str]] = {iid: set() for iid in scope}
         for key, iid in pending.items():
             out[iid].add(key)
         return out
+
+
+def drain_plan(
+    scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], ended: dict[str, set[str] | None],
+) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """The drain's two halves: in-scope keys Gym did not export that its agents answered lately (key ->
+    instance: wait for their replies), and per instance those it never answered (not started, no
+    wait). An instance whose agents do not report what they answered (``None``) has all of them waited for."""
+    wait: dict[str, str] = {}
+    not_started: dict[str, set[str]] = {iid: set() for iid in scope}
+    for iid, keys in scope.items():
+        answered = ended.get(iid)
+        for key in keys:
+            if key in exported[iid]:
+                continue
+            if answered is None or key in answered:
+                wait[key] = iid
+            else:
+                not_started[iid].add(key)
+    return wait, not_started
 
 
 class BlockingStager(_GymStager):

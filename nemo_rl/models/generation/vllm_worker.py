@@ -507,30 +507,47 @@ class VllmGenerationServer:
         prompt_ids: list[int] = []
         max_model_len = 0
         if plan is not None and plan.kept:  # render the prompt as the chat route would, to check it
-            tbody = {"model": self.model_name, "messages": vbody["messages"]}
-            tbody.update({k: vbody[k] for k in _TEMPLATE_KEYS if vbody.get(k) is not None})
-            async with self._session.post(self._vllm_url + "/tokenize", json=tbody) as r:
-                status, rendered = r.status, await r.json(content_type=None)
+            status, rendered = await self._render_prompt(vbody)
             if status != 200:
                 return status, rendered
             prompt_ids, max_model_len = list(rendered["tokens"]), int(rendered["max_model_len"])
             plan.check_prompt(prompt_ids)
         if plan is None or not plan.kept:
-            async with self._sending() as version:
-                # include_reasoning: with a tool parser, vLLM leaves token ids and logprobs out of the chunks
-                # of a request that hides reasoning
-                sbody = {**vbody, "stream": True, "stream_options": {"include_usage": True},
-                         "include_reasoning": True, "cache_salt": _versioned_salt(body.get("cache_salt"), version)}
-                if live is not None:
-                    live.version = version
-                status, out = await self._stream("/v1/chat/completions", sbody, live, top_k=0)
-            if status != 200:
-                return status, out
-            reply = self._chat_reply(body, out.head, out.prompt_ids or [], out.ids, out.lps, out.entries,
-                                     out.finish_reason, out.stop_reason, version)
-            if plan is not None:
-                reply["prefix_continuation"] = plan.reply(self.stats).model_dump()
-            return 200, reply
+            return await self._fresh_chat(body, vbody, plan, live)
+        return await self._continued_chat(body, vbody, plan, live, prompt_ids, max_model_len)
+
+    async def _render_prompt(self, vbody: dict) -> tuple[int, Any]:
+        """vLLM's ``/tokenize`` of the request's prompt, rendered as its chat route would: ``(200, its reply)``
+        (``tokens``, ``max_model_len``), or vLLM's error ``(status, body)``."""
+        tbody = {"model": self.model_name, "messages": vbody["messages"]}
+        tbody.update({k: vbody[k] for k in _TEMPLATE_KEYS if vbody.get(k) is not None})
+        async with self._session.post(self._vllm_url + "/tokenize", json=tbody) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def _fresh_chat(self, body: dict, vbody: dict, plan: Continuation | None,
+                          live: LiveCall | None) -> tuple[int, dict]:
+        """The call decoded from its start on vLLM's chat route, streamed; a discarded ``plan`` (if any) says
+        so in the reply's ``prefix_continuation`` (docs/design.md §5.10)."""
+        async with self._sending() as version:
+            # include_reasoning: with a tool parser, vLLM leaves token ids and logprobs out of the chunks
+            # of a request that hides reasoning
+            sbody = {**vbody, "stream": True, "stream_options": {"include_usage": True},
+                     "include_reasoning": True, "cache_salt": _versioned_salt(body.get("cache_salt"), version)}
+            if live is not None:
+                live.version = version
+            status, out = await self._stream("/v1/chat/completions", sbody, live, top_k=0)
+        if status != 200:
+            return status, out
+        reply = self._chat_reply(body, out.head, out.prompt_ids or [], out.ids, out.lps, out.entries,
+                                 out.finish_reason, out.stop_reason, version)
+        if plan is not None:
+            reply["prefix_continuation"] = plan.reply(self.stats).model_dump()
+        return 200, reply
+
+    async def _continued_chat(self, body: dict, vbody: dict, plan: Continuation, live: LiveCall | None,
+                              prompt_ids: list[int], max_model_len: int) -> tuple[int, dict]:
+        """The call continued after ``plan``'s kept prefix: the rest decoded by ``_decode_tail`` unless the
+        prefix already ends the reply; the reply holds prefix + tail (docs/design.md §5.10)."""
         ids, lps = plan.ids, plan.lps
         plan.follow(live)
         ignore_eos = bool(vbody.get("ignore_eos"))
@@ -541,26 +558,38 @@ class VllmGenerationServer:
         if finish is not None:  # the cut already holds the whole reply: nothing to decode
             out = _Streamed(finish_reason=finish)
         else:
-            top_k = int(vbody.get("top_logprobs") or 0) if vbody.get("logprobs") else 0
-            async with self._sending() as sent_at:
-                cbody = {"model": self.model_name, "prompt": prompt_ids + ids, "max_tokens": budget,
-                         "logprobs": top_k, "return_token_ids": True, "skip_special_tokens": False,
-                         "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
-                         "cache_salt": _versioned_salt(body.get("cache_salt"), sent_at)}
-                cbody.update({k: vbody[k] for k in _SAMPLING_KEYS if vbody.get(k) is not None})
-                if live is not None:
-                    live.version = sent_at
-                status, out = await self._stream("/v1/completions", cbody, live, top_k=top_k)
+            status, out, sent_at = await self._decode_tail(body, vbody, live, prompt_ids + ids, budget, ignore_eos)
             if status != 200:
                 return status, out
         continuation = plan.reply(self.stats)
-        tok = self._tokenizer
-        prefix_entries = [{**_logprob_entry(tok.decode([t], skip_special_tokens=False), lp), "top_logprobs": []}
-                          for t, lp in zip(ids, lps)]
-        reply = self._chat_reply(body, {}, prompt_ids, ids + out.ids, lps + out.lps, prefix_entries + out.entries,
+        reply = self._chat_reply(body, {}, prompt_ids, ids + out.ids, lps + out.lps,
+                                 self._prefix_entries(ids, lps) + out.entries,
                                  out.finish_reason, out.stop_reason, plan.weight_version(sent_at))
         reply["prefix_continuation"] = continuation.model_dump()
         return 200, reply
+
+    async def _decode_tail(self, body: dict, vbody: dict, live: LiveCall | None, prompt: list[int], budget: int,
+                           ignore_eos: bool) -> tuple[int, Any, int]:
+        """Decode after a kept prefix on ``/v1/completions`` with ``prompt`` (the prompt's and prefix's token
+        ids) as the prompt, streamed so the continued call can be cut again: ``(200, _Streamed, the version it
+        was sent at)``, or vLLM's error ``(status, body, version)``."""
+        top_k = int(vbody.get("top_logprobs") or 0) if vbody.get("logprobs") else 0
+        async with self._sending() as sent_at:
+            cbody = {"model": self.model_name, "prompt": prompt, "max_tokens": budget,
+                     "logprobs": top_k, "return_token_ids": True, "skip_special_tokens": False,
+                     "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
+                     "cache_salt": _versioned_salt(body.get("cache_salt"), sent_at)}
+            cbody.update({k: vbody[k] for k in _SAMPLING_KEYS if vbody.get(k) is not None})
+            if live is not None:
+                live.version = sent_at
+            status, out = await self._stream("/v1/completions", cbody, live, top_k=top_k)
+        return status, out, sent_at
+
+    def _prefix_entries(self, ids: list[int], lps: list[float]) -> list[dict]:
+        """Chat-style logprob entries of a kept prefix's tokens (each decoded alone; no top logprobs)."""
+        tok = self._tokenizer
+        return [{**_logprob_entry(tok.decode([t], skip_special_tokens=False), lp), "top_logprobs": []}
+                for t, lp in zip(ids, lps)]
 
     async def _stream(self, route: str, vbody: dict, live: LiveCall | None,
                       top_k: int) -> tuple[int, Any]:

@@ -33,6 +33,7 @@ T = TypeVar("T")
 SessionPhase = Literal["admitting", "seeding", "running", "awaiting_model", "holding_reply", "parked"]
 _WAITING_ON_MODEL: frozenset[str] = frozenset({"awaiting_model", "holding_reply"})
 _MUTABLE: frozenset[str] = frozenset({"seeding", "running"})  # the only phases in which the loop changes its state
+_NOT_STARTED: frozenset[str] = frozenset({"admitting", "seeding"})  # before the first boundary: nothing to save
 _AT_BOUNDARY: frozenset[str] = frozenset({"parked", *_WAITING_ON_MODEL})  # a commit exports these
 
 
@@ -149,15 +150,21 @@ class Activation:
     @contextlib.asynccontextmanager
     async def seeding(self) -> AsyncIterator[None]:
         """Seeds wait for a start slot (``StartGate``: still ``admitting``, nothing to save) and,
-        while closed, for reopen; a seed in flight blocks readiness, so at most the gate's limit do."""
+        while closed, for reopen. A seed in flight does not block readiness: until its first boundary
+        a run is not started (reported unsaved; it restarts from its prompt, losing only the seed),
+        and a seed that ends while closed waits for reopen before the run's first turn, so a
+        prepare never waits on seeds (docs/design.md §4.5)."""
         p, s = self._p, self._s
         async with p.start_gate.slot():
             await p._until_reopened(s)
             p._set_phase(s, "seeding")
             try:
                 yield
-            finally:
+            except BaseException:
                 p._set_phase(s, "running")
+                raise
+            await p._until_reopened(s)
+            p._set_phase(s, "running")
 
 
 Runner = Callable[..., Awaitable[T]]
@@ -339,12 +346,12 @@ class AgentSessionParticipant(CheckpointParticipant):
 
     def readiness(self) -> PrepareReport:
         by_phase = self._by_phase
-        blockers = [s.key for s in by_phase["seeding"]] + [s.key for s in by_phase["running"]]
-        # An admitting /run has done nothing yet (it arrived while closed, or waits for a start slot):
-        # nothing to save, so after a crash it restarts from its prompt. Saying so keeps it out of
-        # commit scopes.
+        blockers = [s.key for s in by_phase["running"]]
+        # An admitting /run has done nothing yet (it arrived while closed, or waits for a start slot),
+        # and a seeding one only its seed: nothing to save before the first boundary, so after a crash
+        # it restarts from its prompt. Saying so keeps it out of commit scopes.
         admitting = by_phase["admitting"]
-        unsaved = [s.key for s in admitting if s.key not in self._restored]
+        unsaved = [s.key for s in admitting if s.key not in self._restored] + [s.key for s in by_phase["seeding"]]
         pending = len(self._restored)  # installed, /run not started yet (a waiting one is skipped above)
         counts = {"sessions": len(self._sessions) - len(admitting) + pending,
                   "at_boundary": len(by_phase["parked"]) + pending,
@@ -355,7 +362,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         return report
 
     def is_ready(self) -> bool:
-        return not (self._by_phase["seeding"] or self._by_phase["running"])
+        return not self._by_phase["running"]
 
     def ended_runs(self) -> list[str]:
         return self._ended.keys()
@@ -368,12 +375,12 @@ class AgentSessionParticipant(CheckpointParticipant):
         keys = self._sessions if wanted is None else [k for k in wanted if k in self._sessions]
         for key in sorted(keys):
             s = self._sessions[key]
-            if s.phase == "admitting":
+            if s.phase in _NOT_STARTED:
                 if key in self._restored or wanted is None:
                     continue  # a restored one is exported from ``_restored``
                 raise CheckpointError(
-                    f"{self.name}: /run {key} arrived while the checkpoint was open and has not started; "
-                    "it has no boundary to save"
+                    f"{self.name}: /run {key} has not reached its first boundary ({s.phase}); "
+                    "it has nothing to save"
                 )
             if s.phase != "parked" and s.phase not in _WAITING_ON_MODEL:
                 raise CheckpointError(f"{self.name}: session {key} is {s.phase}, not parked at a boundary")
@@ -397,7 +404,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         """Each parked session's ``CapturedRecord``, kept while it has not moved (most were made as
         the sessions came to rest, so this does almost no work while rollouts are held). In no
         particular order: the capture keys them by capture key."""
-        if self._by_phase["seeding"] or self._by_phase["running"]:
+        if self._by_phase["running"]:
             self._exportable(None)  # raises, naming the first session (in key order) not at a boundary
         out: list[Any] = list(self._records.values())
         for s in list(self._uncaptured):

@@ -166,13 +166,15 @@ class ResourcesParticipant(CheckpointParticipant):
             if self.policy == "best_effort":
                 return PrepareReport.build([], unsaved=live, counts=counts)
             return PrepareReport.build(live, counts=counts)
-        busy = [s.key for s in self._busy.values()] + seeding
+        # A seed in flight builds a session no agent has a boundary for yet (its run is not started,
+        # the agent reports it unsaved): it never blocks readiness, and a capture leaves it out.
+        busy = [s.key for s in self._busy.values()]
         return PrepareReport.build(busy, counts=counts)
 
     def is_ready(self) -> bool:
         if self.mode == "restart_only":
             return self.policy == "best_effort" or not (self.sessions or self._seeding)
-        return not (self._busy or self._seeding)
+        return not self._busy
 
     def status_extra(self) -> dict[str, Any]:
         return {"mode": self.mode}

@@ -1,13 +1,14 @@
-"""A replica receiving a burst of thousands of ``/run`` calls still answers its checkpoint status
-probe and prepare while most of them have not started (``gym_patches/responses_api_agents/
+"""A replica receiving a burst of thousands of ``/run`` calls answers its checkpoint status probe and
+prepare at once while most of them have not started (``gym_patches/responses_api_agents/
 admission.py``, docs/design.md §4.5).
 
 Real aiohttp servers in this process: ``simple_agent`` with checkpointing on, in front of a
 resources server whose seeds wait until the test lets them go and a model server that never
-answers. Every seed in flight blocks readiness, so without a bound on the runs starting at once
-the prepare would wait for every seed of the burst; with it, the probe sees all but the gate's
-limit still waiting to start, and the prepare is answered once those few seeds are done, before
-any other run started. After resume, every run of the burst starts and reaches the model.
+answers. Runs start through a gate (at most its limit seeding at once); a run is not started, for a
+checkpoint, until its first boundary, so neither the runs waiting at the gate nor the seeds in flight
+block readiness: the prepare is answered with every seed still held, and a seed that ends while
+closed does not start its run's first turn. After resume, every run of the burst starts and reaches
+the model.
 """
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ async def _post(ctl: aiohttp.ClientSession, url: str, op: str, **fields: Any) ->
 
 
 def _waiting_to_start(status_or_reply: dict[str, Any]) -> int:
-    return len(status_or_reply["report"]["unsaved"])  # a session agent's runs that have done nothing yet
+    return len(status_or_reply["report"]["unsaved"])  # a session agent's runs not at a first boundary yet
 
 
-async def test_status_and_prepare_answer_while_most_of_a_burst_has_not_started(agent_url):
+async def test_status_and_prepare_answer_at_once_while_a_burst_is_seeding(agent_url):
     url, upstreams = agent_url
     limit = DEFAULT_START_LIMIT
     assert BURST >= 10 * limit
@@ -134,28 +135,26 @@ async def test_status_and_prepare_answer_while_most_of_a_burst_has_not_started(a
         # The probe: asked while the burst arrives, until the agent holds every call of it.
         while True:
             status = await _status(ctl, url)
-            started = status["report"]["counts"]["sessions"]
-            waiting = _waiting_to_start(status)
+            started = status["report"]["counts"]["sessions"]  # seeding (the gate's limit at most)
             assert started <= limit, f"{started} runs started at once, more than the gate's {limit}"
             assert upstreams.seeds_received <= limit
-            if started + waiting == BURST:
+            if _waiting_to_start(status) == BURST:
                 break
             await asyncio.sleep(0.05)
-        # Every call arrived; only the gate's limit are seeding (held by the resources server).
-        assert started == limit and waiting == BURST - limit
-        assert status["report"]["blocker_count"] == limit  # the seeds in flight, nothing else
+        # Every call arrived; only the gate's limit are seeding (held by the resources server), and a
+        # seed in flight blocks nothing: every run of the burst is not started yet.
+        assert started == limit and status["report"]["blocker_count"] == 0
 
-        # The prepare: answered once those few seeds are done, the rest of the burst still waiting.
-        prepare = asyncio.create_task(_post(ctl, url, "prepare", capture=True))
-        while (await _status(ctl, url))["phase"] != "preparing":
-            await asyncio.sleep(0.05)
-        upstreams.release_seeds.set()
-        reply = await prepare
+        # The prepare: answered at once, the seeds still held; nothing of the burst is saved, nothing waits.
+        reply = await _post(ctl, url, "prepare", capture=True)
         assert reply["phase"] == "prepared"
-        assert reply["report"]["ready"] and reply["report"]["counts"]["at_boundary"] == limit
-        assert _waiting_to_start(reply) == BURST - limit  # reported unsaved: they restart from the prompt
-        assert upstreams.seeds_received == limit  # no run started while the agent was closed
-        assert not upstreams.model_reached.is_set()
+        assert reply["report"]["ready"] and reply["report"]["counts"]["at_boundary"] == 0
+        assert _waiting_to_start(reply) == BURST  # reported unsaved: they restart from the prompt
+        assert upstreams.seeds_received == limit and not upstreams.model_reached.is_set()
+        # Seeds that end while closed do not start their runs' first turns before the resume.
+        upstreams.release_seeds.set()
+        await asyncio.sleep(0.3)
+        assert upstreams.seeds_received == limit and not upstreams.model_reached.is_set()
 
         # Resume: the whole burst starts, a gate's worth at a time, and reaches the model.
         assert (await _post(ctl, url, "resume"))["phase"] == "idle"

@@ -304,27 +304,27 @@ async def test_sessions_are_serialised_as_they_come_to_rest_once_a_checkpoint_ha
     assert (await run).reward == 1.0
 
 
-async def test_seed_in_flight_blocks_and_runs_arriving_while_closed_wait():
+async def test_a_seed_in_flight_never_blocks_and_its_run_waits_for_reopen_before_its_first_turn():
     p = AgentSessionParticipant()
     io = FakeLoopIO({"r1": [final_reply()], "r2": [final_reply()]})
     seed_gate = io.gate_seed("r1")
     run1 = start(p, io, "r1")
     await until(lambda: io.seeds == ["r1"])
-    await p.close_admission("best_effort")
-    assert p.readiness().blockers == ["r1"]
+    await p.close_admission("block")
+    report = p.readiness()
+    assert report.ready and report.blockers == [] and report.unsaved == ["r1"]  # not started: nothing to wait for
     run2 = start(p, io, "r2")
     await asyncio.sleep(0.02)
     assert io.seeds == ["r1"] and phase(p, "r2") == "admitting"  # waits for reopen before seeding
     seed_gate.set()
-    await until(lambda: phase(p, "r1") == "parked")
+    await asyncio.sleep(0.05)
+    assert phase(p, "r1") == "seeding" and io.model_bodies == {}  # seeded, but no first turn while closed
     report = p.readiness()
-    assert report.ready and report.counts["sessions"] == 1  # r2 has not started
-    assert report.unsaved == ["r2"]  # nothing to save: it restarts from its prompt after a crash
-    [record] = map(plain, await p.export(None))
-    assert record["boundary"] == "B0" and record["state"]["step"] == 0
-    assert record["state"]["resources_cookies"] == {"ng_session": "s-r1"} and io.model_bodies == {}
-    with pytest.raises(CheckpointError, match="has not started"):
-        await p.export([EpisodeId(rollout_id="r2")])
+    assert report.ready and report.counts["sessions"] == 1 and report.counts["at_boundary"] == 0  # r1 seeded
+    assert report.unsaved == ["r1", "r2"]  # they restart from their prompts after a crash, losing a seed at most
+    assert await p.export(None) == [] and await p.capture_records() == []
+    with pytest.raises(CheckpointError, match="has not reached its first boundary"):
+        await p.export([EpisodeId(rollout_id="r1")])
     await p.open_admission()
     assert (await run1).reward == 1.0 and (await run2).reward == 1.0
     assert io.seeds == ["r1", "r2"]
@@ -527,7 +527,10 @@ def scanned_readiness(p: AgentSessionParticipant) -> tuple[bool, list[str], list
             if key not in p._restored:
                 unsaved.append(key)
             continue
-        counts["sessions"] += 1
+        counts["sessions"] += 1  # started: seeding or past it
+        if s.phase == "seeding":  # not started for a checkpoint: only its seed would be lost
+            unsaved.append(key)
+            continue
         if s.phase == "parked":
             counts["at_boundary"] += 1
         elif s.phase in ("awaiting_model", "holding_reply"):
@@ -567,15 +570,15 @@ async def test_readiness_kept_on_phase_moves_matches_a_scan_through_a_checkpoint
     late = start(p, io, "late")  # arrives while closed: admitting, unsaved
     await until(lambda: phase(p, "late") == "admitting")
     assert_readiness_matches_a_scan(p)
-    assert not p.readiness().ready and p.readiness().blockers == ["s1", "t1"]
+    assert not p.readiness().ready and p.readiness().blockers == ["t1"]  # a seed in flight does not block
     seed.set()
-    tool.set()  # t1's tool returns: it parks at P2; s1 parks at B0
-    await until(lambda: phase(p, "t1") == "parked" and phase(p, "s1") == "parked")
+    tool.set()  # t1's tool returns: it parks at P2; s1, seeded, waits for reopen before its first turn
+    await until(lambda: phase(p, "t1") == "parked")
     assert_readiness_matches_a_scan(p)
     report = p.readiness()
-    assert report.ready and report.unsaved == ["late"]
+    assert report.ready and report.unsaved == ["late", "s1"] and phase(p, "s1") == "seeding"
     captured = {record_key(c) if type(c) is dict else c.key for c in await p.capture_records()}
-    assert captured == {"m1", "m2", "t1", "s1", "f1", "gone-a1"}  # the restored one as a plain record
+    assert captured == {"m1", "m2", "t1", "f1", "gone-a1"}  # the restored one as a plain record
     await p.open_admission()
     io.gate_model("f1", 1).set()
     assert (await runs["f1"]).reward == 1.0

@@ -29,7 +29,6 @@ _IMPL = re.compile(r"^[a-z_][a-z0-9_]*$")
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 LISTEN_FD_ENV = "NEMO_GYM_LISTEN_FD"  # a listening socket the launcher bound for this server
-CONTROL_LISTEN_FD_ENV = "NEMO_GYM_CONTROL_LISTEN_FD"  # and its control listener (docs/design.md §4.4)
 
 
 class GymConfigError(ValueError):
@@ -71,10 +70,6 @@ class ServerInstanceConfig(BaseModel):
     implementation: str
     host: str = "127.0.0.1"
     port: int = 0
-    # A listener of its own for the checkpoint control routes (the launcher binds one per server it
-    # gives a port): a prepare is accepted at once even while thousands of /run connections queue on
-    # ``port``. None: the control routes are reached on ``port`` (docs/design.md §4.4).
-    control_port: int | None = Field(default=None, ge=1, le=65535)
     config: dict[str, Any] = Field(default_factory=dict)
 
     @property
@@ -84,11 +79,6 @@ class ServerInstanceConfig(BaseModel):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def control_url(self) -> str:
-        """Where the checkpoint control routes are called (the same app serves them on both ports)."""
-        return self.url if self.control_port is None else f"http://{self.host}:{self.control_port}"
 
 
 class GymGlobalConfig(BaseModel):
@@ -126,8 +116,6 @@ class GymGlobalConfig(BaseModel):
             body = dict(inst.config)
             body["host"] = inst.host
             body["port"] = inst.port
-            if inst.control_port is not None:
-                body["control_port"] = inst.control_port
             out[name] = {inst.server_type: {inst.implementation: body}}
         return out
 
@@ -173,11 +161,9 @@ def parse_gym_config(data: dict[str, Any]) -> GymGlobalConfig:
             body = dict(body or {})
             host = body.pop("host", data.get("default_host", "127.0.0.1"))
             port = body.pop("port", 0)
-            control_port = body.pop("control_port", None)
             try:
                 instances[key] = ServerInstanceConfig(
-                    name=key, server_type=server_type, implementation=impl, host=host, port=port,
-                    control_port=control_port, config=body,
+                    name=key, server_type=server_type, implementation=impl, host=host, port=port, config=body
                 )
             except ValidationError as exc:
                 raise GymConfigError(f"{key}.{server_type}.{impl}: {_errors(exc)}") from None

@@ -28,7 +28,6 @@ from typing import Any
 from gym_patches.config import (
     CONFIG_DICT_ENV,
     CONFIG_PATH_ENV,
-    CONTROL_LISTEN_FD_ENV,
     LISTEN_FD_ENV,
     SERVER_KIND,
     GymConfigError,
@@ -119,18 +118,16 @@ class GymDeployment:
         log = open(self.log_dir / f"{name}.log", "ab")
         self._logs.append(log)
         cmd = [sys.executable, "-m", "gym_patches.server_main"] + (["--head"] if head else [])
-        handed = {env_name: sock for env_name, sock in ((LISTEN_FD_ENV, self._sockets.pop(name, None)),
-                                                        (CONTROL_LISTEN_FD_ENV, self._sockets.pop(_control(name), None)))
-                  if sock is not None}
-        for env_name, sock in handed.items():
-            env[env_name] = str(sock.fileno())
+        sock = self._sockets.pop(name, None)
+        if sock is not None:
+            env[LISTEN_FD_ENV] = str(sock.fileno())
         try:
             self._procs[name] = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent, pass_fds=tuple(sock.fileno() for sock in handed.values()),
+                preexec_fn=die_with_parent, pass_fds=() if sock is None else (sock.fileno(),),
             )
         finally:
-            for sock in handed.values():
+            if sock is not None:
                 sock.close()  # the child holds it now
 
     def _close_sockets(self) -> None:
@@ -228,9 +225,7 @@ class GymDeployment:
 
 def _assign_ports(config: GymGlobalConfig) -> tuple[GymGlobalConfig, dict[str, socket.socket]]:
     """Every ``port: 0`` gets a listening socket held open until its server starts (its port goes
-    in the config every server reads), and so does a server instance's control listener
-    (``control_port``); a fixed port is bound by its server itself, which then serves its control
-    routes on it."""
+    in the config every server reads); a fixed port is bound by its server itself."""
     config = config.model_copy(deep=True)
     sockets: dict[str, socket.socket] = {}
     try:
@@ -239,20 +234,11 @@ def _assign_ports(config: GymGlobalConfig) -> tuple[GymGlobalConfig, dict[str, s
             if server.port == 0:
                 sockets[name] = listening_socket(server.host)
                 server.port = sockets[name].getsockname()[1]
-        for name, inst in config.instances.items():
-            if name in sockets and inst.control_port is None:
-                sockets[_control(name)] = listening_socket(inst.host, backlog=64)
-                inst.control_port = sockets[_control(name)].getsockname()[1]
     except BaseException:
         for sock in sockets.values():
             sock.close()
         raise
     return config, sockets
-
-
-def _control(name: str) -> str:
-    """The key of a server's control listener among the sockets held for it."""
-    return f"{name}#control"
 
 
 def _no_servers(paths: list[str]) -> str:

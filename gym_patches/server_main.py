@@ -21,7 +21,6 @@ from gym_patches.checkpoint.storage import install_writer
 from gym_patches.config import (
     CONFIG_DICT_ENV,
     CONFIG_PATH_ENV,
-    CONTROL_LISTEN_FD_ENV,
     LISTEN_FD_ENV,
     GymConfigError,
     GymGlobalConfig,
@@ -109,12 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         app = server.build_app()
         host, port = inst.host, inst.port
     fd = os.environ.pop(LISTEN_FD_ENV, None)
-    control_fd = os.environ.pop(CONTROL_LISTEN_FD_ENV, None)
-    if fd is not None:  # the launcher bound the ports and kept them until now: serve on those sockets
-        socks = [socket.socket(fileno=int(fd))]
-        if control_fd is not None:  # the same app; the controller calls its control routes here
-            socks.append(socket.socket(fileno=int(control_fd)))
-        where: dict = {"sock": socks}
+    if fd is not None:  # the launcher bound the port and kept it until now: serve on that socket
+        where: dict = {"sock": socket.socket(fileno=int(fd))}
     else:
         where = {"host": host, "port": port}
     web.run_app(app, **where, backlog=LISTEN_BACKLOG, print=None, handle_signals=True, shutdown_timeout=2.0)

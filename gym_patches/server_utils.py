@@ -37,7 +37,6 @@ class ServerInstance:
     server_type: str
     implementation: str
     url: str
-    control_url: str = ""  # where its checkpoint control routes are called (empty: ``url``)
 
     @property
     def kind(self) -> str:
@@ -109,7 +108,7 @@ class ServerClient:
 
     def instances(self) -> list[ServerInstance]:
         return [
-            ServerInstance(i.name, i.server_type, i.implementation, i.url, i.control_url)
+            ServerInstance(i.name, i.server_type, i.implementation, i.url)
             for i in self.global_config.instances.values()
         ]
 

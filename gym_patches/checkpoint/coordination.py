@@ -154,7 +154,7 @@ class ControlClient:
 class Participant:
     name: str
     kind: ParticipantKind
-    url: str  # where its control routes are called: its control listener if it has one
+    url: str
     status: StatusReply
 
 
@@ -186,11 +186,6 @@ def _order(p: Participant) -> tuple[int, str]:
     return PREPARE_ORDER.index(p.kind), p.name
 
 
-def _control_url(inst: Any) -> str:
-    """A server's control listener when it has one (``control_url``), else its one URL."""
-    return getattr(inst, "control_url", "") or inst.url
-
-
 async def discover(client: Any, auth_token: str, *, timeout_s: float = 30.0) -> Participants:
     """Ask every model/agent/resources server for its status; 404 = not a participant."""
     control = ControlClient(client.session, auth_token)
@@ -201,7 +196,7 @@ async def discover(client: Any, auth_token: str, *, timeout_s: float = 30.0) -> 
 
     async def probe(inst: Any) -> Participant | None:
         try:
-            body = await control.get(inst.name, _control_url(inst), "status", timeout_s=timeout_s)
+            body = await control.get(inst.name, inst.url, "status", timeout_s=timeout_s)
         except CoordinationError as exc:
             if exc.status == 404:
                 return None
@@ -216,7 +211,7 @@ async def discover(client: Any, auth_token: str, *, timeout_s: float = 30.0) -> 
                 inst.name, 200, "kind_mismatch",
                 f"status says kind {status.kind!r}, but it is configured as {inst.server_type} ({expected!r})",
             )
-        return Participant(name=inst.name, kind=expected, url=_control_url(inst), status=status)
+        return Participant(name=inst.name, kind=expected, url=inst.url, status=status)
 
     found = await _gather_all("discover", {i.name: probe(i) for i in candidates})
     members = sorted((p for p in found.values() if p is not None), key=_order)

@@ -8,9 +8,9 @@ snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
   stager's own ``PrepareAsk`` (a capture if it stages; at prefix, a generation
   cut of the prefix-level rollouts' calls only, docs/design.md §5.10) (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
-- ``stage(prepared, outcome)``: inside the pause (no awaits where it counts): plan,
-  Gym's share, drain, ownership check, the controller's state serialised in
-  memory with the anchor it belongs to; returns a ``StagedSnapshot``;
+- ``stage(prepared, outcome)``: inside the pause: plan, Gym's share, drain,
+  then with no await the ownership check and the controller's state serialised
+  in memory with the anchor it belongs to; returns a ``StagedSnapshot``;
 - ``write(staged, outcome)``: after resume, Gym's files that are not written yet;
   returns the ``GymCheckpointIndex`` the snapshot publishes (None: no Gym).
 
@@ -41,9 +41,9 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.generation_cut_
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
-    SnapshotPlan,
     FirstCounts,
     GymOwnershipError,
+    SnapshotPlan,
     check_ownership,
     count_snapshot,
     episode_scopes,

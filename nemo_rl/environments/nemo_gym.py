@@ -30,6 +30,7 @@ from gym_patches.utils.processes import process_state
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
 from gym_patches.checkpoint.coordination import CoordinationError
+from nemo_rl.environments.delivery_window import DeliveryWindow
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointAdapter,
     GymCheckpointInstance,
@@ -196,6 +197,9 @@ class NemoGym:
         self.control_client = ServerClient(self.deployment.config)
         self.adapter = GymCheckpointAdapter(self.instance, self.control_client, self.control_auth_token)
         return await self.adapter.discover(timeout_s=timeout_s)
+
+    async def delivered(self) -> None:
+        """Returns once every call this caller made before it has been taken (``DeliveryWindow``)."""
 
     async def run_rollout(self, row: dict[str, Any], rollout_id: str) -> dict[str, Any] | None:
         """POST the row to its agent's ``/run`` under ``rollout_id`` (a capture key).
@@ -392,6 +396,8 @@ class NemoGymShardSet:
     # instance id -> (when, why) it last failed to answer: new rollouts go elsewhere while others are healthy
     unhealthy: dict[str, tuple[float, str]] = field(default_factory=dict)
     _cycle: dict[str, int] = field(default_factory=dict, repr=False)  # shard -> next replica index
+    # instance id -> the rollout calls on their way to its actor (a prepare queues behind at most these)
+    _windows: dict[str, DeliveryWindow] = field(default_factory=dict, repr=False)
 
     @property
     def checkpoint_handles(self) -> dict[str, Any]:
@@ -408,8 +414,15 @@ class NemoGymShardSet:
             raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.checkpoint_handles)}") from None
 
     async def run_rollout(self, instance_id: str, row: dict[str, Any], rollout_id: str) -> dict[str, Any]:
-        """One rollout on one replica (``NemoGym.run_rollout``); its reply as a dict."""
-        reply = await self.handle_for(instance_id).run_rollout.remote(row, rollout_id)
+        """One rollout on one replica (``NemoGym.run_rollout``); its reply as a dict. It is sent
+        through the replica's ``DeliveryWindow``, so a checkpoint call never queues behind thousands."""
+        handle = self.handle_for(instance_id)
+        window = self._windows.get(instance_id)
+        if window is None:
+            window = self._windows[instance_id] = DeliveryWindow(
+                lambda: self.handle_for(instance_id).delivered.remote())
+        ref = await window.send(lambda: handle.run_rollout.remote(row, rollout_id))
+        reply = await ref
         if reply is None:
             raise GymRolloutError(f"Gym instance {instance_id} shut down while rollout {rollout_id} ran",
                                   rollout_id=rollout_id, server="?", infra=True, code="shutting_down")

@@ -97,6 +97,7 @@ class FakeParticipant(CheckpointParticipant):
                 self.export_cancelled = True
                 raise
         keys = None if episodes is None else {e.capture_key for e in episodes}
+        self.last_export = keys
         return [r for k, r in sorted(self.saved.items()) if keys is None or k in keys]
 
     async def install(self, records):
@@ -362,6 +363,22 @@ async def test_best_effort_unsaved_and_restart_in_scope(tmp_path):
         assert h.plane.phase == "prepared" and h.participant.exports == 0
         reply = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path), episode_ids=[ep("r2")])
         assert reply["episode_ids"] == ["r2"]
+    finally:
+        await h.client.close()
+
+
+async def test_a_run_that_arrived_after_the_prepared_reply_is_left_out_of_the_commit(tmp_path):
+    """Unsaved now, unknown to the controller when it chose the scope (it reached the server after the
+    prepared reply): the commit leaves it out instead of refusing, and the drain restarts it."""
+    h = await start(FakeParticipant(restart_only=True))
+    try:
+        h.participant.save("r2")
+        reply = await h.ok("prepare", checkpoint_id="c1", restart_only_policy="best_effort")
+        assert reply["phase"] == "prepared" and reply["report"]["unsaved"] == []
+        h.participant.set_live("r3")  # a /run arriving while closed
+        reply = await h.ok("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path),
+                           episode_ids=[ep("r2"), ep("r3")])
+        assert reply["episode_ids"] == ["r2"] and h.participant.last_export == {"r2"}
     finally:
         await h.client.close()
 

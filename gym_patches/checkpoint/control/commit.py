@@ -11,11 +11,22 @@ from gym_patches.checkpoint.store import WriteStopped, write_participant_state
 from gym_patches.checkpoint.wire import CommitRequest, ParticipantManifest, PrepareReport
 
 
-async def export_and_write(job: Job, participant: CheckpointParticipant, instance: str,
-                           req: CommitRequest) -> tuple[ParticipantManifest, list[str], dict[str, int]]:
+async def export_and_write(job: Job, participant: CheckpointParticipant, instance: str, req: CommitRequest,
+                           reported_unsaved: frozenset[str] = frozenset()
+                           ) -> tuple[ParticipantManifest, list[str], dict[str, int]]:
     """Export the scope and write it (in a thread the job owns); the manifest, the keys and the
-    generation cuts written (capture key -> tokens)."""
+    generation cuts written (capture key -> tokens).
+
+    A ``/run`` that reached the server after its prepared reply (``reported_unsaved`` is what that
+    reply said) waits, not started: unsaved now, but unknown to the controller when it chose the
+    scope. It is left out of the export, so the controller finds it not exported and restarts it
+    from its prompt (docs/design.md §5.4, the drain). Computed right before the export, with no
+    await between, so a run arriving meanwhile cannot slip in."""
     scope = None if req.episode_ids is None else list(req.episode_ids)
+    if scope is not None:
+        arrived_since = set(participant.readiness().unsaved) - reported_unsaved
+        if arrived_since:
+            scope = [e for e in scope if e.capture_key not in arrived_since]
     records = await participant.export(scope)
     keys = exported_keys(instance, records, None if scope is None else {e.capture_key for e in scope})
     try:
@@ -40,12 +51,13 @@ def cut_tokens_of(records: list[Record]) -> dict[str, int]:
     return out
 
 
-def refuse_unready(instance: str, report: PrepareReport, scope: tuple[str, ...] | None) -> None:
-    """A commit needs the participant still ready and no unsaved episode in its scope."""
+def refuse_unready(instance: str, report: PrepareReport, scope: tuple[str, ...] | None,
+                   reported_unsaved: frozenset[str]) -> None:
+    """A commit needs the participant still ready and no episode its prepared reply called unsaved in
+    its scope (the controller was told: a bug on its side)."""
     if not report.ready:
         raise CheckpointError(f"{instance} is no longer ready (blockers: {report.blockers})", code="invalid_phase")
-    unsaved = set(report.unsaved)
-    in_scope = sorted(unsaved if scope is None else unsaved.intersection(scope))
+    in_scope = sorted(reported_unsaved if scope is None else reported_unsaved.intersection(scope))
     if in_scope:
         raise CheckpointError(
             f"{instance} cannot save {in_scope[:10]} ({len(in_scope)} unsaved in scope); "

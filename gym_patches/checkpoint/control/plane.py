@@ -98,6 +98,7 @@ class ParticipantControlPlane:
         self._closed = False  # admission closed by us, not yet reopened
         # (restart_only_policy, capture, cut, cut_rollouts) of the running prepare
         self._prepare_args: tuple[str, bool, bool, frozenset[str] | None] | None = None
+        self._reported_unsaved: frozenset[str] = frozenset()  # in the prepared reply: a commit refuses them
         self._collector = CollectorHold()  # held while prepared: no full collection inside the pause
 
     # -- public state ------------------------------------------------------
@@ -201,6 +202,7 @@ class ParticipantControlPlane:
                     raise  # still preparing: a retry captures again, a resume reopens
                 await self._captures.replace(captured)  # the newest capture replaces any older one
             self._phases.move("ready", cid)
+            self._reported_unsaved = frozenset(report.unsaved)
             reply = dump(PrepareReply(
                 phase="prepared", report=report,
                 captured=None if captured is None else captured.keys,
@@ -272,7 +274,7 @@ class ParticipantControlPlane:
                 how = "is running" if job.running else "already ran"
                 raise CheckpointError(f"commit for {cid!r} {how} with other arguments", code="checkpoint_conflict")
             if job is None:
-                refuse_unready(self.instance, self.participant.readiness(), scope)
+                refuse_unready(self.instance, self.participant.readiness(), scope, self._reported_unsaved)
                 job = self._scope.spawn("commit", f"commit for {cid!r}", args,
                                         lambda job: self._run_commit(job, req))
             self._lease.extend(req.deadline_ts)
@@ -280,7 +282,8 @@ class ParticipantControlPlane:
 
     async def _run_commit(self, job: Job[dict[str, Any]], req: CommitRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
-        manifest, keys, cut_tokens = await export_and_write(job, self.participant, self.instance, req)
+        manifest, keys, cut_tokens = await export_and_write(job, self.participant, self.instance, req,
+                                                            self._reported_unsaved)
         async with self._lock:
             if job.stop.is_set() or not self._phases.is_at(cid, "prepared"):
                 raise _aborted("commit", cid)

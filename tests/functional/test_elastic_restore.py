@@ -176,10 +176,14 @@ def test_prefix_two_shards_of_two_replicas_to_one_each_continues_moved_cuts(llam
     from tests.functional.test_prefix_recovery import PROMPTS, _args, _previous_key, _saved_cuts
 
     dirs = RunDirs(tmp_path)
-    # three steps, not two: under load the two-step run could end before its newest snapshot held a cut
-    # on replica-1 at one of the polls (seen once in a full suite run)
-    steps = 3
-    wide = [a if not a.startswith("grpo.max_num_steps=") else f"grpo.max_num_steps={steps}"
+    # A step's model calls are in flight for about 0.5 s (the rows cap them at 96 tokens), so at the shared
+    # 0.3 s interval one or two snapshots a step could hold a cut, and under load a two-step run, then a
+    # three-step one (seen in CI), ended before a newest snapshot held one on replica-1. Six steps and a
+    # 0.1 s interval give the condition many chances; the kill comes at the first, so a passing run is no
+    # longer, and only the relaunch runs the extra steps.
+    steps = 6
+    overrides = {"grpo.max_num_steps": steps, "rollout_checkpointing.snapshot_attempt_interval_s": 0.1}
+    wide = [f"{a.split('=')[0]}={overrides[a.split('=')[0]]}" if a.split("=")[0] in overrides else a
             for a in _args(dirs, llama)]
     run_until_then_kill(wide, env=env_for(), until=lambda: _newest_cut_on(dirs, "saving/replica-1"), timeout_s=400)
     # the cuts of every published snapshot, read now: the relaunch prunes the one it restores once newer

@@ -116,6 +116,27 @@ class ModelTicket:
         )
 
 
+class _CallCounts(dict):
+    """Delivered calls per episode that notes every episode written or removed since
+    ``take_written``, so a capture remakes the records of those alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._written: set[EpisodeId] = set()
+
+    def __setitem__(self, episode: EpisodeId, calls: int) -> None:
+        super().__setitem__(episode, calls)
+        self._written.add(episode)
+
+    def __delitem__(self, episode: EpisodeId) -> None:
+        super().__delitem__(episode)
+        self._written.add(episode)
+
+    def take_written(self) -> set[EpisodeId]:
+        written, self._written = self._written, set()
+        return written
+
+
 def _model_record(episode: EpisodeId, delivered_calls: int, cut: GenerationCut | None = None) -> Record:
     """The dump of a ``ModelRecord``, built directly (captures run while rollouts are held); a cut goes
     in as a JSON fragment (its packed tokens are one string each)."""
@@ -138,8 +159,9 @@ class PolicyModelParticipant(CheckpointParticipant):
         self._tickets: dict[int, ModelTicket] = {}
         # The admitted tickets by state, kept on every move, so readiness counts without a scan.
         self._by_state: dict[str, dict[int, ModelTicket]] = {state: {} for state in get_args(TicketState)}
-        self._delivered: dict[EpisodeId, int] = {}
-        # Each episode's record as a capture takes it, made again only once its count has changed.
+        self._delivered = _CallCounts()
+        # Each counted episode's record as a capture takes it: a capture remakes only those whose count
+        # was written since (docs/design.md §4.5), not a pass over every episode.
         self._capture_cache: dict[EpisodeId, CapturedRecord] = {}
         # Generation cuts: how to take them (the server's backend; None: not supported), those the
         # current prepare took (per episode, until reopen), and restored ones waiting for their call.
@@ -371,7 +393,6 @@ class PolicyModelParticipant(CheckpointParticipant):
         gone = [e for e in self._delivered if e.rollout_id in rollout_ids]
         for episode in gone:
             del self._delivered[episode]
-            self._capture_cache.pop(episode, None)
         cuts = [e for e in self._restored_cuts if e.rollout_id in rollout_ids]
         for episode in cuts:  # a trained or abandoned rollout's prefix is never continued
             del self._restored_cuts[episode]
@@ -399,22 +420,25 @@ class PolicyModelParticipant(CheckpointParticipant):
 
     async def capture_records(self) -> list[Any]:
         """``export(None)`` as ``CapturedRecord``s, in no particular order (the capture keys them by
-        capture key); an episode's is made again only once its count has changed since the last."""
-        out: list[Any] = []
+        capture key). Only the episodes counted since the last capture get a record made; the rest
+        are the cache's, taken as a whole."""
         cache = self._capture_cache
+        for episode in self._delivered.take_written():
+            calls = self._delivered.get(episode, 0)
+            if calls > 0:
+                entry = capture_record(_model_record(episode, calls))
+                assert entry is not None, f"the record of {episode} cannot be captured"
+                cache[episode] = entry
+            else:
+                cache.pop(episode, None)
         cuts = self._cut_episodes()
+        if not cuts:
+            return list(cache.values())
+        out: list[Any] = [entry for episode, entry in cache.items() if episode not in cuts]
         for episode in cuts:  # its cut joins after resume (``capture_completion``); never cached
             entry = capture_record(_model_record(episode, self._delivered.get(episode, 0)))
             assert entry is not None, f"the record of {episode} cannot be captured"
             out.append(entry)
-        for episode, calls in self._delivered.items():
-            if calls > 0 and episode not in cuts:
-                entry = cache.get(episode)
-                if entry is None or entry.record["delivered_calls"] != calls:
-                    entry = capture_record(_model_record(episode, calls))
-                    assert entry is not None, f"the record of {episode} cannot be captured"
-                    cache[episode] = entry
-                out.append(entry)
         return out
 
     def scope_fill(self) -> Callable[[EpisodeId], Record | None]:
@@ -468,7 +492,6 @@ class PolicyModelParticipant(CheckpointParticipant):
                 ticket.wake.set()
         for key in [e for e in self._delivered if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
             del self._delivered[key]
-            self._capture_cache.pop(key, None)
         for key in [e for e in self._restored_cuts
                     if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
             del self._restored_cuts[key]

@@ -52,10 +52,12 @@ COMMIT_MODES = [("staged", ["rollout_checkpointing.commit_mode=staged"]),
 # the trainer-checkpoint bookkeeping rows. 8 GRPO runs: about 15 minutes on 2 cores, under 25 even if
 # every run ran to its ``timeout_s`` (then it is stopped and reports what it had). A run stops once it
 # has ``repeats`` steady attempts; ``steps`` leaves room for more steps (each step at 8192 begins with
-# burst attempts).
+# burst attempts). Tool runs get the idle runs' 3 s per reply, not 1.5 s: at 8192 a replica admits the
+# step's /run calls for about 45 s, and at 1.5 s enough rollouts had ended by then that no later attempt
+# held 95 % of N, so the tool runs had no steady attempt at all (benchmarks §1e).
 N8192: dict[str, dict[str, Any]] = {
     "snapshot_cost": {"sizes": [2048, 8192], "repeats": 4, "generations": 16, "per_replica": 8192, "steps": 6,
-                      "timeout_s": {2048: 120.0, 8192: 220.0}, "variants": COMMIT_MODES},
+                      "tool_delay_s": 3.0, "timeout_s": {2048: 120.0, 8192: 220.0}, "variants": COMMIT_MODES},
     "bookkeeping": {"sizes_mb": [10, 100, 1024], "saves": 6, "keep": 3, "compare_full_verify": True},
 }
 

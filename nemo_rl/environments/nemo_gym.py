@@ -1,10 +1,11 @@
 """``NemoGym``: one Ray actor per Gym shard replica.
 
 Each actor starts its own Gym deployment (a head server plus one process per
-server, on loopback), runs rollouts over HTTP and owns that deployment's
-``GymCheckpointAdapter``: every checkpoint request (``gym_patches.checkpoint.calls``)
-reaches it through one Ray method, ``checkpoint``. ``NemoGymShardSet`` is the
-controller's handle on all of them.
+server, on loopback) and runs rollouts over HTTP. Its checkpoint calls
+(``gym_patches.checkpoint.calls``) run in a second actor it owns,
+``gym_control.NemoGymControl``, through one Ray method, ``checkpoint``, so they
+never wait on the GIL of the thread sending ``/run`` calls. ``NemoGymShardSet`` is
+the controller's handle on all of them.
 """
 
 from __future__ import annotations
@@ -14,29 +15,23 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any
 
 from pydantic import ValidationError
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from gym_patches.checkpoint.calls import GymCall, ProbeCall
+from gym_patches.checkpoint.calls import GymCall
 from gym_patches.checkpoint.wire import RestartOnlyPolicy
 from gym_patches.checkpoint.storage import StorageWriterSpec
 from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerCallError, ServerClient
-from gym_patches.utils.processes import process_state
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
-from gym_patches.checkpoint.coordination import CoordinationError
-from nemo_rl.environments.delivery_window import DeliveryWindow
-from nemo_rl.environments.gym_checkpoint_adapter import (
-    GymCheckpointAdapter,
-    GymCheckpointInstance,
-    GymCheckpointReply,
-    GymServerProbe,
-)
+from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
+from nemo_rl.environments.gym_control import NemoGymControl, ServerProcesses
 
 
 class GymRolloutError(RuntimeError):
@@ -141,21 +136,16 @@ def _lease_grace_seconds(block: Any) -> float:
     return float(value)
 
 
-# Rollouts (``/run`` calls held across a checkpoint) and checkpoint calls get separate concurrency
-# groups: with thousands of rollouts parked in one replica, a prepare, commit or resume must never
-# queue behind them (it is what releases them).
+# Rollouts (``/run`` calls held across a checkpoint) in flight in one replica. Checkpoint calls go
+# to the replica's ``NemoGymControl``, so they never queue behind these (they are what releases them).
 ROLLOUT_CONCURRENCY = 100_000
 # How long a replica that failed to answer is passed over for new rollouts (while its shard has another).
 UNHEALTHY_FOR_S = 60.0
-CONTROL_CONCURRENCY = 32
-# A server silent to a status probe that used this share of a core meanwhile is busy, not hung.
-BUSY_CPU_SHARE = 0.1
 
 
-@ray.remote(max_restarts=0, num_cpus=0, max_concurrency=ROLLOUT_CONCURRENCY,
-            concurrency_groups={"control": CONTROL_CONCURRENCY})
+@ray.remote(max_restarts=0, num_cpus=0, max_concurrency=ROLLOUT_CONCURRENCY)
 class NemoGym:
-    """One Gym deployment and its checkpoint adapter, for one shard replica."""
+    """One Gym deployment, its rollouts and its control actor, for one shard replica."""
 
     def __init__(
         self,
@@ -172,9 +162,8 @@ class NemoGym:
         self.log_dir = Path(log_dir) / "gym-instances" / instance.shard_name / f"replica-{instance.replica_index}"
         self.rollout_timeout_s = rollout_timeout_s
         self.deployment: GymDeployment | None = None
-        self.client: ServerClient | None = None  # rollouts (the default concurrency group's loop)
-        self.control_client: ServerClient | None = None  # checkpoint calls (the control group's loop)
-        self.adapter: GymCheckpointAdapter | None = None
+        self.client: ServerClient | None = None  # rollouts
+        self.control: Any = None  # the NemoGymControl actor this one owns (``start_control``)
         self.closing = False  # shutdown began: a /run that fails now failed because of it
 
     async def spinup(self, startup_timeout_s: float = 60.0) -> list[dict[str, str]]:
@@ -187,19 +176,16 @@ class NemoGym:
             for s in self.deployment.servers
         ]
 
-    @ray.method(concurrency_group="control")
-    async def initialize_checkpoint_adapter(self, timeout_s: float = 30.0) -> list[str]:
-        """Discover participants; return the restart-only server names.
-
-        Checkpoint calls run on the ``control`` group's own event loop, so they get their own HTTP
-        client (an aiohttp session belongs to the loop that made it)."""
+    async def start_control(self, timeout_s: float = 30.0) -> tuple[list[str], Any]:
+        """Start this replica's ``NemoGymControl`` (its checkpoint calls, in a process of their own, on
+        this node, owned by this actor) and discover the participants through it. Returns the
+        restart-only server names and the control actor's handle."""
         assert self.deployment is not None, "spinup() first"
-        self.control_client = ServerClient(self.deployment.config)
-        self.adapter = GymCheckpointAdapter(self.instance, self.control_client, self.control_auth_token)
-        return await self.adapter.discover(timeout_s=timeout_s)
-
-    async def delivered(self) -> None:
-        """Returns once every call this caller made before it has been taken (``DeliveryWindow``)."""
+        if self.control is None:
+            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+            self.control = NemoGymControl.options(scheduling_strategy=here).remote(
+                self.instance, self.deployment.config, self.control_auth_token, self._pids())
+        return await self.control.discover.remote(timeout_s), self.control
 
     async def run_rollout(self, row: dict[str, Any], rollout_id: str) -> dict[str, Any] | None:
         """POST the row to its agent's ``/run`` under ``rollout_id`` (a capture key).
@@ -275,79 +261,18 @@ class NemoGym:
 
     def stopped_servers(self) -> list[str]:
         """Servers whose process is stopped (SIGSTOP, a debugger): alive, but answering nothing."""
-        return sorted(name for name, (state, _) in self._process_states().items() if state in ("T", "t"))
-
-    def _process_states(self) -> dict[str, tuple[str, float]]:
-        """Each live server process's state letter and CPU seconds so far."""
         if self.deployment is None:
-            return {}
-        out = {}
-        for name in self.deployment.config.instances:
-            try:
-                state = process_state(self.deployment.pid(name))
-            except KeyError:
-                continue
-            if state is not None:
-                out[name] = state
-        return out
+            return []
+        states = ServerProcesses(self._pids()).states()
+        return sorted(name for name, (state, _) in states.items() if state in ("T", "t"))
 
-    # -- checkpoint calls ----------------------------------------------------------
-    @ray.method(concurrency_group="control")
-    async def checkpoint(self, request: GymCall) -> GymCheckpointReply:
-        """The one checkpoint entry: run ``request`` over this replica's servers (the adapter says
-        what each request answers). A failure caused by a server process that is gone names it; a
-        probe also says which servers are dead or stopped, which only this actor can see."""
-        if not isinstance(request, ProbeCall):
-            return await self._named(self._adapter().checkpoint(request))
-        before, t0 = self._process_states(), time.monotonic()
-        reply = await self._named(self._adapter().checkpoint(request))
-        return self._with_process_state(reply, before, time.monotonic() - t0)
-
-    def _with_process_state(self, probes: dict[str, GymServerProbe], before: dict[str, tuple[str, float]],
-                            elapsed_s: float) -> dict[str, GymServerProbe]:
-        """A dead server's probe says it is dead; a silent one's says when its process is stopped, or
-        that it is busy: it used at least ``BUSY_CPU_SHARE`` of a core while the probe waited (at
-        thousands of rollouts an agent can be too busy to answer in time; docs/design.md §5.8)."""
-        for name in self.dead_servers():
-            if name in probes:
-                probes[name] = GymServerProbe(False, f"Gym server {name!r} is dead (its process exited)")
-        for name, (state, cpu_s) in self._process_states().items():
-            probe = probes.get(name)
-            if probe is None or probe.answered:
-                continue
-            if state in ("T", "t"):
-                probes[name] = GymServerProbe(False, f"{probe.detail} (its process is stopped)")
-                continue
-            share = (cpu_s - before[name][1]) / elapsed_s if name in before and elapsed_s > 0 else 0.0
-            if share >= BUSY_CPU_SHARE:
-                probes[name] = GymServerProbe(False, f"{probe.detail} (busy: its process ran {share:.0%} of a "
-                                              "core meanwhile)", busy=True)
-        return probes
-
-    async def _named(self, call: Awaitable[Any]) -> Any:
-        """A checkpoint call; if it failed because a server process is gone, the error says which one."""
-        try:
-            return await call
-        except CoordinationError as exc:
-            dead = self.dead_servers()
-            if not dead:
-                raise
-            names = ", ".join(repr(name) for name in dead)
-            raise CoordinationError(
-                dead[0], exc.status, "server_dead",
-                f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {exc}",
-                message=f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {exc}",
-            ) from None
-
-    def _adapter(self) -> GymCheckpointAdapter:
-        if self.adapter is None:
-            raise RuntimeError(f"{self.instance.instance_id}: checkpoint adapter not initialized")
-        return self.adapter
+    def _pids(self) -> dict[str, int]:
+        assert self.deployment is not None
+        return {name: self.deployment.pid(name) for name in ["head_server", *self.deployment.config.instances]}
 
     # -- lifecycle ---------------------------------------------------------------
     async def server_pids(self) -> dict[str, int]:
-        assert self.deployment is not None
-        return {name: self.deployment.pid(name) for name in ["head_server", *self.deployment.config.instances]}
+        return self._pids()
 
     async def kill_server(self, name: str) -> None:
         assert self.deployment is not None
@@ -355,21 +280,14 @@ class NemoGym:
 
     async def shutdown(self) -> None:
         self.closing = True
+        if self.control is not None:  # first: no checkpoint call reaches servers being stopped
+            ray.kill(self.control)
+            self.control = None
         if self.client is not None:
             await self.client.close()
-        if self.control_client is not None:
-            await self._close_control_client()
         if self.deployment is not None:
             self.deployment.stop()
             self.deployment = None
-
-    @ray.method(concurrency_group="control")
-    async def _close_control_client(self) -> None:
-        """Closed on the loop that made it (called as a plain coroutine; harmless if that fails)."""
-        try:
-            await self.control_client.close()
-        except Exception:  # noqa: BLE001 - shutting down: the processes go next
-            pass
 
     def ping(self) -> int:
         return os.getpid()
@@ -396,8 +314,8 @@ class NemoGymShardSet:
     # instance id -> (when, why) it last failed to answer: new rollouts go elsewhere while others are healthy
     unhealthy: dict[str, tuple[float, str]] = field(default_factory=dict)
     _cycle: dict[str, int] = field(default_factory=dict, repr=False)  # shard -> next replica index
-    # instance id -> the rollout calls on their way to its actor (a prepare queues behind at most these)
-    _windows: dict[str, DeliveryWindow] = field(default_factory=dict, repr=False)
+    # instance id -> its NemoGymControl (checkpoint calls), once setup started it (``NemoGym.start_control``)
+    control_handles: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpoint_handles(self) -> dict[str, Any]:
@@ -414,23 +332,21 @@ class NemoGymShardSet:
             raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.checkpoint_handles)}") from None
 
     async def run_rollout(self, instance_id: str, row: dict[str, Any], rollout_id: str) -> dict[str, Any]:
-        """One rollout on one replica (``NemoGym.run_rollout``); its reply as a dict. It is sent
-        through the replica's ``DeliveryWindow``, so a checkpoint call never queues behind thousands."""
-        handle = self.handle_for(instance_id)
-        window = self._windows.get(instance_id)
-        if window is None:
-            window = self._windows[instance_id] = DeliveryWindow(
-                lambda: self.handle_for(instance_id).delivered.remote())
-        ref = await window.send(lambda: handle.run_rollout.remote(row, rollout_id))
-        reply = await ref
+        """One rollout on one replica (``NemoGym.run_rollout``); its reply as a dict."""
+        reply = await self.handle_for(instance_id).run_rollout.remote(row, rollout_id)
         if reply is None:
             raise GymRolloutError(f"Gym instance {instance_id} shut down while rollout {rollout_id} ran",
                                   rollout_id=rollout_id, server="?", infra=True, code="shutting_down")
         return reply
 
     def send_checkpoint(self, instance_id: str, request: GymCall) -> Any:
-        """Start ``request`` on one replica's one checkpoint entry; returns the Ray object ref."""
-        return self.handle_for(instance_id).checkpoint.remote(request)
+        """Start ``request`` on one replica's one checkpoint entry (its ``NemoGymControl``); returns the
+        Ray object ref."""
+        control = self.control_handles.get(instance_id)
+        if control is None:
+            raise KeyError(f"Gym instance {instance_id!r} has no control actor (started for turn-level "
+                           f"checkpointing only); have {sorted(self.control_handles)}")
+        return control.checkpoint.remote(request)
 
     def checkpoint_dir(self, instance_id: str, root: str | Path) -> str:
         """Where the servers of ``instance_id`` write a checkpoint rooted at ``root``."""

@@ -366,11 +366,12 @@ def _discover_and_check(config: MasterConfig, shard_set: NemoGymShardSet, server
     restart-only check (a refusal goes to ``hooks.on_restart_only_servers``; docs/design.md §5.2).
     Split out of ``_spinup_gym``: only turn-level checkpointing needs it."""
     started = time.monotonic()
-    names = _gather(
-        shard_set, lambda h: h.initialize_checkpoint_adapter.remote(), "discover checkpoint participants of",
+    started_controls = _gather(  # each replica's control actor, and the restart-only servers it found
+        shard_set, lambda h: h.start_control.remote(), "discover checkpoint participants of",
         config.env.nemo_gym.spinup_timeout_s,
     )
-    shard_set.restart_only_servers = {iid: sorted(n) for iid, n in names.items()}
+    shard_set.control_handles = {iid: control for iid, (_, control) in started_controls.items()}
+    shard_set.restart_only_servers = {iid: sorted(names) for iid, (names, _) in started_controls.items()}
     turn_users = {iid: shard_turn_users[inst.shard_name] for iid, inst in shard_set.instances.items()}
     shard_set.prepare_policy_overrides = {
         iid: prepare_policy_overrides(shard_set.restart_only_servers[iid], turn_users[iid])

@@ -161,7 +161,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         self._by_state: dict[str, dict[int, ModelTicket]] = {state: {} for state in get_args(TicketState)}
         self._delivered = _CallCounts()
         # Each counted episode's record as a capture takes it: a capture remakes only those whose count
-        # was written since (docs/design.md §4.5), not a pass over every episode.
+        # was written since (docs/design.md §5.4), not a pass over every episode.
         self._capture_cache: dict[EpisodeId, CapturedRecord] = {}
         # Generation cuts: how to take them (the server's backend; None: not supported), those the
         # current prepare took (per episode, until reopen), and restored ones waiting for their call.

@@ -158,7 +158,7 @@ async def take_capture(participant: CheckpointParticipant, instance: str, checkp
     if not records or set(map(type, records)) == {CapturedRecord}:
         # The common case (every saving participant): one record per key, already checked and copied.
         # Keyed as they are, in C-level passes: this runs while every rollout is held, and at N = 8192
-        # a Python loop making a list per key cost a few ms per participant (docs/design.md §4.5).
+        # a Python loop making a list per key cost a few ms per participant (docs/design.md §5.4).
         keyed: dict[str, CapturedRecord] = dict(zip(map(_KEY, records), records))
         if len(keyed) == len(records):
             return StagedCapture(instance, checkpoint_id, keyed, sum(map(_SIZE, records)), fill,

@@ -53,8 +53,8 @@ idle pause grows at most ``LARGE_GROWTH_MAX`` from N = 2048 to 8192.
 
 Every N up to ``per_replica`` (2048; ``bench_recovery.py --per-replica``)
 runs on one Gym replica, so the growth with N is not mixed with a change of
-topology (a replica's ``NemoGym`` actor serves up to 100,000 ``/run`` calls and
-has its own concurrency group for checkpoint calls); N above ``per_replica``
+topology (a replica's ``NemoGym`` actor serves up to 100,000 ``/run`` calls, and
+its checkpoint calls run in its ``NemoGymControl`` actor); N above ``per_replica``
 uses ``ceil(N / per_replica)`` replicas of the one shard (every snapshot spans
 all of them). Each row records its replica count.
 """

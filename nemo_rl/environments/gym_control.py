@@ -88,9 +88,6 @@ class NemoGymControl:
         reply = await self._named(self.adapter.checkpoint(request))
         return self._with_process_state(reply, before, time.monotonic() - t0)
 
-    async def close(self) -> None:
-        await self.client.close()
-
     def _with_process_state(self, probes: dict[str, GymServerProbe], before: dict[str, tuple[str, float]],
                             elapsed_s: float) -> dict[str, GymServerProbe]:
         """A dead server's probe says it is dead; a silent one's says when its process is stopped, or

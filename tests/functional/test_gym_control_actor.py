@@ -102,7 +102,7 @@ def test_the_control_actor_ends_with_its_replica_actor(replica):
     control_pid = ray.get(control.pid.remote())
     ray.kill(actor, no_restart=True)
     deadline = time.monotonic() + 60
-    while process_state(control_pid) not in (None,) and process_state(control_pid)[0] not in ("Z", "X"):
+    while (state := process_state(control_pid)) is not None and state[0] not in ("Z", "X"):
         assert time.monotonic() < deadline, "the control actor outlived its replica actor"
         time.sleep(0.2)
     with pytest.raises(ray.exceptions.RayActorError):

@@ -27,7 +27,10 @@ from tests.functional.rl_run import RunDirs, env_for, replies, run_grpo, run_unt
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(900)]
 
 MAX_NEW = 96  # the data rows' max_output_tokens: every call decodes exactly this many (ignore_eos)
-STEPS, PROMPTS, GENERATIONS = 2, 4, 2
+# Four steps at a 0.1 s interval: a step's calls are in flight for about a second, so a two-step run at
+# 0.3 s held a cut in only 2 of its 3 snapshots and, under CI load, could end before one committed; four
+# steps at 0.1 s held cuts in 8 of 15. The kill comes at the first chance, so a passing run is no longer.
+STEPS, PROMPTS, GENERATIONS = 4, 4, 2
 TWO_SHARDS = "examples/configs/grpo_mixed_two_shards_turn.yaml"
 
 
@@ -38,12 +41,15 @@ def _args(dirs: RunDirs, model: Path) -> list[str]:
         "policy.generation.ignore_eos=true",
         f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}",
         f"grpo.num_generations_per_prompt={GENERATIONS}", "grpo.val_period=0", "grpo.val_at_start=false",
-        "rollout_checkpointing.snapshot_attempt_interval_s=0.3", "rollout_checkpointing.keep_latest_k=50",
+        "rollout_checkpointing.snapshot_attempt_interval_s=0.1", "rollout_checkpointing.keep_latest_k=50",
     ]
 
 
 def _snapshot_with_cuts(dirs: RunDirs) -> bool:
-    return any(r.get("committed") and r.get("cuts", 0) > 0 for r in dirs.records("snapshots.jsonl"))
+    """The newest committed snapshot holds a cut: the relaunch restores the newest, and at a 0.1 s interval
+    a later snapshot without one can commit between an older cut's row and the kill."""
+    committed = [r for r in dirs.records("snapshots.jsonl") if r.get("committed")]
+    return bool(committed) and committed[-1].get("cuts", 0) > 0
 
 
 def _saved_cuts(snapshot: Path) -> dict[str, GenerationCut]:
@@ -77,12 +83,16 @@ def test_a_crash_after_a_snapshot_with_cuts_continues_each_cut_once(model, tmp_p
     args = _args(dirs, model)
     run_until_then_kill(args, env=env_for(), until=lambda: _snapshot_with_cuts(dirs), timeout_s=400)
     killed_rows = dirs.records("snapshots.jsonl")
+    # the cuts of every published snapshot, read now: the relaunch prunes the one it restores once its
+    # newer trainer steps are published
+    saved = {r["path"]: _saved_cuts(Path(r["path"])) for r in killed_rows
+             if r.get("committed") and r.get("path") and Path(r["path"]).is_dir()}
     proc = run_grpo(args, env=env_for(), timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     restore = dirs.restore_record()
     assert restore is not None and restore["snapshot"], restore
-    cuts = _saved_cuts(Path(restore["snapshot"]))
+    cuts = saved[restore["snapshot"]]
     assert cuts, "the restored snapshot holds no generation cut"
     restored = restore["restored_prefix_tokens"]  # new capture key -> prefix tokens
     assert restore["restored_prefix"] == len(restored) >= 1 and restore["prefix_tokens"] == sum(restored.values())

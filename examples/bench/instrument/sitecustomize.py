@@ -22,6 +22,10 @@ It only observes; with neither variable below set it does nothing.
   it). The product's code runs unchanged; these only time it.
 - ``BENCH_TOOL_LOG``: in every resources server process, append one line per
   tool call when it returns (server, tool, end time, HTTP status).
+- ``BENCH_LOOP_LAG``: in every Gym server process, append to ``<dir>/loop-<server>.jsonl`` one line
+  per turn of its asyncio event loop that ran at least ``BENCH_LOOP_LAG_MS`` (default 100): start,
+  duration, callbacks run, and the callbacks that took the most of it, by name (a task by its
+  coroutine). What a checkpoint request arriving then waits for before its handler runs.
 
 Patches are applied right after the target module is first imported (a
 ``sys.meta_path`` finder), so processes that never import it pay nothing.
@@ -164,6 +168,56 @@ def _tool_hook(path):
     return {"gym_patches.resources_servers.base": hook}
 
 
+# -- event-loop turns (Gym servers) ------------------------------------------------------------
+def _callback_name(handle):
+    callback = getattr(handle, "_callback", None)
+    owner = getattr(callback, "__self__", None)
+    get_coro = getattr(owner, "get_coro", None)
+    if get_coro is not None:  # a task's step: name its coroutine
+        coro = get_coro()
+        return f"task:{getattr(coro, '__qualname__', type(coro).__name__)}"
+    return getattr(callback, "__qualname__", None) or type(callback).__name__
+
+
+def _loop_lag_hook(path, threshold_s):
+    def hook(module):
+        base = module.BaseEventLoop
+        handle_run = module.events.Handle._run
+        turn = {"on": False, "names": {}, "count": 0}
+
+        def _run(self):
+            if not turn["on"]:
+                return handle_run(self)
+            t0 = time.perf_counter()
+            try:
+                return handle_run(self)
+            finally:
+                name = _callback_name(self)
+                spent, count = turn["names"].get(name, (0.0, 0))
+                turn["names"][name] = (spent + time.perf_counter() - t0, count + 1)
+                turn["count"] += 1
+
+        original = base._run_once
+
+        def _run_once(self):
+            turn["on"], turn["names"], turn["count"] = True, {}, 0
+            start, t0 = time.time(), time.perf_counter()
+            try:
+                return original(self)
+            finally:
+                turn["on"] = False
+                spent = time.perf_counter() - t0
+                if spent >= threshold_s:
+                    top = sorted(turn["names"].items(), key=lambda kv: -kv[1][0])[:8]
+                    _append(path, {"start": start, "turn_s": round(spent, 4), "callbacks": turn["count"],
+                                   "top": [[n, round(s, 4), c] for n, (s, c) in top]})
+
+        module.events.Handle._run = _run
+        base._run_once = _run_once
+
+    return {"asyncio.base_events": hook}
+
+
 # -- setup timing --------------------------------------------------------------------------
 def _timed(path, event, fn):
     @functools.wraps(fn)
@@ -205,6 +259,12 @@ def _install():
     tool_log = os.environ.get("BENCH_TOOL_LOG")
     if tool_log:
         hooks.update(_tool_hook(tool_log))
+    loop_lag = os.environ.get("BENCH_LOOP_LAG")
+    server = os.environ.get("NEMO_GYM_CONFIG_PATH")
+    if loop_lag and server:
+        os.makedirs(loop_lag, exist_ok=True)
+        threshold_s = float(os.environ.get("BENCH_LOOP_LAG_MS", "100")) / 1e3
+        hooks.update(_loop_lag_hook(os.path.join(loop_lag, f"loop-{server}.jsonl"), threshold_s))
     timing = os.environ.get("BENCH_TIMING_FILE")
     if timing:
         hooks.update(_timing_hooks(timing))

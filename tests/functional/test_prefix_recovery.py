@@ -27,7 +27,7 @@ from tests.functional.rl_run import RunDirs, env_for, replies, run_grpo, run_unt
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(900)]
 
 MAX_NEW = 96  # the data rows' max_output_tokens: every call decodes exactly this many (ignore_eos)
-# Four steps at a 0.1 s interval: a step's calls are in flight for about a second, so a two-step run at
+# Four steps at a 0.1 s interval: a step's calls are in flight for well under a second, so a two-step run at
 # 0.3 s held a cut in only 2 of its 3 snapshots and, under CI load, could end before one committed; four
 # steps at 0.1 s held cuts in 8 of 15. The kill comes at the first chance, so a passing run is no longer.
 STEPS, PROMPTS, GENERATIONS = 4, 4, 2
@@ -92,6 +92,7 @@ def test_a_crash_after_a_snapshot_with_cuts_continues_each_cut_once(model, tmp_p
 
     restore = dirs.restore_record()
     assert restore is not None and restore["snapshot"], restore
+    assert restore["snapshot"] in saved, (restore["snapshot"], sorted(saved))
     cuts = saved[restore["snapshot"]]
     assert cuts, "the restored snapshot holds no generation cut"
     restored = restore["restored_prefix_tokens"]  # new capture key -> prefix tokens

@@ -24,7 +24,7 @@ from gym_patches.checkpoint.calls import ProbeCall
 from gym_patches.fakes.scripted_backend import ScriptedBackend
 from gym_patches.utils.processes import process_state
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
-from tests.functional.test_gym_stalls import ROWS, TOKEN, gym_config
+from tests.functional.test_gym_stalls import ROWS, TOKEN, gym_config, sigstop
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(180)]
 
@@ -64,8 +64,8 @@ def replica(ray_local, tmp_path) -> Iterator[tuple[Any, Any]]:
 
 @contextmanager
 def sigstopped(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
     try:
+        sigstop(pid)
         yield
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -28,7 +28,7 @@ from gym_patches.config import parse_gym_config
 from gym_patches.launch import GymDeployment
 from gym_patches.server_utils import ServerClient
 from gym_patches.fakes.scripted_backend import ScriptedBackend, first_user_text
-from gym_patches.utils.processes import free_port
+from gym_patches.utils.processes import free_port, process_state
 from gym_patches.wire_models import ACTIVITY_ROUTE, AgentActivity, RunActivity, RunErrorBody
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(90)]
@@ -86,12 +86,22 @@ async def http() -> Any:
         yield session
 
 
+def sigstop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP a process and wait until it is stopped: the kernel delivers the signal asynchronously
+    (every thread of the process must stop), so ``/proc`` may still say ``R`` just after ``kill``."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while (state := process_state(pid)) is not None and state[0] not in ("T", "t"):
+        assert time.monotonic() < deadline, f"process {pid} still {state[0]!r} {timeout_s} s after SIGSTOP"
+        time.sleep(0.01)
+
+
 @contextmanager
 def stopped(dep: GymDeployment, name: str) -> Iterator[float]:
     """SIGSTOP one server; SIGCONT it on the way out, whatever happened. Yields the stop time."""
     pid = dep.pid(name)
-    os.kill(pid, signal.SIGSTOP)
     try:
+        sigstop(pid)
         yield time.monotonic()
     finally:
         os.kill(pid, signal.SIGCONT)

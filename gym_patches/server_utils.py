@@ -2,12 +2,16 @@
 
 A server is an aiohttp app in its own process. ``GymServer.build_app`` adds the
 server's routes, ``/health``, and, when checkpointing is on and the server has a
-participant, the checkpoint control routes.
+participant, the checkpoint control routes. Its data-plane work is paced: at most a
+turn's share of requests, outgoing sends and replies run per turn of its event loop
+(``gym_patches.utils.pacing``), so the control routes, which are not paced, are served
+between them (docs/design.md §4.5, "Paced turns").
 """
 
 from __future__ import annotations
 
 import asyncio
+import json as jsonlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,11 +22,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
-from gym_patches.utils.collector import freeze_startup_objects
+from gym_patches.checkpoint.wire import CHECKPOINT_ROUTE_PREFIX
+from gym_patches.utils.collector import FullCollections, freeze_startup_objects, young_collections_only
+from gym_patches.utils.pacing import TurnPacer
+from gym_patches.wire_models import ACTIVITY_ROUTE
 
 
 # Largest request body any Gym server reads (aiohttp's client_max_size).
 MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
+# Routes served at once, however busy the server: checkpoint control, liveness, the activity report.
+UNPACED_ROUTE_PREFIXES = (CHECKPOINT_ROUTE_PREFIX, "/health", ACTIVITY_ROUTE)
 
 
 class ServerConfigBase(BaseModel):
@@ -70,12 +79,18 @@ def new_client_session() -> aiohttp.ClientSession:
 
 
 class ServerClient:
-    """Resolves Gym server names to URLs and calls them over HTTP."""
+    """Resolves Gym server names to URLs and calls them over HTTP.
 
-    def __init__(self, global_config: GymGlobalConfig, session: aiohttp.ClientSession | None = None):
+    With a ``pacer`` (a Gym server's own calls) a call waits for its share of a turn before it
+    encodes and sends and again before it decodes the reply, so a burst of calls cannot fill one
+    turn of the caller's event loop."""
+
+    def __init__(self, global_config: GymGlobalConfig, session: aiohttp.ClientSession | None = None,
+                 pacer: TurnPacer | None = None):
         self.global_config = global_config
         self._session = session
         self._owns_session = session is None
+        self.pacer = pacer
 
     @classmethod
     async def load_from_global_config(cls, head_url: str, *, timeout_s: float = 30.0) -> "ServerClient":
@@ -128,13 +143,19 @@ class ServerClient:
     ) -> ServerResponse:
         url = self.url_for(server_name) + path
         timeout = aiohttp.ClientTimeout(total=timeout_s)
+        pacer = self.pacer
         try:
+            if pacer is not None:
+                await pacer.turn()
             async with self.session.request(
                 method, url, json=json, cookies=cookies, headers=headers, timeout=timeout
             ) as resp:
-                text = await resp.text()
+                raw = await resp.read()
+                if pacer is not None:
+                    await pacer.turn()
+                text = raw.decode(resp.get_encoding(), errors="replace")
                 try:
-                    body = await resp.json(content_type=None) if text else None
+                    body = jsonlib.loads(text) if text else None
                 except ValueError:
                     body = None
                 return ServerResponse(
@@ -195,7 +216,10 @@ class GymServer:
         self.name = instance.name
         self.global_config = global_config
         self.config = self.validate_instance_config(instance)
-        self.client = ServerClient(global_config)
+        # the data-plane steps one turn of this server's event loop runs (requests, calls, replies)
+        self.pacer = TurnPacer()
+        self.full_collections = FullCollections()  # the only full gc walks (``utils.collector``)
+        self.client = ServerClient(global_config, pacer=self.pacer)
         self.participant: CheckpointParticipant | None = None
 
     @classmethod
@@ -235,7 +259,7 @@ class GymServer:
     def build_app(self) -> web.Application:
         if self.global_config.checkpoint.enabled:
             self.participant = self.make_participant()
-        app = web.Application(middlewares=self.middlewares(), client_max_size=MAX_REQUEST_BODY_BYTES)
+        app = web.Application(middlewares=[self._paced, *self.middlewares()], client_max_size=MAX_REQUEST_BODY_BYTES)
         app.router.add_get("/health", self._health)
         self.setup_routes(app)
         if self.participant is not None:
@@ -252,9 +276,12 @@ class GymServer:
         async def _startup(_: web.Application) -> None:
             await self.on_startup()
             freeze_startup_objects()  # imports and config stay out of every later full collection
+            young_collections_only()
+            self.full_collections.start()
 
         async def _cleanup(_: web.Application) -> None:
             try:
+                await self.full_collections.stop()
                 await self.on_cleanup()
             finally:
                 await self.client.close()
@@ -262,6 +289,19 @@ class GymServer:
         app.on_startup.append(_startup)
         app.on_cleanup.append(_cleanup)
         return app
+
+    @web.middleware
+    async def _paced(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A data-plane request's handler starts in its share of a turn, its body read first (a body
+        too large or of unknown length is left to the handler, which reports it in its own shape).
+        Control routes and ``/health`` are never paced: they are what the pacing keeps prompt."""
+        if request.path.startswith(UNPACED_ROUTE_PREFIXES):
+            return await handler(request)
+        length = request.content_length
+        if request.body_exists and length is not None and length <= MAX_REQUEST_BODY_BYTES:
+            await request.read()  # kept by aiohttp for the handler's own read
+        await self.pacer.turn()
+        return await handler(request)
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "server_type": self.server_type, "ok": True})

@@ -22,7 +22,7 @@ from gym_patches.activity import ActivityBoard, RunTrack
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.config import ServerRef
-from gym_patches.responses_api_agents.admission import IntakePacer, StartGate
+from gym_patches.responses_api_agents.admission import StartGate
 from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase
 from gym_patches.wire_models import (
     ACTIVITY_ROUTE,
@@ -460,7 +460,6 @@ class LoopAgentServer(GymServer):
         )
         self.activity = ActivityBoard(self.name)
         self.start_gate = StartGate()  # the runs starting at once (``admission``); the participant shares it
-        self.intake = IntakePacer()  # the /run bodies parsed per turn of the loop (``admission``)
 
     @property
     def max_steps(self) -> int:
@@ -505,9 +504,7 @@ class LoopAgentServer(GymServer):
 
     async def _run_route(self, request: web.Request) -> web.Response:
         try:
-            text = await request.text()  # a body still arriving waits here, holding no share of the intake
-            await self.intake.turn()
-            body = json.loads(text)
+            body = json.loads(await request.text())  # read before its share of the turn (``GymServer._paced``)
         except ValueError:
             return self.run_error(422, "invalid_request", "POST /run body is not valid JSON")
         try:

@@ -23,9 +23,10 @@ It only observes; with neither variable below set it does nothing.
 - ``BENCH_TOOL_LOG``: in every resources server process, append one line per
   tool call when it returns (server, tool, end time, HTTP status).
 - ``BENCH_LOOP_LAG``: in every Gym server process, append to ``<dir>/loop-<server>.jsonl`` one line
-  per turn of its asyncio event loop that ran at least ``BENCH_LOOP_LAG_MS`` (default 100): start,
-  duration, callbacks run, and the callbacks that took the most of it, by name (a task by its
-  coroutine). What a checkpoint request arriving then waits for before its handler runs.
+  per turn of its asyncio event loop whose callbacks ran at least ``BENCH_LOOP_LAG_MS`` (default 100;
+  the wait in ``select()`` before them is not counted): start, busy time, callbacks run, and the
+  callbacks that took the most of it, by name (a task by its coroutine), and the cyclic garbage
+  collector's time in the turn (``gc_s``; ``gc``: generation, seconds, objects collected). What a checkpoint request arriving then waits for before its handler runs.
 
 Patches are applied right after the target module is first imported (a
 ``sys.meta_path`` finder), so processes that never import it pay nothing.
@@ -173,9 +174,18 @@ def _callback_name(handle):
     callback = getattr(handle, "_callback", None)
     owner = getattr(callback, "__self__", None)
     get_coro = getattr(owner, "get_coro", None)
-    if get_coro is not None:  # a task's step: name its coroutine
+    if get_coro is not None:  # a task's step: name its coroutine, where it resumes, and a request's path
         coro = get_coro()
-        return f"task:{getattr(coro, '__qualname__', type(coro).__name__)}"
+        name = f"task:{getattr(coro, '__qualname__', type(coro).__name__)}"
+        request = getattr(getattr(coro, "cr_frame", None), "f_locals", {}).get("request")
+        if getattr(request, "path", None):
+            name += f" {request.method} {request.path}"
+        inner = coro
+        while getattr(inner, "cr_await", None) is not None and hasattr(inner.cr_await, "cr_frame"):
+            inner = inner.cr_await
+        if inner is not coro:
+            name += f" <- {getattr(inner, '__qualname__', type(inner).__name__)}"
+        return name
     return getattr(callback, "__qualname__", None) or type(callback).__name__
 
 
@@ -183,16 +193,32 @@ def _loop_lag_hook(path, threshold_s):
     def hook(module):
         base = module.BaseEventLoop
         handle_run = module.events.Handle._run
-        turn = {"on": False, "names": {}, "count": 0}
+        turn = {"on": False, "names": {}, "count": 0, "first": None, "gc_s": 0.0, "gc": [], "gc_t0": None}
+
+        def _gc(phase, info):  # the cyclic collector's time in the turn, by generation
+            if phase == "start":
+                turn["gc_t0"] = time.perf_counter()
+            elif turn["gc_t0"] is not None:
+                spent = time.perf_counter() - turn["gc_t0"]
+                turn["gc_t0"] = None
+                if turn["on"]:
+                    turn["gc_s"] += spent
+                    turn["gc"].append([info.get("generation"), round(spent, 4), info.get("collected")])
+
+        import gc
+
+        gc.callbacks.append(_gc)
 
         def _run(self):
             if not turn["on"]:
                 return handle_run(self)
+            name = _callback_name(self)  # before it runs: where a task resumes
             t0 = time.perf_counter()
+            if turn["first"] is None:
+                turn["first"] = t0  # the wait in select() ended: the turn's work starts here
             try:
                 return handle_run(self)
             finally:
-                name = _callback_name(self)
                 spent, count = turn["names"].get(name, (0.0, 0))
                 turn["names"][name] = (spent + time.perf_counter() - t0, count + 1)
                 turn["count"] += 1
@@ -200,16 +226,23 @@ def _loop_lag_hook(path, threshold_s):
         original = base._run_once
 
         def _run_once(self):
-            turn["on"], turn["names"], turn["count"] = True, {}, 0
+            turn["on"], turn["names"], turn["count"], turn["first"] = True, {}, 0, None
+            turn["gc_s"], turn["gc"] = 0.0, []
             start, t0 = time.time(), time.perf_counter()
             try:
                 return original(self)
             finally:
                 turn["on"] = False
-                spent = time.perf_counter() - t0
-                if spent >= threshold_s:
+                end = time.perf_counter()
+                # busy: from the first callback to the end of the turn (the time a request that became
+                # ready meanwhile waits); the wait in select() before it is idle time, not counted
+                busy = end - turn["first"] if turn["first"] is not None else 0.0
+                if busy >= threshold_s:
                     top = sorted(turn["names"].items(), key=lambda kv: -kv[1][0])[:8]
-                    _append(path, {"start": start, "turn_s": round(spent, 4), "callbacks": turn["count"],
+                    _append(path, {"start": start, "busy_s": round(busy, 4),
+                                   "select_s": round(turn["first"] - t0, 4), "callbacks": turn["count"],
+                                   "in_callbacks_s": round(sum(v[0] for v in turn["names"].values()), 4),
+                                   "gc_s": round(turn["gc_s"], 4), "gc": turn["gc"][:10],
                                    "top": [[n, round(s, 4), c] for n, (s, c) in top]})
 
         module.events.Handle._run = _run

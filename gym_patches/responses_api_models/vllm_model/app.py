@@ -325,13 +325,15 @@ class VLLMModelServer(GymServer):
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         try:
             async with self._session.post(url, json=chat_body, headers=headers, timeout=timeout) as resp:
+                await resp.read()
+                await self.pacer.turn()  # the reply's decoding and mapping take their share of a turn
                 text = await resp.text()
                 if 400 <= resp.status < 500 and resp.status not in BACKEND_SETTINGS_STATUSES:
                     raise backend_rejection(resp.status, text)
                 if resp.status != 200:
                     raise BackendError(f"policy backend {url} returned {resp.status}: {text[:MAX_ERROR_BODY_CHARS]}")
                 try:
-                    return await resp.json(content_type=None)
+                    return json.loads(text)
                 except ValueError:
                     raise BackendError(f"policy backend {url} returned a body that is not JSON") from None
         except asyncio.TimeoutError:

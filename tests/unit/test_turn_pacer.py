@@ -1,5 +1,5 @@
-"""``IntakePacer``: at most ``per_turn`` ``/run`` bodies parsed per turn of the event loop, first come
-first served (docs/design.md §4.5, "Admission in bursts").
+"""``TurnPacer``: at most ``per_turn`` paced steps (a ``/run`` body's parse, a call's send or reply) per
+turn of the event loop, first come first served (docs/design.md §4.5, "Paced turns").
 
 A real event loop; a ticker callback that reschedules itself with ``call_soon`` counts its turns.
 """
@@ -11,7 +11,7 @@ import collections
 
 import pytest
 
-from gym_patches.responses_api_agents.admission import IntakePacer
+from gym_patches.utils.pacing import TurnPacer
 
 
 class TurnCounter:
@@ -35,7 +35,7 @@ class TurnCounter:
 
 
 async def test_a_burst_is_granted_a_bounded_number_per_turn_in_arrival_order():
-    pacer, turns = IntakePacer(per_turn=8), TurnCounter()
+    pacer, turns = TurnPacer(per_turn=8), TurnCounter()
     granted: list[tuple[int, int]] = []  # (caller, turn it ran in)
 
     async def intake(i: int) -> None:
@@ -57,7 +57,7 @@ async def test_a_burst_is_granted_a_bounded_number_per_turn_in_arrival_order():
 
 
 async def test_an_idle_loop_grants_at_once_without_yielding():
-    pacer = IntakePacer(per_turn=4)
+    pacer = TurnPacer(per_turn=4)
     order: list[str] = []
 
     async def other() -> None:
@@ -72,7 +72,7 @@ async def test_an_idle_loop_grants_at_once_without_yielding():
 
 
 async def test_a_cancelled_waiter_leaves_the_line_and_takes_no_share():
-    pacer = IntakePacer(per_turn=1)
+    pacer = TurnPacer(per_turn=1)
     granted = asyncio.create_task(pacer.turn())  # the turn's one share
     first = asyncio.create_task(pacer.turn())
     second = asyncio.create_task(pacer.turn())
@@ -88,4 +88,4 @@ async def test_a_cancelled_waiter_leaves_the_line_and_takes_no_share():
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5])
 def test_per_turn_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="per_turn"):
-        IntakePacer(per_turn=bad)
+        TurnPacer(per_turn=bad)

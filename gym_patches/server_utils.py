@@ -23,7 +23,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
 from gym_patches.checkpoint.wire import CHECKPOINT_ROUTE_PREFIX
-from gym_patches.utils.collector import FullCollections, freeze_startup_objects, young_collections_only
+from gym_patches.utils.collector import (
+    FullCollections,
+    freeze_startup_objects,
+    restore_collections,
+    young_collections_only,
+)
 from gym_patches.utils.pacing import TurnPacer
 from gym_patches.wire_models import ACTIVITY_ROUTE
 
@@ -282,6 +287,7 @@ class GymServer:
         async def _cleanup(_: web.Application) -> None:
             try:
                 await self.full_collections.stop()
+                restore_collections()
                 await self.on_cleanup()
             finally:
                 await self.client.close()

@@ -73,10 +73,24 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+_young_only_holders: list[tuple[int, int, int]] = []  # the thresholds before the first holder
+
+
 def young_collections_only() -> None:
-    """Automatic collection walks generations 0 and 1 only; a full walk runs when called for."""
-    t0, t1, _ = gc.get_threshold()
-    gc.set_threshold(t0, t1, _NEVER)
+    """Automatic collection walks generations 0 and 1 only; a full walk runs when called for. Undone
+    by the matching ``restore_collections`` (counted: several servers may share a test process)."""
+    thresholds = gc.get_threshold()
+    if not _young_only_holders:
+        gc.set_threshold(thresholds[0], thresholds[1], _NEVER)
+    _young_only_holders.append(thresholds)
+
+
+def restore_collections() -> None:
+    """The last holder gone, automatic collection walks every generation again, as before the first."""
+    if _young_only_holders:
+        thresholds = _young_only_holders.pop()
+        if not _young_only_holders:
+            gc.set_threshold(*thresholds)
 
 
 class FullCollections:

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from gym_patches.utils.collector import CollectorHold, FullCollections
+from gym_patches.utils.collector import CollectorHold, FullCollections, restore_collections, young_collections_only
 
 GROWING_HEAP = textwrap.dedent("""
     import gc, json, sys
@@ -77,3 +77,16 @@ async def test_full_collections_run_on_their_timer_skip_while_held_and_stop():
 def test_the_interval_must_be_positive(bad):
     with pytest.raises(ValueError, match="interval_s"):
         FullCollections(interval_s=bad)
+
+
+def test_young_only_is_counted_and_the_last_holder_restores_the_thresholds():
+    before = gc.get_threshold()
+    young_collections_only()  # two servers in one process (as in tests)
+    young_collections_only()
+    try:
+        assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] > 10**9
+        restore_collections()
+        assert gc.get_threshold()[2] > 10**9  # one holder left
+    finally:
+        restore_collections()
+    assert gc.get_threshold() == before

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import time
 from typing import Any, AsyncIterator
 
@@ -58,6 +59,7 @@ def _config(port: int = 0) -> Any:
 @pytest.fixture
 async def busy() -> AsyncIterator[tuple[BusyServer, str, TurnCounter]]:
     turns = TurnCounter()
+    thresholds = gc.get_threshold()
     cfg = _config()
     server = BusyServer(cfg.instances["busy"], cfg, turns=turns)
     runner = web.AppRunner(server.build_app(), shutdown_timeout=1.0)
@@ -71,6 +73,7 @@ async def busy() -> AsyncIterator[tuple[BusyServer, str, TurnCounter]]:
     finally:
         turns.stop()
         await runner.cleanup()
+    assert gc.get_threshold() == thresholds  # the server's young-only collection ended with it
 
 
 async def test_a_burst_of_requests_starts_a_bounded_number_of_handlers_per_turn(busy):

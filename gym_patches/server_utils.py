@@ -224,6 +224,7 @@ class GymServer:
         # the data-plane steps one turn of this server's event loop runs (requests, calls, replies)
         self.pacer = TurnPacer()
         self.full_collections = FullCollections()  # the only full gc walks (``utils.collector``)
+        self._young_only = False  # this server holds the process's young-only collection
         self.client = ServerClient(global_config, pacer=self.pacer)
         self.participant: CheckpointParticipant | None = None
 
@@ -282,12 +283,15 @@ class GymServer:
             await self.on_startup()
             freeze_startup_objects()  # imports and config stay out of every later full collection
             young_collections_only()
+            self._young_only = True
             self.full_collections.start()
 
         async def _cleanup(_: web.Application) -> None:
             try:
                 await self.full_collections.stop()
-                restore_collections()
+                if self._young_only:  # a startup that failed before it took no hold to give back
+                    self._young_only = False
+                    restore_collections()
                 await self.on_cleanup()
             finally:
                 await self.client.close()

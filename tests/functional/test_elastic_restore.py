@@ -176,8 +176,8 @@ def test_prefix_two_shards_of_two_replicas_to_one_each_continues_moved_cuts(llam
     from tests.functional.test_prefix_recovery import PROMPTS, _args, _previous_key, _saved_cuts
 
     dirs = RunDirs(tmp_path)
-    # A step's model calls are in flight for about 0.5 s (the rows cap them at 96 tokens), so at the 0.3 s
-    # interval the shared arguments once had one or two snapshots a step could hold a cut, and under load a two-step run, then a
+    # A step's model calls are in flight for about 0.5 s (the rows cap them at 96 tokens), so at a 0.3 s
+    # interval only one or two snapshots a step could hold a cut, and under load a two-step run, then a
     # three-step one (seen in CI), ended before a newest snapshot held one on replica-1. Six steps and a
     # 0.1 s interval give the condition many chances; the kill comes at the first, so a passing run is no
     # longer, and only the relaunch runs the extra steps.

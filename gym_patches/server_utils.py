@@ -277,6 +277,7 @@ class GymServer:
                 instance=self.name,
                 auth_token=settings.control_auth_token or "",
                 lease_grace_seconds=settings.lease_grace_seconds,
+                pacer=self.pacer,
             ).install(app)
 
         async def _startup(_: web.Application) -> None:

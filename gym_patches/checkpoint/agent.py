@@ -26,6 +26,7 @@ from gym_patches.checkpoint.wire import ENDED_WINDOW_S, PrepareReport, RestartOn
 from gym_patches.responses_api_agents.admission import StartGate
 from gym_patches.responses_api_agents.loop import RunRequestError, SimpleAgentLoopState, parse_run_body
 from gym_patches.server_utils import cancel_and_wait, json_error
+from gym_patches.utils.pacing import TurnPacer, claim_pacing
 from gym_patches.wire_models import Boundary
 
 T = TypeVar("T")
@@ -209,6 +210,9 @@ class AgentSessionParticipant(CheckpointParticipant):
         # The agent's bound on runs starting at once (one per server, shared with its loop).
         gate = getattr(agent, "start_gate", None)
         self.start_gate: StartGate = gate if isinstance(gate, StartGate) else StartGate()
+        # The server's pacer (``GymServer.pacer``): while closed, a running session's steps go first.
+        pacer = getattr(agent, "pacer", None)
+        self.pacer: TurnPacer | None = pacer if isinstance(pacer, TurnPacer) else None
         self._sessions: dict[str, _Session] = {}
         self._restored: dict[str, RestoredSession] = {}
         self._reopened = asyncio.Event()
@@ -268,6 +272,9 @@ class AgentSessionParticipant(CheckpointParticipant):
         self._uncaptured.discard(s)
 
     async def _drive(self, s: _Session, runner: Runner[T]) -> T:
+        # This task's paced steps (its tool calls, their replies, its verify) hold up a prepare
+        # while it runs between boundaries with admission closed: they go before the burst's seeds.
+        claim_pacing(lambda: not self.accepting and s.phase == "running")
         await self._until_reopened(s)  # a /run that arrives while closed waits
         restored = self._restored.pop(s.episode.capture_key, None)
         act = Activation(self, s)
@@ -336,6 +343,8 @@ class AgentSessionParticipant(CheckpointParticipant):
             self._reopened = asyncio.Event()
         for s in list(self._uncaptured):  # every other session at rest was serialised as it came to rest
             self._precapture(s)
+        if self.pacer is not None:
+            self.pacer.promote()  # the running sessions' steps already in line go first from now
         self.notify_changed()
 
     async def open_admission(self) -> None:

@@ -136,7 +136,7 @@ class ResourcesParticipant(CheckpointParticipant):
 
     def _precapture(self, session: LiveSession) -> None:
         """Export an idle session ahead of the capture (which then reuses it): while closed, and,
-        once a checkpoint has been prepared, after every call (``capture_eagerly``), so little of
+        once a checkpoint has been prepared, after every seed and call (``capture_eagerly``), so little of
         that work is left for the time every rollout is held. Failures are left for the capture."""
         if self.mode == "exported" and session.inflight == 0 and not session.ended:
             try:
@@ -202,6 +202,8 @@ class ResourcesParticipant(CheckpointParticipant):
             raise CheckpointError(f"{self.instance}: session {session_id!r} is already live")
         session = LiveSession(session_id, episode, state)
         self._list(session)
+        if self.capture_eagerly:  # as after a call: a close during a burst of seeds finds them exported
+            self._precapture(session)
         self.notify_changed()
         return session
 

@@ -28,6 +28,7 @@ from gym_patches.responses_api_agents.loop import (
     SimpleAgentLoopState,
     run_episode,
 )
+from gym_patches.utils.pacing import TurnPacer
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -689,3 +690,75 @@ def test_ended_runs_are_forgotten_after_the_window_oldest_first():
     assert ended.keys() == ["a"]
     now[0] = 100.0
     assert ended.keys() == []
+
+
+# -- paced turns: a running session's steps go first while closed ----------------
+
+
+class PacedServer:
+    """Stand-in for the agent's ``GymServer``: only its name and its ``TurnPacer``."""
+
+    def __init__(self, per_turn: int):
+        self.name = "paced-agent"
+        self.pacer = TurnPacer(per_turn=per_turn)
+
+
+class PacedLoopIO(FakeLoopIO):
+    """``FakeLoopIO`` whose tool calls take their share of a turn twice, as ``ServerClient`` does
+    (before the send, after the reply). ``log`` records each grant."""
+
+    def __init__(self, script: dict[str, list[dict[str, Any]]], pacer: TurnPacer, log: list[str]):
+        super().__init__(script)
+        self.pacer, self.log, self.sending = pacer, log, False
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], cookies: dict[str, str]) -> str:
+        self.sending = True
+        await self.pacer.turn()
+        self.log.append("send")
+        out = await super().call_tool(name, arguments, cookies)
+        await self.pacer.turn()
+        self.log.append("reply")
+        return out
+
+
+async def burst_and_one_running_session(close: bool) -> tuple[list[str], int, AgentSessionParticipant]:
+    """5,000 paced steps of a burst in line, then a session whose tool call queues behind them;
+    ``close`` closes admission once its send waits. Returns the grant log, where the close fell in
+    it, and the participant (the session has parked or finished when this returns)."""
+    server = PacedServer(per_turn=8)
+    p = AgentSessionParticipant(server)
+    log: list[str] = []
+    io = PacedLoopIO({"rb": [call_reply("lookup", rid="b1"), final_reply()]}, server.pacer, log)
+
+    async def burst_step() -> None:
+        await server.pacer.turn()
+        log.append("burst")
+
+    burst = [asyncio.create_task(burst_step()) for _ in range(5000)]
+    run = start(p, io, "rb")
+    for _ in range(50):  # one turn each
+        if io.sending:
+            break
+        await asyncio.sleep(0)
+    assert io.sending and server.pacer.waiting > 4000
+    closed_at = len(log)
+    if close:
+        await p.close_admission("best_effort")
+        await until(lambda: phase(p, "rb") == "parked")
+    await asyncio.gather(*burst)
+    if close:
+        await p.open_admission()
+    assert (await run).reward == 1.0
+    return log, closed_at, p
+
+
+async def test_while_closed_a_running_sessions_steps_go_before_the_burst():
+    log, closed_at, p = await burst_and_one_running_session(close=True)
+    after_close = log[closed_at:]
+    # Its queued send is promoted at the close; its reply, queued while closed, goes first too.
+    assert after_close.index("reply") < 3 * p.pacer.per_turn, after_close[:40]
+
+
+async def test_while_open_a_running_sessions_steps_wait_their_turn():
+    log, closed_at, _ = await burst_and_one_running_session(close=False)
+    assert log.index("send") > 4000  # behind the burst that was in line first

@@ -33,6 +33,7 @@ from gym_patches.checkpoint.wire import (
     MAX_EPISODES_PER_REQUEST,
     PrepareReport,
 )
+from gym_patches.utils.pacing import TurnPacer
 
 TOKEN = "tok-3f9c1e7a"
 
@@ -1081,3 +1082,35 @@ async def test_closing_a_scope_outlasts_its_own_cancellation_until_the_thread_ha
     assert ended.is_set() and job.task.cancelled() and scope.pending() == []
     with pytest.raises(CheckpointError, match="w for 'c1' was aborted by the server stopping"):
         await job.result()
+
+
+# -- the server's pacer ---------------------------------------------------------
+async def test_the_pacer_is_held_from_close_to_reopen_by_resume_lease_expiry_or_a_failed_close():
+    """A checkpoint in progress holds the server's ``TurnPacer`` back (docs/design.md §4.5, "Paced
+    turns"); every way out of it gives the hold back, and a resume of nothing takes none."""
+    pacer = TurnPacer()
+    h = await start(FakeParticipant(), lease_grace_seconds=0.3, pacer=pacer)
+    try:
+        await h.ok("resume", checkpoint_id="c0")
+        assert not pacer.held
+        await h.ok("prepare", checkpoint_id="c1")
+        assert pacer.held
+        await h.ok("prepare", checkpoint_id="c1")  # a retry takes no second hold
+        await h.ok("resume", checkpoint_id="c1")
+        assert not pacer.held
+
+        h.participant.set_live("r1")  # never ready: the lease runs out
+        reply = await h.ok("prepare", checkpoint_id="c2", deadline_ts=time.time() + 0.1)
+        assert reply["phase"] == "preparing" and pacer.held
+        for _ in range(150):
+            if h.participant.accepting:
+                break
+            await asyncio.sleep(0.01)
+        assert h.participant.accepting and not pacer.held
+
+        h.participant.set_live()
+        h.participant.fail_close = True
+        status, _ = await h.call("prepare", {"checkpoint_id": "c3", "deadline_ts": time.time() + 5})
+        assert status == 500 and not pacer.held
+    finally:
+        await h.client.close()

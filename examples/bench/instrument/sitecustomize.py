@@ -27,6 +27,9 @@ It only observes; with neither variable below set it does nothing.
   the wait in ``select()`` before them is not counted): start, busy time, callbacks run, and the
   callbacks that took the most of it, by name (a task by its coroutine), and the cyclic garbage
   collector's time in the turn (``gc_s``; ``gc``: generation, seconds, objects collected). What a checkpoint request arriving then waits for before its handler runs.
+- ``BENCH_CONTROL_LOG``: in every Gym server process, append to ``<dir>/control-<server>.jsonl`` one
+  line per prepare request its control plane served: checkpoint id, handler start and end, the wait
+  for readiness inside it (``wait_start``/``wait_end``) and the phase it answered.
 
 Patches are applied right after the target module is first imported (a
 ``sys.meta_path`` finder), so processes that never import it pay nothing.
@@ -169,6 +172,57 @@ def _tool_hook(path):
     return {"gym_patches.resources_servers.base": hook}
 
 
+# -- checkpoint control requests (Gym servers) -------------------------------------------------
+def _control_hook(path):
+    def hook(module):
+        cls = module.ParticipantControlPlane
+        prepare, wait_ready = cls._prepare, cls._wait_ready
+
+        @functools.wraps(wait_ready)
+        async def _wait_ready(self, *args, **kwargs):
+            start = time.time()
+            try:
+                return await wait_ready(self, *args, **kwargs)
+            finally:
+                self._bench_waited = (start, time.time())
+
+        @functools.wraps(prepare)
+        async def _prepare(self, req):
+            start, phase = time.time(), "error"
+            self._bench_waited = None
+            try:
+                reply = await prepare(self, req)
+                phase = reply.get("phase", "?") if isinstance(reply, dict) else "?"
+                return reply
+            finally:
+                waited = self._bench_waited
+                steps = dict(getattr(type(self), "_bench_steps", {}))
+                getattr(type(self), "_bench_steps", {}).clear()
+                _append(path, {"server": self.instance, "cid": req.checkpoint_id, "start": start, "end": time.time(),
+                               "wait_start": waited and waited[0], "wait_end": waited and waited[1], "phase": phase,
+                               "steps_s": steps})
+
+        def timed_step(name, fn):
+            @functools.wraps(fn)
+            async def step(*args, **kwargs):
+                start = time.time()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    _steps[name] = _steps.get(name, 0.0) + time.time() - start
+            return step
+
+        _steps = {}  # one prepare at a time per server: its steps' seconds
+        cls._close_admission = timed_step("close", cls._close_admission)
+        module.take_capture = timed_step("capture", module.take_capture)
+        module.NewestCapture.replace = timed_step("replace", module.NewestCapture.replace)
+
+        cls._prepare, cls._wait_ready = _prepare, _wait_ready
+        cls._bench_steps = _steps
+
+    return {"gym_patches.checkpoint.control.plane": hook}
+
+
 # -- event-loop turns (Gym servers) ------------------------------------------------------------
 def _callback_name(handle):
     callback = getattr(handle, "_callback", None)
@@ -298,6 +352,10 @@ def _install():
         os.makedirs(loop_lag, exist_ok=True)
         threshold_s = float(os.environ.get("BENCH_LOOP_LAG_MS", "100")) / 1e3
         hooks.update(_loop_lag_hook(os.path.join(loop_lag, f"loop-{server}.jsonl"), threshold_s))
+    control_log = os.environ.get("BENCH_CONTROL_LOG")
+    if control_log and server:
+        os.makedirs(control_log, exist_ok=True)
+        hooks.update(_control_hook(os.path.join(control_log, f"control-{server}.jsonl")))
     timing = os.environ.get("BENCH_TIMING_FILE")
     if timing:
         hooks.update(_timing_hooks(timing))

@@ -56,6 +56,7 @@ from gym_patches.checkpoint.wire import (
     dump,
 )
 from gym_patches.utils.collector import CollectorHold
+from gym_patches.utils.pacing import TurnPacer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ParticipantControlPlane:
         lease_grace_seconds: float = 600.0,
         clock: Callable[[], float] = time.time,
         max_body_bytes: int = MAX_CONTROL_BODY_BYTES,
+        pacer: TurnPacer | None = None,
     ):
         if not isinstance(participant, CheckpointParticipant):
             raise TypeError(f"participant must be a CheckpointParticipant, got {type(participant).__name__}")
@@ -100,6 +102,9 @@ class ParticipantControlPlane:
         self._prepare_args: tuple[str, bool, bool, frozenset[str] | None] | None = None
         self._reported_unsaved: frozenset[str] = frozenset()  # in the prepared reply: a commit refuses them
         self._collector = CollectorHold()  # held while prepared: no full collection inside the pause
+        # The server's pacer: held from close to reopen, so the work a checkpoint does not wait for
+        # takes short turns while it is in progress (docs/design.md §4.5, "Paced turns").
+        self._pacer = pacer
 
     # -- public state ------------------------------------------------------
     @property
@@ -220,12 +225,16 @@ class ParticipantControlPlane:
         self._prepare_args = args
         self._scope = TaskScope(f"checkpoint {cid!r}", self.instance)
         self._closed = True
+        if self._pacer is not None:
+            self._pacer.hold()
         try:
             await self.participant.close_admission(policy)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.participant.open_admission()
             self._closed = False
+            if self._pacer is not None:
+                self._pacer.release()
             self._phases.reopen()
             self._prepare_args, self._scope = None, None  # nothing was started in it
             raise
@@ -375,6 +384,8 @@ class ParticipantControlPlane:
         if self._closed:
             await self.participant.open_admission()
             self._closed = False
+            if self._pacer is not None:
+                self._pacer.release()
         self._collector.release()
         self._phases.reopen()
         self._lease.clear()

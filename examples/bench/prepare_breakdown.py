@@ -1,7 +1,7 @@
 """Where a snapshot's prepare spent its time, server by server (docs/benchmarks.md §1h).
 
 Reads a run directory of the recovery benchmark (``--keep-workdir``: its ``snapshot-timing.jsonl`` and
-``logs/snapshots.jsonl``) and the ``BENCH_CONTROL_LOG`` directory of the same run, and prints, for
+``logs/snapshots.jsonl``, or a kept copy with both files side by side) and the ``BENCH_CONTROL_LOG`` directory of the same run, and prints, for
 burst and steady attempts apart, the median and longest of: the controller's prepare call, the time
 until the first server's handler ran, each server's handler (its close, its wait for readiness, its
 capture) and the gap before it, and the tail after the last. The servers are named by kind from the
@@ -26,8 +26,10 @@ def _lines(path: Path) -> list[dict]:
 
 def breakdown(run_dir: Path, control_dir: Path) -> dict[str, list[dict[str, float]]]:
     prepares = [e for e in _lines(run_dir / "snapshot-timing.jsonl") if e["event"] == "gym:prepare"]
-    burst = {s.get("checkpoint_id") for s in _lines(run_dir / "logs" / "snapshots.jsonl")
-             if (s.get("not_admitted") or 0) > 0}
+    snapshots = run_dir / "logs" / "snapshots.jsonl"
+    if not snapshots.exists():  # a kept copy (docs/benchmarks/) has it beside the timing file
+        snapshots = run_dir / "snapshots.jsonl"
+    burst = {s.get("checkpoint_id") for s in _lines(snapshots) if (s.get("not_admitted") or 0) > 0}
     by_checkpoint: dict[str, list[dict]] = {}
     for path in sorted(control_dir.glob("control-*.jsonl")):
         for record in _lines(path):

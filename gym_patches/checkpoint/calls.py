@@ -161,8 +161,8 @@ class RestoreCall(RestoreRequest, _ScopedCall):
 
 
 class ResumeCall(ResumeRequest, _Call):
-    """Reopen every server, callers last. ``call_timeout_s`` bounds each server's call, so a hung
-    server fails its own resume quickly instead of keeping the later stages closed."""
+    """Reopen every server, all at once. ``call_timeout_s`` bounds each server's call, so a hung
+    server fails its own resume quickly and the caller learns of it."""
 
     route: ClassVar[str] = "resume"
     reply: ClassVar[type[BaseModel]] = ResumeReply

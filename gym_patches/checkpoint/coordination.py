@@ -4,7 +4,7 @@
 every participant; each request says which body each server gets. ``PrepareCall`` walks
 ``PREPARE_ORDER`` so callees close before their callers park, and stops at the first stage
 that is not ready (its blockers are the answer). Commit, persist and restore fan out at once;
-``ResumeCall`` reopens callers last-first and keeps going past failures, so one dead server
+``ResumeCall`` reopens every server at once and keeps going past failures, so one dead server
 cannot leave the others closed.
 """
 
@@ -326,22 +326,26 @@ async def _restore(participants: Participants, request: RestoreCall) -> dict[str
 
 
 async def _resume(participants: Participants, request: ResumeCall) -> dict[str, ResumeReply]:
-    """Callers last; every server is tried (each within ``call_timeout_s``), failures raised together."""
+    """Every server at once (each within ``call_timeout_s``), failures raised together.
+
+    No order is needed: every server holds what reaches it while closed (a model call, a tool call,
+    a reply that reaches a prepared agent), and what a checkpoint saved was fixed before resume.
+    At once, the pause ends one round trip after the slowest server answers instead of three
+    stages' worth of round trips to busy event loops (docs/design.md §4.6)."""
+    members = participants.members
+    outcomes = await asyncio.gather(
+        *(_post(participants, p, request, timeout_s=request.call_timeout_s) for p in members),
+        return_exceptions=True,
+    )
     replies: dict[str, ResumeReply] = {}
     failures: dict[str, BaseException] = {}
-    for kind in reversed(PREPARE_ORDER):
-        stage = participants.by_kind(kind)
-        outcomes = await asyncio.gather(
-            *(_post(participants, p, request, timeout_s=request.call_timeout_s) for p in stage),
-            return_exceptions=True,
-        )
-        for p, outcome in zip(stage, outcomes):
-            if isinstance(outcome, asyncio.CancelledError):
-                raise outcome
-            if isinstance(outcome, BaseException):
-                failures[p.name] = outcome
-            else:
-                replies[p.name] = outcome
+    for p, outcome in zip(members, outcomes):
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+        if isinstance(outcome, BaseException):
+            failures[p.name] = outcome
+        else:
+            replies[p.name] = outcome
     if failures:
         raise CoordinationFailures("resume", failures)
     return replies

@@ -37,6 +37,8 @@ class FakeParticipant(CheckpointParticipant):
         self.installed: list[dict] = []
         self.closes = 0
         self.fail_install = False
+        self.reopen_after: asyncio.Event | None = None  # open_admission waits for it (a slow resume)
+        self.reopened = asyncio.Event()
 
     async def close_admission(self, policy):
         self.log.append(f"prepare:{self.name}")
@@ -44,8 +46,11 @@ class FakeParticipant(CheckpointParticipant):
         self.accepting = False
 
     async def open_admission(self):
+        if self.reopen_after is not None:
+            await self.reopen_after.wait()
         self.log.append(f"resume:{self.name}")
         self.accepting = True
+        self.reopened.set()
 
     def readiness(self):
         if self.accepting:
@@ -209,8 +214,23 @@ async def test_prepare_commit_resume_cycle(dep, tmp_path):
     dep.log.clear()
     resumed = await co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline()))
     assert all(not r.idempotent for r in resumed.values())
-    assert dep.log.index("resume:tools") < dep.log.index("resume:b_agent") < dep.log.index("resume:policy")
+    assert sorted(dep.log) == sorted(f"resume:{name}" for name in dep.fakes)
     assert all(f.accepting for f in dep.fakes.values())
+
+
+async def test_resume_reaches_every_server_at_once(dep):
+    """The resources server's resume ends only once the model has reopened, and the agents' only once
+    the resources server has: in stages (resources, agents, model) this never ends."""
+    parts = await co.discover(dep.client(), TOKEN)
+    assert (await co.call(parts, calls.PrepareCall(checkpoint_id="c1", deadline_ts=deadline()))).prepared
+    fakes = dep.fakes
+    fakes["tools"].reopen_after = fakes["policy"].reopened
+    fakes["a_agent"].reopen_after = fakes["b_agent"].reopen_after = fakes["tools"].reopened
+    dep.log.clear()
+    await asyncio.wait_for(co.call(parts, calls.ResumeCall(checkpoint_id="c1", deadline_ts=deadline(),
+                                                           call_timeout_s=5.0)), 8.0)
+    assert dep.log[:2] == ["resume:policy", "resume:tools"] and len(dep.log) == 4
+    assert all(f.accepting for f in fakes.values()) and all(p.phase == "idle" for p in dep.planes.values())
 
 
 async def test_prepare_stops_at_first_unprepared_stage(dep):

@@ -441,7 +441,8 @@ class GymCheckpointCoordinator:
         if not targets:
             return {}
         request = ResumeCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, call_timeout_s=RESUME_CALL_TIMEOUT_S)
-        # Three stages of short calls: a replica that has not answered by then has failed its resume.
+        # Short calls, to every server of a replica at once: a replica that has not answered well
+        # after one call's timeout (its round trip through a busy Gym actor included) has failed it.
         _, failures = await self._gather_replicas(
             "resume", {iid: self._send(iid, request) for iid in targets},
             min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S),

@@ -97,7 +97,6 @@ def sample(out: Path, interval_s: float, rescan_s: float = 1.0) -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     names: dict[int, str] = {}
-    seen: set[int] = set()  # pids looked at once: one that was not ours is not read again
     fresh: dict[int, str] = {}
     last_scan = 0.0
     me = os.getpid()
@@ -107,9 +106,9 @@ def sample(out: Path, interval_s: float, rescan_s: float = 1.0) -> None:
             if now - last_scan >= rescan_s:
                 last_scan = now
                 pids = {int(p) for p in os.listdir("/proc") if p.isdigit()} - {me}
+                # Named again until named for good: a Ray worker takes its title after it starts.
                 found = {pid: names[pid] if names.get(pid) not in (None, "ray::IDLE") else process_name(pid)
-                         for pid in pids if pid in names or pid not in seen}
-                seen |= pids
+                         for pid in pids}
                 fresh = {pid: name for pid, name in found.items() if name and names.get(pid) != name}
                 names = {pid: name for pid, name in found.items() if name}
             stats = {}

@@ -1,20 +1,24 @@
-"""Micro-benchmark: the controller's own work inside a snapshot's pause, at N rollouts in flight.
+"""Micro-benchmark: the controller's own work in a staged snapshot, at N rollouts in flight: what the
+pause does, and what runs after resume on the copies it took.
 
     python examples/bench/controller_pause.py 512 2048 8192 16384          # table, median of --repeats
     python examples/bench/controller_pause.py 8192 --changed 0.02 --repeats 9
 
 One process, no Gym, no I/O: a real ``RolloutRecoveryLedger`` with N turn-level rollouts dispatched
 (N / 16 prompt groups x 16 generations, on one Gym instance, the shape of measurement 1b), and the
-very functions a staged snapshot runs in the pause (``rollout_snapshot/stagers.py``): the plan
-(``plan_snapshot``: the commit scope), the ownership check (``check_ownership``), the counts (``count_snapshot``) and
-the ledger's JSON (``state_json_parts``: each group's bytes by reference, joined after resume). The Gym side's prepare is ``prepare_micro.py``'s; the data plane's
-capture copies references (its lines are encoded as each sample seals) and is not timed here.
+very functions a staged snapshot runs (``rollout_snapshot/stagers.py``, ``planner.py``). Gym's answer
+is stood in for by the list of captured keys a prepare reply carries.
 
-- **first**: the first pause over a ledger (its pause views computed for every group);
-- **steady**: the pause after ``--changed`` of the rollouts moved since the previous one (each sealed,
-  and a new group reserved and dispatched in its place): the state between two snapshots. The ledger
-  keeps what the pause reads up to date per changed group (docs/design.md §5.4), so this should not
-  grow with N.
+- **in the pause**: the plan (``plan_snapshot``: the commit scope), Gym's answer (the agents' captured
+  keys within the scope, and the drain's split of what they lack: ``drain_plan``), the copy of what the
+  ledger expects Gym to hold (``gym_checkpoint_keys``) and the ledger's JSON (``state_json_parts``:
+  each group's bytes by reference, joined after resume);
+- **after resume** (docs/design.md §5.4), on those copies: the ownership check (``check_ownership``),
+  the counts (``count_snapshot``) and the per-server scopes persist writes (``server_scopes``).
+
+``first`` is the first pause over a ledger (its pause views computed for every group); ``steady`` the
+pause after ``--changed`` of the rollouts moved since the previous one (each sealed, and a new group
+reserved and dispatched in its place): the state between two snapshots.
 
 Times are CPU ms (``time.thread_time``, GC frozen), median of ``--repeats``; the load average is printed
 with the table (run it on a quiet machine).
@@ -36,12 +40,17 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import 
     FirstCounts,
     check_ownership,
     count_snapshot,
+    gym_checkpoint_keys,
     plan_snapshot,
+    server_scopes,
 )
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import drain_plan  # noqa: E402
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger  # noqa: E402
 
 IID = "nemo_gym/replica-0"
 GENERATIONS = 16
+AGENT_SERVERS = {IID: {"workplace_simple_agent": ["workplace_simple_agent", "policy_model", "workplace_assistant"]}}
+PARTS = ("plan", "gym_answer", "held_copy", "ledger_json", "pause", "ownership_counts", "server_scopes", "after")
 
 
 class Flight:
@@ -76,21 +85,29 @@ class Flight:
             self._new_group()
 
     def pause(self) -> dict[str, float]:
-        """The pause's controller work, each part timed; every in-scope rollout counts as captured."""
-        ledger, t = self.ledger, {}
-        c0 = time.thread_time()
+        """One staged snapshot's controller work, each part timed; every in-scope rollout counts as captured."""
+        ledger, clock = self.ledger, time.thread_time
+        captured = list(ledger.turn_level_held().get(IID, ()))  # a prepare reply's ``captured`` (a list)
+        c0 = clock()
         plan = plan_snapshot(ledger, [IID], {IID: ()})
-        c1 = time.thread_time()
-        exported = {IID: set(plan.scope[IID])}
-        owned = check_ownership(ledger, plan, exported, {IID: set()})
-        c2 = time.thread_time()
-        counts = count_snapshot(ledger, plan, exported, {IID: set()}, owned, self.first)
-        c3 = time.thread_time()
+        c1 = clock()
+        exported = {IID: set().union(captured) & plan.scope[IID].keys()}
+        drain_plan(plan.scope, exported, {IID: set()})
+        c2 = clock()
+        held = gym_checkpoint_keys(ledger, plan.topology)
+        refused = len(ledger.refused_waiting())
+        c3 = clock()
         data = ledger.state_json_parts()  # joined after resume (``ControllerStateCapture.write``)
-        c4 = time.thread_time()
+        c4 = clock()
+        owned = check_ownership(None, plan, exported, held=held)
+        counts = count_snapshot(None, plan, exported, owned=owned, first=self.first, refused_waiting=refused)
+        c5 = clock()
+        server_scopes(plan, AGENT_SERVERS)
+        c6 = clock()
         assert counts.saved == len(plan.scope[IID]) and data
-        counts.keys.settle()  # after the pause, as the snapshot does once it commits
-        t.update(plan=c1 - c0, ownership=c2 - c1, counts=c3 - c2, ledger_json=c4 - c3, total=c4 - c0)
+        counts.keys.settle()  # once the snapshot commits
+        t = dict(plan=c1 - c0, gym_answer=c2 - c1, held_copy=c3 - c2, ledger_json=c4 - c3, pause=c4 - c0,
+                 ownership_counts=c5 - c4, server_scopes=c6 - c5, after=c6 - c4)
         return {k: v * 1e3 for k, v in t.items()}
 
 
@@ -120,15 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--changed", type=float, default=0.02, help="share of rollouts moved between two pauses")
     args = ap.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"| N | pause | plan ms | ownership ms | counts ms | ledger JSON ms | total ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| N | ledger | in the pause: plan | Gym's answer | held copy | ledger JSON | **pause total** | "
+          "after resume: ownership + counts | server scopes | after total |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in args.sizes:
         res = measure(n, args.repeats, args.changed)
         for kind in ("first", "steady"):
             r = res[kind]
             label = kind if kind == "first" else f"steady ({args.changed:.0%} moved)"
-            print(f"| {n:,} | {label} | {r['plan']:.2f} | {r['ownership']:.2f} | {r['counts']:.2f} | "
-                  f"{r['ledger_json']:.2f} | {r['total']:.2f} |")
+            print(f"| {n:,} | {label} | " + " | ".join(
+                f"**{r[k]:.2f}**" if k == "pause" else f"{r[k]:.2f}" for k in PARTS) + " |")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -233,8 +233,9 @@ class PrepareResult:
 
     def captured_keys(self, kind: ParticipantKind) -> set[str]:
         """What the servers of ``kind`` captured (a ``capture`` prepare); agents' = turn-level saves."""
-        return {k for name, reply in self.replies.items() if self.kinds.get(name) == kind
-                for k in reply.captured or ()}
+        # set.union over the replies' lists: C-level, as this runs while every rollout is held
+        return set().union(*(reply.captured or () for name, reply in self.replies.items()
+                              if self.kinds.get(name) == kind))
 
     def captured_bytes(self) -> dict[str, int]:
         """Server -> size of the in-memory copy it holds until ``persist``."""

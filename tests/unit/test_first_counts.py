@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
     FirstCounts,
+    GymOwnershipError,
     check_ownership,
     count_snapshot,
+    gym_checkpoint_keys,
     plan_snapshot,
 )
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
@@ -100,3 +104,28 @@ def test_rollouts_restored_at_their_turn_were_counted_by_the_start_that_saved_th
     run.dispatch_group()
     row = run.snapshot()
     assert (row["saved"], row["new_saved"]) == (4, 2)  # only the new group's rollouts are new
+
+
+def test_checks_after_resume_use_what_the_pause_held_not_the_ledger_as_it_moved_on():
+    """The snapshotter checks ownership and counts after resume, on copies its pause took
+    (``held=``, ``refused_waiting=``): a rollout Gym failed to save that finished right after resume
+    is still caught, which a check on the moved-on ledger would miss, and the counts are the pause's."""
+    run = Run()
+    keys = run.dispatch_group(n=3)
+    plan = plan_snapshot(run.ledger, [IID], {})
+    lost = keys[0]
+    exported = {IID: set(plan.scope[IID]) - {lost}}  # Gym did not export it and did not call it unsaved: a bug
+    held = gym_checkpoint_keys(run.ledger, plan.topology)  # the pause's copy
+    refused = len(run.ledger.refused_waiting())
+    run.ledger.mark_sealed(lost, 1.0)  # after resume the rollout finishes
+    check_ownership(run.ledger, plan, exported)  # the ledger as it stands no longer expects it: missed
+    with pytest.raises(GymOwnershipError, match=lost):
+        check_ownership(None, plan, exported, held=held)
+    exported[IID].add(lost)
+    owned = check_ownership(None, plan, exported, held=held)
+    counts = count_snapshot(None, plan, exported, owned=owned, refused_waiting=refused)
+    assert (counts.saved, counts.unsaved, counts.not_admitted) == (3, 0, 0)
+    with pytest.raises(TypeError, match="held="):
+        check_ownership(None, plan, exported)
+    with pytest.raises(TypeError, match="refused_waiting="):
+        count_snapshot(None, plan, exported, owned=owned)

@@ -10,9 +10,10 @@ very same code:
 - ``plan_snapshot``: after prepare, what each instance is asked to commit (its
   turn-level rollouts minus those Gym reported unsaved), and ``server_scopes``
   splits that per Gym server;
-- ``check_ownership``: after commit and drain, inside the pause, every
-  rollout the ledger still expects Gym to hold was either exported or reported
-  unsaved (else ``GymOwnershipError``);
+- ``check_ownership``: after commit and drain, every rollout the ledger
+  expected Gym to hold when the pause captured its state was either exported
+  or reported unsaved (else ``GymOwnershipError``); a snapshotter runs it after
+  resume on the copy its pause took (``held=``), before anything is published;
 - ``count_snapshot``: what the run record says about the snapshot, and (with
   ``FirstCounts``) which of its rollouts no earlier snapshot had counted.
 """
@@ -222,19 +223,27 @@ def episode_scopes(scopes: Mapping[str, Mapping[str, list[str]]]) -> dict[str, d
 
 
 def check_ownership(
-    ledger: RolloutRecoveryLedger,
+    ledger: RolloutRecoveryLedger | None,
     plan: SnapshotPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
+    *,
+    held: Mapping[str, set[str]] | None = None,
 ) -> dict[str, set[str]]:
     """On every instance: nothing exported outside the scope; owned minus exported is unsaved.
-    Returns what the ledger owns per instance (``count_snapshot`` takes it: one pass in the pause).
+    Returns what the ledger owns per instance (``count_snapshot`` takes it).
 
-    ``not_started``: in-scope rollouts Gym holds but has not started (a ``/run`` that reached a
-    saving agent after it closed, or one the drain did not see finish): they restart from the
-    prompt after a crash, like unsaved ones, having lost nothing."""
+    ``held``: instead of reading the ledger as it stands now, what it held per instance when the
+    snapshot's state was captured (``gym_checkpoint_keys`` then, over ``plan.topology``): a snapshotter
+    checks after resume, on the copy its pause took. ``not_started``: in-scope rollouts Gym holds but has not
+    started (a ``/run`` that reached a saving agent after it closed, or one the drain did not see
+    finish): they restart from the prompt after a crash, like unsaved ones, having lost nothing."""
     problems = []
-    owned_by = gym_checkpoint_keys(ledger, plan.topology)
+    if held is None:
+        if ledger is None:
+            raise TypeError("check_ownership needs the ledger or what it held (held=)")
+        held = gym_checkpoint_keys(ledger, plan.topology)
+    owned_by = dict(held)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
         outside = done - plan.scope[iid].keys()
@@ -252,22 +261,29 @@ def check_ownership(
 
 
 def count_snapshot(
-    ledger: RolloutRecoveryLedger,
+    ledger: RolloutRecoveryLedger | None,
     plan: SnapshotPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
     owned: Mapping[str, set[str]] | None = None,
     first: FirstCounts | None = None,
+    *,
+    refused_waiting: int | None = None,
 ) -> SnapshotCounts:
-    """Counts in the pause (call it inside the pause, where ``check_ownership`` passed and returned ``owned``).
+    """A snapshot's counts, where ``check_ownership`` passed and returned ``owned``: on the ledger as it
+    stands, or after resume on what the pause fixed (``ledger`` None; ``owned`` and ``refused_waiting``,
+    the refused rollouts waiting at the capture, given).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted.
     ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this snapshot counts first."""
+    if ledger is None and (owned is None or refused_waiting is None):
+        raise TypeError("count_snapshot without the ledger needs owned= and refused_waiting=")
     inventory = owned if owned is not None else gym_checkpoint_keys(ledger, plan.topology)
+    refused = refused_waiting if refused_waiting is not None else len(ledger.refused_waiting())
     saved: list[str] = []
     unsaved: list[str] = []
     waiting = 0
-    for iid in plan.instance_ids:  # set operations: this runs in the pause, over every rollout held
+    for iid in plan.instance_ids:  # set operations over every rollout held
         done = set(exported.get(iid, ()))
         idle = set((not_started or {}).get(iid, ()))
         held = inventory[iid]
@@ -276,4 +292,4 @@ def count_snapshot(
         waiting += len(rest & idle)
         unsaved.extend((rest - idle) & plan.unsaved[iid])
     keys = SnapshotKeys(first, saved, unsaved, inventory) if first is not None else None
-    return SnapshotCounts(len(saved), len(unsaved), waiting + len(ledger.refused_waiting()), keys)
+    return SnapshotCounts(len(saved), len(unsaved), waiting + refused, keys)

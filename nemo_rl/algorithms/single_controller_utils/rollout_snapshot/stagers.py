@@ -9,10 +9,15 @@ snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
   cut of the prefix-level rollouts' calls only, docs/design.md §5.10) (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
 - ``stage(prepared, outcome)``: inside the pause: plan, Gym's share, drain,
-  then with no await the ownership check and the controller's state serialised
-  in memory with the anchor it belongs to; returns a ``StagedSnapshot``;
-- ``write(staged, outcome)``: after resume, Gym's files that are not written yet;
-  returns the ``GymCheckpointIndex`` the snapshot publishes (None: no Gym).
+  then with no await a copy of what the ledger expects Gym to hold and the
+  controller's state serialised in memory with the anchor it belongs to;
+  returns a ``StagedSnapshot``. Nothing here loops over the rollouts in Python:
+  the pause holds every rollout, so its work is copies and C-level set
+  operations (docs/design.md §5.4);
+- ``write(staged, outcome)``: after resume, the ownership check and the counts
+  on what the pause fixed (``PauseFacts``), then Gym's files that are not
+  written yet; returns the ``GymCheckpointIndex`` the snapshot publishes (None:
+  no Gym).
 
 ``StagedStager`` (default): each Gym server copies its sessions as it is
 prepared; they are written after resume (persist). ``BlockingStager``: Gym
@@ -47,6 +52,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import 
     check_ownership,
     count_snapshot,
     episode_scopes,
+    gym_checkpoint_keys,
     plan_snapshot,
     server_scopes,
 )
@@ -74,11 +80,25 @@ class StagedSnapshot:
     # anchor the capture belongs to (it may differ from tmp's: ``_GymStager.stage``)
     snapshot: SnapshotDir
     capture: ControllerStateCapture
-    gym: Any = None  # the stager's own part: BlockingStager: GymCheckpointIndex; StagedStager: PendingPersist
+    gym: Any = None  # a Gym stager's ``PauseFacts`` (None: ledger only)
 
     @property
     def tmp(self) -> Path:
         return self.snapshot.tmp
+
+
+@dataclass(frozen=True)
+class PauseFacts:
+    """What a Gym snapshot's pause fixed, for the checks and counts that run after resume: they are pure
+    functions of these, and the ledger moves on once rollouts are released."""
+
+    prepared: PreparedGym
+    plan: SnapshotPlan
+    share: "_GymShare"
+    not_started: dict[str, set[str]]  # instance -> in-scope rollouts Gym holds unstarted (or the drain gave up on)
+    held: dict[str, set[str]]  # instance (the whole topology) -> the ledger's turn-level keys there, at the capture
+    refused_waiting: int  # rollouts Gym refused that wait to be sent again, at the capture
+    scopes: dict[str, dict[str, list[str]]] | None  # ``server_scopes``, when the pause needed them (blocking)
 
 
 @dataclass(frozen=True)
@@ -175,6 +195,7 @@ class _GymStager(Stager):
     """The turn-level snapshot both Gym modes share; subclasses say what Gym does with the scope."""
 
     captures: ClassVar[bool]  # whether prepare asks each server to copy its sessions (staged)
+    writes_in_pause: ClassVar[bool]  # whether Gym writes its records inside the pause (blocking: commit)
 
     def __init__(self, inputs: SnapshotInputs, hooks: RunHooks, coordinator: GymCheckpointCoordinator,
                  gate: DispatchGate, changes: LedgerChanges, store: RunStore):
@@ -206,10 +227,6 @@ class _GymStager(Stager):
     async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare: ...
 
-    @abstractmethod
-    def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
-                  outcome: SnapshotOutcome, capture: ControllerStateCapture) -> Any: ...
-
     def _unsavable_agents(self, restart_only: dict[str, list[str]]) -> dict[str, set[str]]:
         """Per instance, the agents whose rollouts touch one of its restart-only servers."""
         return {iid: {agent for agent, servers in agents.items() if set(servers) & set(restart_only.get(iid, ()))}
@@ -219,7 +236,8 @@ class _GymStager(Stager):
         """The pause's work. The temporary directory is made under the anchor of now; when a trainer step is
         published during the awaits before the capture, the capture sees its groups trained and
         belongs to it: it is published under the new anchor (re-anchored, exact), its directory
-        renamed there at the publish (docs/design.md §5.9)."""
+        renamed there at the publish (docs/design.md §5.9). The checks and counts over every rollout
+        held wait for ``write``, after resume (``PauseFacts``)."""
         inputs, step = self.inputs, outcome.step
         self.hooks.reached("prepare", step)
         if self.inputs.generation_cuts:
@@ -236,7 +254,7 @@ class _GymStager(Stager):
         }
         snapshot = self.store.begin(inputs.anchor_dir())
         try:
-            scopes = server_scopes(plan, inputs.agent_servers)
+            scopes = server_scopes(plan, inputs.agent_servers) if self.writes_in_pause else None
             share = await self._save_in_pause(prepared, plan, scopes, snapshot.tmp, outcome)
             self.hooks.reached("commit", step)
             ended = {iid: prepared.results[iid].ended_keys() for iid in plan.scope}
@@ -244,20 +262,38 @@ class _GymStager(Stager):
                 not_started[iid] |= keys
             outcome.mark("drain")
             # No awaits from here until the state is captured in memory (with its anchor).
-            owned = check_ownership(inputs.ledger, plan, share.exported, not_started)
-            if plan.left_out:
-                outcome.left_out = dict(prepared.left_out)
-                outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
-            counts = count_snapshot(inputs.ledger, plan, share.exported, not_started, owned, self.first_counts)
+            held = gym_checkpoint_keys(inputs.ledger, plan.topology)  # copies, C-level
+            refused = len(inputs.ledger.refused_waiting())
             capture = self._capture(outcome)
             snapshot = self.store.reanchor(snapshot, inputs.anchor_dir())  # a step published during the awaits
         except BaseException:
             self.store.abort(snapshot)
             raise
-        outcome.count(counts)
+        facts = PauseFacts(prepared, plan, share, not_started, held, refused, scopes)
+        return StagedSnapshot(outcome.checkpoint_id, step, snapshot, capture, facts)
+
+    def _account(self, facts: PauseFacts, outcome: SnapshotOutcome) -> None:
+        """After resume, on what the pause fixed: the ownership check (a bug if it fails: the snapshot
+        is not published) and the snapshot's counts."""
+        plan, exported = facts.plan, facts.share.exported
+        owned = check_ownership(None, plan, exported, facts.not_started, held=facts.held)
+        if plan.left_out:
+            outcome.left_out = dict(facts.prepared.left_out)
+            outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
+        outcome.count(count_snapshot(None, plan, exported, facts.not_started, owned, self.first_counts,
+                                     refused_waiting=facts.refused_waiting))
+
+    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        facts: PauseFacts = staged.gym
+        self._account(facts, outcome)
+        plan = facts.plan
+        scopes = facts.scopes if facts.scopes is not None else server_scopes(plan, self.inputs.agent_servers)
         unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
-        gym = self._gym_part(prepared, scopes, share, unsaved, outcome, capture)
-        return StagedSnapshot(outcome.checkpoint_id, step, snapshot, capture, gym)
+        return await self._write_gym(staged, facts, scopes, unsaved, outcome)
+
+    @abstractmethod
+    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict,
+                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex: ...
 
     async def _drain(
         self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]],
@@ -295,16 +331,16 @@ def drain_plan(
     instance: wait for their replies), and per instance those it never answered (not started, no
     wait). An instance whose agents do not report what they answered (``None``) has all of them waited for."""
     wait: dict[str, str] = {}
-    not_started: dict[str, set[str]] = {iid: set() for iid in scope}
+    not_started: dict[str, set[str]] = {}
     for iid, keys in scope.items():
+        missing = keys.keys() - exported[iid]  # C-level: the loop below is over what Gym did not save only
         answered = ended.get(iid)
-        for key in keys:
-            if key in exported[iid]:
-                continue
-            if answered is None or key in answered:
-                wait[key] = iid
-            else:
-                not_started[iid].add(key)
+        if answered is None:
+            waited, not_started[iid] = missing, set()
+        else:
+            waited = missing & answered
+            not_started[iid] = missing - waited
+        wait.update(dict.fromkeys(waited, iid))
     return wait, not_started
 
 
@@ -313,6 +349,7 @@ class BlockingStager(_GymStager):
 
     mode = "blocking"
     captures = False
+    writes_in_pause = True
 
     async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare:
@@ -322,17 +359,16 @@ class BlockingStager(_GymStager):
                          written={iid: commits[iid].exported_by_server for iid in plan.instance_ids},
                          cut_tokens={iid: commits[iid].cut_tokens for iid in plan.instance_ids})
 
-    def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
-                  outcome: SnapshotOutcome, capture: ControllerStateCapture) -> GymCheckpointIndex:
-        outcome.captured_bytes = capture.data_plane.nbytes
+    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict,
+                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        """Gym's records are in the directory already: only their index."""
+        share = facts.share
+        outcome.captured_bytes = staged.capture.data_plane.nbytes
         assert share.written is not None
-        index = GymCheckpointIndex.from_written(prepared.checkpoint_id, share.written, share.exported, unsaved,
+        index = GymCheckpointIndex.from_written(staged.checkpoint_id, share.written, share.exported, unsaved,
                                                 share.cut_tokens)
         count_cuts(index, outcome)
         return index
-
-    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:
-        return staged.gym  # Gym's records are in the directory already
 
 
 class StagedStager(_GymStager):
@@ -340,23 +376,24 @@ class StagedStager(_GymStager):
 
     mode = "staged"
     captures = True
+    writes_in_pause = False
 
     async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare:
-        # the agents' captures are the turn-level saves
+        # the agents' captures are the turn-level saves (C-level set work: this runs in the pause)
         return _GymShare(exported={iid: prepared.results[iid].captured_keys("agent") & plan.scope[iid].keys()
                                    for iid in plan.instance_ids})
 
-    def _gym_part(self, prepared: PreparedGym, scopes: dict, share: _GymShare, unsaved: dict[str, list[str]],
-                  outcome: SnapshotOutcome, capture: ControllerStateCapture) -> PendingPersist:
+    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict,
+                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex:
+        """Every Gym server writes its share from the copy it took at prepare."""
+        prepared = facts.prepared
         outcome.captured_bytes_by_server = {
             f"{iid}/{server}": n for iid in prepared.instance_ids
             for server, n in sorted(prepared.results[iid].captured_bytes().items())}
-        outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + capture.data_plane.nbytes
-        return PendingPersist(scopes, share.exported, unsaved)
-
-    async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:
-        index = await self.persist(staged.checkpoint_id, staged.tmp, staged.gym, outcome)
+        outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + staged.capture.data_plane.nbytes
+        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, facts.share.exported,
+                                                                                    unsaved), outcome)
         outcome.mark("persist")
         count_cuts(index, outcome)
         return index

@@ -224,7 +224,7 @@ class _GymStager(Stager):
         return PrepareAsk(capture=self.captures, cut=True, cut_rollouts=prefix_rollouts(self.inputs.ledger))
 
     @abstractmethod
-    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
+    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict | None, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare: ...
 
     def _unsavable_agents(self, restart_only: dict[str, list[str]]) -> dict[str, set[str]]:
@@ -378,7 +378,7 @@ class StagedStager(_GymStager):
     captures = True
     writes_in_pause = False
 
-    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict, tmp: Path,
+    async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict | None, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare:
         # the agents' captures are the turn-level saves (C-level set work: this runs in the pause)
         return _GymShare(exported={iid: prepared.results[iid].captured_keys("agent") & plan.scope[iid].keys()

@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Iterable
 
 PRESSURE = "/proc/pressure/cpu"
 
@@ -181,8 +180,14 @@ def pauses(run_dir: Path) -> list[dict]:
 
 def report(samples_path: Path, run_dir: Path) -> dict[str, dict[str, dict[str, float]]]:
     """Per kind of attempt (burst / steady), per process name (summed over the processes of that name):
-    median ms on a CPU and waiting for one inside the pause, and the pause itself; also "some" pressure, the share of the pause in which
-    something waited for a CPU."""
+    median ms on a CPU and waiting for one inside the pause, and the pause itself; also "some"
+    pressure, the share of the pause in which something waited for a CPU. A missing input file is a
+    ``FileNotFoundError`` naming it and what it should be."""
+    timing = run_dir / "snapshot-timing.jsonl"
+    for path, what in ((samples_path, "the samples of `cpu_wait.py sample`"),
+                       (timing, "the snapshot timing of a --keep-workdir benchmark run")):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file (expected {what})")
     procs, some = load_samples(samples_path)
     rows: dict[str, dict[str, list[float]]] = {"burst": {}, "steady": {}}
     for p in pauses(run_dir):
@@ -207,7 +212,7 @@ def report(samples_path: Path, run_dir: Path) -> dict[str, dict[str, dict[str, f
             for kind, got in rows.items() if got}
 
 
-def print_report(result: dict[str, dict[str, dict[str, float]]], out: Iterable[str] | None = None) -> None:
+def print_report(result: dict[str, dict[str, dict[str, float]]]) -> None:
     kinds = [k for k in ("steady", "burst") if k in result]
     keys = sorted({k for kind in kinds for k in result[kind]}, key=lambda k: (not k.startswith(("pause", "cpu")), k))
     print("| ms, median (max) over the pauses | " + " | ".join(f"{k} (n={result[k]['pause ms']['n']})" for k in kinds) + " |")
@@ -233,8 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "sample":
         sample(args.out, args.interval)
         return
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print_report(report(args.samples, args.run_dir))
+    try:
+        result = report(args.samples, args.run_dir)
+    except FileNotFoundError as exc:
+        ap.error(str(exc))
+    print_report(result)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,13 @@ def test_report_cuts_each_pause_and_adds_up_processes_of_one_name(tmp_path):
     assert steady["gym:agent: waiting for one ms"]["n"] == 1  # the pause past the samples is not counted
     assert steady["pause ms"]["n"] == 2
     assert burst["cpu pressure (some) %"]["median"] == pytest.approx(50.0)
+
+
+def test_report_names_a_missing_input_file(tmp_path, capsys):
+    samples = tmp_path / "cpu.jsonl"
+    samples.write_text("")
+    with pytest.raises(SystemExit):
+        cpu_wait.main(["report", str(samples), str(tmp_path / "no-run")])
+    assert f"{tmp_path / 'no-run' / 'snapshot-timing.jsonl'}: no such file" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="cpu_wait.py sample"):
+        cpu_wait.report(tmp_path / "missing.jsonl", tmp_path)

@@ -9,12 +9,16 @@ One process, no Gym, no I/O: a real ``RolloutRecoveryLedger`` with N turn-level 
 very functions a staged snapshot runs (``rollout_snapshot/stagers.py``, ``planner.py``). Gym's answer
 is stood in for by the list of captured keys a prepare reply carries.
 
-- **in the pause**: the plan (``plan_snapshot``: the commit scope), Gym's answer (the agents' captured
-  keys within the scope, and the drain's split of what they lack: ``drain_plan``), the copy of what the
-  ledger expects Gym to hold (``gym_checkpoint_keys``) and the ledger's JSON (``state_json_parts``:
-  each group's bytes by reference, joined after resume);
-- **after resume** (docs/design.md §5.4), on those copies: the ownership check (``check_ownership``),
-  the counts (``count_snapshot``) and the per-server scopes persist writes (``server_scopes``).
+- **before the attempt** (gate open, nothing held): the ledger's pause views brought up to date
+  (``refresh_pause_views``: each changed group's JSON and held rollouts);
+- **in the pause**: the plan (``plan_snapshot``: the commit scope), what the drain waits for
+  (``drain_wait``, from the runs the agents answered lately; stood in for by the rollouts that sealed
+  since the last snapshot), the copy of what the ledger expects Gym to hold (``gym_checkpoint_keys``)
+  and the ledger's JSON (``state_json_parts``: each group's bytes by reference, joined after resume);
+- **after resume** (docs/design.md §5.4), on those copies: Gym's answer (the agents' captured keys within
+  the scope, and what restarts from the prompt: ``unstarted_after_drain``), the ownership check
+  (``check_ownership``), the counts (``count_snapshot``) and the per-server scopes persist writes
+  (``server_scopes``).
 
 ``first`` is the first pause over a ledger (its pause views computed for every group); ``steady`` the
 pause after ``--changed`` of the rollouts moved since the previous one (each sealed, and a new group
@@ -44,13 +48,17 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import 
     plan_snapshot,
     server_scopes,
 )
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import drain_plan  # noqa: E402
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import (  # noqa: E402
+    drain_wait,
+    unstarted_after_drain,
+)
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger  # noqa: E402
 
 IID = "nemo_gym/replica-0"
 GENERATIONS = 16
 AGENT_SERVERS = {IID: {"workplace_simple_agent": ["workplace_simple_agent", "policy_model", "workplace_assistant"]}}
-PARTS = ("plan", "gym_answer", "held_copy", "ledger_json", "pause", "ownership_counts", "server_scopes", "after")
+PARTS = ("views", "plan", "drain_wait", "held_copy", "ledger_json", "pause", "gym_answer", "ownership_counts",
+         "server_scopes", "after")
 
 
 class Flight:
@@ -62,6 +70,7 @@ class Flight:
         for _ in range(n // GENERATIONS):
             self._new_group()
         self.first = FirstCounts()
+        self.answered: set[str] = set()  # the rollouts sealed since the last pause: what the agents answered lately
 
     def _new_group(self) -> None:
         i = self.next_group
@@ -78,7 +87,9 @@ class Flight:
         for group_id in list(self.ledger.groups)[:groups]:
             group = self.ledger.groups[group_id]
             for sibling in group.siblings:
-                self.ledger.mark_sealed(group.rollout_id(sibling.generation_index), 1.0)
+                key = group.rollout_id(sibling.generation_index)
+                self.ledger.mark_sealed(key, 1.0)
+                self.answered.add(key)
             self.ledger.mark_group_trained(group_id)
             self.ledger.compact_trained([group_id])
         for _ in range(groups):
@@ -87,27 +98,34 @@ class Flight:
     def pause(self) -> dict[str, float]:
         """One staged snapshot's controller work, each part timed; every in-scope rollout counts as captured."""
         ledger, clock = self.ledger, time.thread_time
+        b0 = clock()
+        ledger.refresh_pause_views()  # before the attempt: nothing held
+        b1 = clock()
         captured = list(ledger.turn_level_held().get(IID, ()))  # a prepare reply's ``captured`` (a list)
         c0 = clock()
         plan = plan_snapshot(ledger, [IID], {IID: ()})
         c1 = clock()
-        exported = {IID: set().union(captured) & plan.scope[IID].keys()}
-        drain_plan(plan.scope, exported, {IID: set()})
+        waited = drain_wait(plan.scope, {IID: self.answered}, lambda iid: set())
         c2 = clock()
         held = gym_checkpoint_keys(ledger, plan.topology)
         refused = len(ledger.refused_waiting())
         c3 = clock()
         data = ledger.state_json_parts()  # joined after resume (``ControllerStateCapture.write``)
         c4 = clock()
-        owned = check_ownership(None, plan, exported, held=held)
-        counts = count_snapshot(None, plan, exported, owned=owned, first=self.first, refused_waiting=refused)
+        exported = {IID: set().union(captured) & plan.scope_keys[IID]}  # as ``exported_keys``
+        not_started = unstarted_after_drain(plan.scope_keys, exported, waited, {}, {})
         c5 = clock()
-        server_scopes(plan, AGENT_SERVERS)
+        owned = check_ownership(None, plan, exported, not_started, held=held)
+        counts = count_snapshot(None, plan, exported, not_started, owned=owned, first=self.first,
+                                refused_waiting=refused)
         c6 = clock()
-        assert counts.saved == len(plan.scope[IID]) and data
+        server_scopes(plan, AGENT_SERVERS)
+        c7 = clock()
+        assert counts.saved == len(plan.scope[IID]) and data and not waited and not not_started[IID]
         counts.keys.settle()  # once the snapshot commits
-        t = dict(plan=c1 - c0, gym_answer=c2 - c1, held_copy=c3 - c2, ledger_json=c4 - c3, pause=c4 - c0,
-                 ownership_counts=c5 - c4, server_scopes=c6 - c5, after=c6 - c4)
+        self.answered = set()
+        t = dict(views=b1 - b0, plan=c1 - c0, drain_wait=c2 - c1, held_copy=c3 - c2, ledger_json=c4 - c3,
+                 pause=c4 - c0, gym_answer=c5 - c4, ownership_counts=c6 - c5, server_scopes=c7 - c6, after=c7 - c4)
         return {k: v * 1e3 for k, v in t.items()}
 
 
@@ -137,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--changed", type=float, default=0.02, help="share of rollouts moved between two pauses")
     args = ap.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("| N | ledger | in the pause: plan | Gym's answer | held copy | ledger JSON | **pause total** | "
-          "after resume: ownership + counts | server scopes | after total |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| N | ledger | before the attempt: views | in the pause: plan | drain wait | held copy | ledger JSON | "
+          "**pause total** | after resume: Gym's answer | ownership + counts | server scopes | after total |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.sizes:
         res = measure(n, args.repeats, args.changed)
         for kind in ("first", "steady"):

@@ -49,9 +49,16 @@ def full_refused(ledger: RolloutRecoveryLedger) -> list[str]:
     )
 
 
-def check(ledger: RolloutRecoveryLedger) -> None:
-    held = {iid: keys for iid, keys in ledger.turn_level_held().items() if keys}
-    assert held == full_held(ledger)
+def held_dicts(ledger: RolloutRecoveryLedger) -> dict[str, dict[str, str | None]]:
+    return {iid: dict(keys) for iid, keys in ledger.turn_level_held().items() if keys}
+
+
+def check(ledger: RolloutRecoveryLedger, taken: list | None = None) -> None:
+    """The views equal a full pass; ``taken`` keeps each read's maps with what they held then."""
+    held = ledger.turn_level_held()
+    assert held_dicts(ledger) == full_held(ledger)
+    if taken is not None:
+        taken.append({iid: (keys, dict(keys)) for iid, keys in held.items()})
     assert sorted(ledger.refused_waiting()) == full_refused(ledger)
     assert ledger.state_json() == full_json(ledger)
 
@@ -126,14 +133,22 @@ def test_the_pause_views_equal_a_full_pass_after_any_transitions(seed):
     counter = [0]
     reads = 0
     refused_seen = [False]
+    taken: list = []
     for _ in range(400):
         ledger = step(ledger, rng, counter)
         refused_seen[0] |= bool(full_refused(ledger))
         if rng.random() < 0.3:  # views read now and then: several changes accumulate between reads
-            check(ledger)
+            check(ledger, taken)
             reads += 1
     check(ledger)
     assert reads > 50 and counter[0] > 10
+    # a snapshot keeps the maps it read as its copy: no later transition changed one of them
+    changed_since = 0
+    for read in taken:
+        for keys, then in read.values():
+            assert dict(keys) == then
+        changed_since += read != taken[-1]
+    assert changed_since > 10
     assert any(full_held(ledger).values()) or ledger.trained_count > 0
     assert refused_seen[0] or seed > 2  # the walk reaches refused attempts (most seeds)
 
@@ -145,10 +160,67 @@ def test_a_view_read_twice_without_changes_is_the_same_and_a_drop_leaves_it():
     ledger.mark_dispatched(r0, INSTANCES[0])
     ledger.mark_dispatched(r1, INSTANCES[1])
     first = ledger.state_json()
-    assert ledger.turn_level_held() == {INSTANCES[0]: {r0: "a"}, INSTANCES[1]: {r1: "a"}}
+    assert held_dicts(ledger) == {INSTANCES[0]: {r0: "a"}, INSTANCES[1]: {r1: "a"}}
     assert ledger.state_json() == first
     ledger.mark_sealed(r0, 1.0)
-    assert {k: v for k, v in ledger.turn_level_held().items() if v} == {INSTANCES[1]: {r1: "a"}}
+    assert held_dicts(ledger) == {INSTANCES[1]: {r1: "a"}}
     ledger.adopt_trained([(0, 1)])  # a newer trainer step trained it: the group leaves the ledger
     assert not any(ledger.turn_level_held().values())
     assert json.loads(ledger.state_json())["groups"] == []
+
+
+def test_a_group_id_that_comes_back_takes_its_new_place_in_the_ledger_json():
+    """The JSON view keeps each group's place (the snapshot orders the parts after resume); a group
+    trained, compacted and reserved again under its id goes last, after groups reserved meanwhile."""
+    ledger = RolloutRecoveryLedger()
+    for i in range(3):
+        ledger.reserve_group(f"s1p{i}", f"p{i}", i, None, "a", "turn", 1, 1, position=i)
+    parts_before = ledger.state_json_parts()
+    assert ledger.state_json() == full_json(ledger)
+    key = next(r.rollout_id for r in ledger.reserved_attempts() if r.rollout_id.startswith("s1p0_"))
+    ledger.mark_dispatched(key, INSTANCES[0])
+    ledger.mark_sealed(key, 1.0)
+    ledger.mark_group_trained("s1p0")
+    ledger.compact_trained(["s1p0"])
+    ledger.reserve_group("s1p3", "p3", 3, None, "a", "turn", 1, 1, position=3)
+    ledger.reserve_group("s1p0", "p9", 9, None, "a", "turn", 1, 1, position=9)
+    ledger.mark_dispatched(next(r.rollout_id for r in ledger.reserved_attempts() if r.rollout_id.startswith("s1p1_")),
+                           INSTANCES[1])  # an older group changes too: it keeps its place
+    assert list(ledger.groups) == ["s1p1", "s1p2", "s1p3", "s1p0"]
+    assert ledger.state_json() == full_json(ledger)
+    assert [g["group_id"] for g in json.loads(ledger.state_json())["groups"]] == list(ledger.groups)
+    # the parts a snapshot took before are left as they were
+    assert [g["group_id"] for g in json.loads(parts_before.encode())["groups"]] == ["s1p0", "s1p1", "s1p2"]
+
+
+def test_a_snapshot_pause_takes_references_to_the_views_which_later_changes_leave_alone():
+    """What a staged pause reads of the ledger (plan, held keys, JSON parts) is the views themselves, not
+    copies of them: nothing in it grows with the rollouts in flight (docs/design.md §5.4). A transition
+    after the pause makes new views; the ones the pause kept do not change."""
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
+        gym_checkpoint_keys,
+        plan_snapshot,
+    )
+
+    ledger = RolloutRecoveryLedger()
+    ledger.reserve_group("s1p0", "p0", 0, None, "a", "turn", 4, 1, position=0)
+    keys = [r.rollout_id for r in ledger.reserved_attempts()]
+    for key in keys:
+        ledger.mark_dispatched(key, INSTANCES[0])
+    ledger.refresh_pause_views()
+    view = ledger.turn_level_held()[INSTANCES[0]]
+    parts = ledger.state_json_parts()
+    plan = plan_snapshot(ledger, [INSTANCES[0]], {INSTANCES[0]: ()})
+    held = gym_checkpoint_keys(ledger, [INSTANCES[0]])
+    assert plan.scope[INSTANCES[0]] is view and held[INSTANCES[0]] is view
+    assert ledger.state_json_parts().groups is parts.groups
+    before = parts.encode()
+
+    ledger.mark_sealed(keys[0], 1.0)  # after resume, the ledger moves on
+    ledger.refresh_pause_views()
+    assert set(ledger.turn_level_held()[INSTANCES[0]]) == set(keys[1:])
+    assert set(view) == set(keys) and set(plan.scope_keys[INSTANCES[0]]) == set(keys)
+    assert parts.encode() == before != ledger.state_json()
+    # a Gym-reported unsaved key leaves the ledger's view as it is: the scope is a new map without it
+    plan = plan_snapshot(ledger, [INSTANCES[0]], {INSTANCES[0]: [keys[1]]})
+    assert set(plan.scope[INSTANCES[0]]) == set(keys[2:]) and keys[1] in ledger.turn_level_held()[INSTANCES[0]]

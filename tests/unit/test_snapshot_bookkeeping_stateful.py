@@ -283,7 +283,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
             keys = {e.capture_key for e in episodes}
             assert not keys & seen, "a rollout on two instances"
             seen |= keys
-            assert keys == owned[iid] and len(keys) == len(episodes)
+            assert keys == set(owned[iid]) and len(keys) == len(episodes)
             # every turn-level rollout the ledger places here is held by Gym here
             assert keys <= self.gym.holds(iid)
         for iid in self.iids:

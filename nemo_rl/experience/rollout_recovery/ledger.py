@@ -11,8 +11,9 @@ and its persistence; the records it moves live in ``schema``, the restart rules 
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
+from immutables import Map
 from pydantic import ValidationError
 
 from gym_patches.checkpoint.identity import EpisodeId
@@ -117,7 +118,7 @@ class RolloutRecoveryLedger:
             group.siblings[g].current_attempt.episode(group_id, g)
         self.groups[group_id] = group
         self._index_group(group)
-        self._views.touch(group_id)
+        self._views.touch(group_id, added=True)
         return group
 
     def reserved_attempts(self) -> list[DispatchRequest]:
@@ -329,10 +330,12 @@ class RolloutRecoveryLedger:
         }
 
     # ----- what Gym holds (the snapshot pause's inventory reads it) ----------
-    def turn_level_held(self) -> dict[str, dict[str, str | None]]:
+    def turn_level_held(self) -> dict[str, Map]:
         """``turn_level_live`` as instance -> capture key -> agent name, kept up to date per changed
         group: a snapshot reads it in the pause at a cost that grows with what changed since the
-        last read, not with the rollouts in flight (docs/design.md §5.4). The caller must not change it."""
+        last read, not with the rollouts in flight (docs/design.md §5.4). Each instance's map is
+        persistent (``immutables.Map``): a snapshot keeps a reference as its copy, which later changes
+        to the ledger leave as it was. Only the dict around them is the ledger's own."""
         return self._views.held(self)
 
     def turn_level_live(self) -> Iterator[tuple[PromptGroupRecoveryRecord, int, RolloutAttemptRecord]]:
@@ -391,6 +394,13 @@ class RolloutRecoveryLedger:
         """``state_json`` not yet joined: each group's bytes by reference, so a snapshot's pause takes
         them at a cost that follows what changed; ``encode`` joins them after rollouts resume."""
         return self._views.state_json(self)
+
+    def refresh_pause_views(self) -> None:
+        """Bring ``turn_level_held``, ``refused_waiting`` and ``state_json_parts`` up to date now. The
+        snapshotter calls it before each attempt, gate open: the pause then recomputes only the groups
+        that changed during the prepare, not those that changed since the last snapshot (docs/design.md
+        §5.4)."""
+        self._views.refresh(self)
 
     def state_json(self) -> bytes:
         """``state_dict`` as JSON bytes, as pydantic-core writes them, with each group's part kept from
@@ -501,20 +511,28 @@ class _PauseViews:
     first read computes every group."""
 
     def __init__(self) -> None:
-        self._json: dict[str, bytes] = {}  # group id -> its part of ``state_json``
-        self._json_dirty: set[str] | None = None  # None: every group
-        self._held: dict[str, dict[str, str | None]] = {}  # instance -> capture key -> agent
+        # group id -> (its place in ``ledger.groups``, its part of ``state_json``); persistent: a snapshot keeps
+        # a reference. The places are in the order groups were first touched, which is their order in the
+        # ledger (a group is touched as it is reserved; groups replaced wholesale start new views).
+        self._json: Map = Map()
+        self._json_next = 0
+        self._json_dirty: dict[str, None] | None = None  # None: every group; else in the order first touched
+        self._json_added: set[str] = set()  # groups put into the ledger since the last update: a new place each
+        self._held: dict[str, Map] = {}  # instance -> capture key -> agent (persistent: readers keep references)
         self._held_of: dict[str, list[tuple[str, str, str | None]]] = {}  # group -> its entries in ``_held``
         self._refused_of: dict[str, list[str]] = {}  # group -> its refused attempts waiting for redispatch
         self._held_dirty: set[str] | None = None
 
-    def touch(self, group_id: str) -> None:
+    def touch(self, group_id: str, added: bool = False) -> None:
         if self._json_dirty is not None:
-            self._json_dirty.add(group_id)
+            if added:  # it goes last in the ledger: last among the changes, with a new place (an id may come back)
+                self._json_dirty.pop(group_id, None)
+                self._json_added.add(group_id)
+            self._json_dirty.setdefault(group_id)
         if self._held_dirty is not None:
             self._held_dirty.add(group_id)
 
-    def held(self, ledger: "RolloutRecoveryLedger") -> dict[str, dict[str, str | None]]:
+    def held(self, ledger: "RolloutRecoveryLedger") -> dict[str, Map]:
         self._update_turn_level(ledger)
         return self._held
 
@@ -524,9 +542,16 @@ class _PauseViews:
 
     def _update_turn_level(self, ledger: "RolloutRecoveryLedger") -> None:
         changed, self._held_dirty = (list(ledger.groups) if self._held_dirty is None else self._held_dirty), set()
+        edits: dict[str, Any] = {}  # instance -> its map's mutation, finished once below
+
+        def edit(iid: str):
+            if iid not in edits:
+                edits[iid] = self._held.get(iid, _NO_KEYS).mutate()
+            return edits[iid]
+
         for group_id in changed:
             for iid, key, _ in self._held_of.pop(group_id, ()):
-                del self._held[iid][key]
+                del edit(iid)[key]
             self._refused_of.pop(group_id, None)
             group = ledger.groups.get(group_id)
             if group is None:
@@ -535,38 +560,63 @@ class _PauseViews:
             if entries:
                 self._held_of[group_id] = entries
                 for iid, key, agent in entries:
-                    self._held.setdefault(iid, {})[key] = agent
+                    edit(iid)[key] = agent
             if refused:
                 self._refused_of[group_id] = refused
+        for iid, mutation in edits.items():
+            self._held[iid] = mutation.finish()
 
-    def state_json(self, ledger: "RolloutRecoveryLedger") -> bytes:
-        changed, self._json_dirty = (list(ledger.groups) if self._json_dirty is None else self._json_dirty), set()
+    def refresh(self, ledger: "RolloutRecoveryLedger") -> None:
+        self._update_turn_level(ledger)
+        self._update_json(ledger)
+
+    def _update_json(self, ledger: "RolloutRecoveryLedger") -> None:
+        changed, self._json_dirty = (list(ledger.groups) if self._json_dirty is None else self._json_dirty), {}
+        added, self._json_added = self._json_added, set()
+        if not changed:
+            return
         serialize = PromptGroupRecoveryRecord.__pydantic_serializer__.to_json
-        for group_id in changed:
-            group = ledger.groups.get(group_id)
-            if group is None:
-                self._json.pop(group_id, None)
-            else:
-                self._json[group_id] = serialize(group)
+        with self._json.mutate() as edit:
+            for group_id in changed:
+                group = ledger.groups.get(group_id)
+                if group is None:
+                    edit.pop(group_id, None)
+                    continue
+                kept = None if group_id in added else edit.get(group_id)
+                if kept is None:
+                    kept, self._json_next = (self._json_next, b""), self._json_next + 1
+                edit[group_id] = (kept[0], serialize(group))
+            self._json = edit.finish()
+
+    def state_json(self, ledger: "RolloutRecoveryLedger") -> "LedgerJsonParts":
+        self._update_json(ledger)
         frame = LedgerState.model_construct(max_attempts_per_sibling=ledger.max_attempts_per_sibling, groups=[],
                                             trained_positions=list(ledger.trained_positions),
                                             trained_count=ledger.trained_count)
         head, tail = frame.__pydantic_serializer__.to_json(frame).split(_EMPTY_GROUPS, 1)
-        return LedgerJsonParts(head, tuple(self._json[g] for g in ledger.groups), tail)
+        return LedgerJsonParts(head, self._json, tail)
 
 
 class LedgerJsonParts(NamedTuple):
-    """``state_json`` in parts: the frame around the groups, and each group's JSON (shared bytes)."""
+    """``state_json`` in parts: the frame around the groups, and every group's JSON with its place in the
+    ledger (a persistent map, by reference: taken in a snapshot's pause at no cost that grows with the
+    ledger; ``encode`` orders and joins them after resume)."""
 
     head: bytes
-    groups: tuple[bytes, ...]
+    groups: Map  # group id -> (place, JSON)
     tail: bytes
 
     def encode(self) -> bytes:
-        return b"".join((self.head, b'"groups":[', b",".join(self.groups), b"]", self.tail))
+        parts = [part for _, part in sorted(self.groups.values(), key=_place)]
+        return b"".join((self.head, b'"groups":[', b",".join(parts), b"]", self.tail))
+
+
+def _place(entry: tuple[int, bytes]) -> int:
+    return entry[0]
 
 
 _EMPTY_GROUPS = b'"groups":[]'
+_NO_KEYS: Map = Map()
 
 
 def _turn_level_entries(group: PromptGroupRecoveryRecord) -> tuple[list[tuple[str, str, str | None]], list[str]]:

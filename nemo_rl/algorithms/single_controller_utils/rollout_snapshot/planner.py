@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Collection, Iterable, Mapping
+
+from immutables import Map
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.experience.rollout_recovery import LedgerError, RolloutRecoveryLedger
@@ -37,11 +40,19 @@ class SnapshotPlan:
     """What one snapshot asks of Gym, per instance (capture keys only: it is built while rollouts are held)."""
 
     instance_ids: tuple[str, ...]
-    scope: dict[str, dict[str, str | None]]  # instance -> capture key -> its agent: what the instance commits
+    # instance -> capture key -> its agent: what the instance commits (the ledger's persistent map, or one
+    # derived from it: a reference the ledger's later changes leave as it was)
+    scope: dict[str, Mapping[str, str | None]]
     unsaved: dict[str, frozenset[str]]  # keys Gym said it cannot save (restart-only servers)
     # instances that left this snapshot (not parked in time): their rollouts are in no scope and
     # restart from the prompt if it is restored
     left_out: tuple[str, ...] = ()
+
+    @cached_property
+    def scope_keys(self) -> dict[str, set[str]]:
+        """Each instance's scope as a set of keys, made once, at first use: a pass over every rollout in
+        the scope, for the set work after resume (the pause keeps the maps, docs/design.md §5.4)."""
+        return {iid: set(agents) for iid, agents in self.scope.items()}
 
     @property
     def topology(self) -> tuple[str, ...]:
@@ -49,6 +60,7 @@ class SnapshotPlan:
         return tuple(sorted(self.instance_ids + self.left_out))
 
 
+_NO_KEYS: Map = Map()
 # A capture key of attempt 1 or later (``gym_patches.checkpoint.identity``: a rollout id never ends so).
 _RESTORED_KEY = re.compile(r"-a[1-9][0-9]*$")
 
@@ -103,18 +115,16 @@ class SnapshotCounts:
     keys: SnapshotKeys | None = None
 
 
-def gym_checkpoint_agents(
-    ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]
-) -> dict[str, dict[str, str | None]]:
+def gym_checkpoint_agents(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, Map]:
     """Per instance, the turn-level rollouts Gym holds: capture key -> ``agent_name``.
 
-    Read from the ledger's ``turn_level_held``, which is kept up to date per changed group (this runs
-    inside the pause, with every rollout held: its cost is a copy of each instance's dict, not a pass
-    over the ledger). An attempt on an instance outside ``instance_ids`` means the topology changed:
-    ``LedgerError``.
+    Read from the ledger's ``turn_level_held``, which is kept up to date per changed group. This runs
+    inside the pause, with every rollout held: it takes a reference to each instance's persistent map,
+    which the ledger's later changes leave as it was (no copy, no pass over the ledger). An attempt on
+    an instance outside ``instance_ids`` means the topology changed: ``LedgerError``.
     """
     held = ledger.turn_level_held()
-    out = {iid: dict(held.get(iid, ())) for iid in instance_ids}
+    out = {iid: held.get(iid, _NO_KEYS) for iid in instance_ids}
     _check_topology(held, out)
     return out
 
@@ -128,12 +138,20 @@ def _check_topology(held: Mapping[str, Mapping[str, str | None]], instance_ids: 
             )
 
 
-def gym_checkpoint_keys(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, set[str]]:
-    """The capture keys of ``gym_checkpoint_agents`` (no ``EpisodeId`` built: this runs in the pause)."""
-    instance_ids = list(instance_ids)
-    held = ledger.turn_level_held()
-    _check_topology(held, instance_ids)
-    return {iid: set(held.get(iid, ())) for iid in instance_ids}
+def gym_checkpoint_keys(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, Map]:
+    """``gym_checkpoint_agents`` where only the keys count (what the pause keeps of the ledger at its
+    capture; ``held_sets`` makes sets of them, after resume)."""
+    return gym_checkpoint_agents(ledger, instance_ids)
+
+
+def held_sets(held: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    """Per instance, the keys of ``gym_checkpoint_keys`` as a set (a pass over every rollout held: after resume)."""
+    return {iid: set(keys) for iid, keys in held.items()}
+
+
+def within(keys: Iterable[str], scope: Mapping[str, object]) -> set[str]:
+    """The ``keys`` that ``scope`` holds: a pass over ``keys``, not over the scope."""
+    return set(filter(scope.__contains__, keys))
 
 
 def gym_checkpoint_inventory(
@@ -163,14 +181,24 @@ def plan_snapshot(
     owned = gym_checkpoint_agents(ledger, iids + out)
     unsavable = unsavable_agents or {}
     unsaved = {}
+    scope = {}
     for iid in iids:
         agents = unsavable.get(iid, ())
         late = {k for k, agent in owned[iid].items() if agent in agents} if agents else set()
         # Only the ledger's: Gym also holds rollouts no snapshot is about (validation runs, §5.6).
-        unsaved[iid] = frozenset(k for k in gym_unsaved.get(iid, ()) if k in owned[iid]) | late
-    scope = {iid: {k: agent for k, agent in owned[iid].items() if k not in unsaved[iid]} if unsaved[iid]
-             else owned[iid] for iid in iids}  # (``owned`` holds copies: the scope may be one)
+        unsaved[iid] = frozenset(within(gym_unsaved.get(iid, ()), owned[iid])) | late
+        scope[iid] = _without(owned[iid], unsaved[iid])
     return SnapshotPlan(iids, scope, unsaved, out)
+
+
+def _without(agents: Map, keys: Collection[str]) -> Map:
+    """``agents`` less ``keys``, at a cost that grows with ``keys`` (the map is persistent)."""
+    if not keys:
+        return agents
+    with agents.mutate() as edit:
+        for key in keys:
+            del edit[key]
+        return edit.finish()
 
 
 def server_scopes(
@@ -243,10 +271,10 @@ def check_ownership(
         if ledger is None:
             raise TypeError("check_ownership needs the ledger or what it held (held=)")
         held = gym_checkpoint_keys(ledger, plan.topology)
-    owned_by = dict(held)
+    owned_by = held_sets(held)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
-        outside = done - plan.scope[iid].keys()
+        outside = done - plan.scope_keys[iid]
         if outside:
             problems.append(f"Gym instance {iid} exported rollouts outside its commit scope: {sorted(outside)[:10]}")
         stray = owned_by[iid] - done - plan.unsaved[iid] - set((not_started or {}).get(iid, ()))
@@ -278,7 +306,7 @@ def count_snapshot(
     ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this snapshot counts first."""
     if ledger is None and (owned is None or refused_waiting is None):
         raise TypeError("count_snapshot without the ledger needs owned= and refused_waiting=")
-    inventory = owned if owned is not None else gym_checkpoint_keys(ledger, plan.topology)
+    inventory = owned if owned is not None else held_sets(gym_checkpoint_keys(ledger, plan.topology))
     refused = refused_waiting if refused_waiting is not None else len(ledger.refused_waiting())
     saved: list[str] = []
     unsaved: list[str] = []

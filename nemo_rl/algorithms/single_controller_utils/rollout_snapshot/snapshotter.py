@@ -66,6 +66,9 @@ class RolloutSnapshotter:
         The pump awaits this, so at most one snapshot is ever being written. ``final``: a stop's last
         snapshot, whose retries the stop's grace bounds: failures in a row do not raise."""
         async with self.busy:
+            # Before the attempt begins (gate open, nothing held): what changed since the last snapshot goes
+            # into the ledger's pause views now, so the pause takes references to them (docs/design.md §5.4).
+            self.inputs.ledger.refresh_pause_views()
             begun_under = self.inputs.anchor_step()  # the capture may belong to a newer one (``stage``)
             outcome = SnapshotOutcome(f"rollout-{uuid.uuid4().hex[:12]}", self.stager.mode, self.inputs.step(),
                                       anchor_step=begun_under)

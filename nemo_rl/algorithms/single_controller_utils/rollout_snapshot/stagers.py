@@ -8,14 +8,16 @@ snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
   stager's own ``PrepareAsk`` (a capture if it stages; at prefix, a generation
   cut of the prefix-level rollouts' calls only, docs/design.md §5.10) (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
-- ``stage(prepared, outcome)``: inside the pause: plan, Gym's share, drain,
-  then with no await a copy of what the ledger expects Gym to hold and the
-  controller's state serialised in memory with the anchor it belongs to;
-  returns a ``StagedSnapshot``. Nothing here loops over the rollouts in Python:
-  the pause holds every rollout, so its work is copies and C-level set
-  operations (docs/design.md §5.4);
-- ``write(staged, outcome)``: after resume, the ownership check and the counts
-  on what the pause fixed (``PauseFacts``), then Gym's files that are not
+- ``stage(prepared, outcome)``: inside the pause: plan, Gym's share (blocking:
+  its commit), the drain of the replies on the wire, then with no await a copy
+  of what the ledger expects Gym to hold and the controller's state serialised
+  in memory with the anchor it belongs to; returns a ``StagedSnapshot``.
+  Nothing here loops over the rollouts in Python: the pause holds every
+  rollout, so its work is copies, and passes over what changed since the
+  prepare or was answered lately (docs/design.md §5.4);
+- ``write(staged, outcome)``: after resume, on what the pause fixed
+  (``PauseFacts``): what Gym saved of each scope and what restarts from the
+  prompt, the ownership check and the counts, then Gym's files that are not
   written yet; returns the ``GymCheckpointIndex`` the snapshot publishes (None:
   no Gym).
 
@@ -33,7 +35,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, AsyncIterator, Callable, ClassVar, Mapping
 
 from gym_patches.utils.collector import CollectorHold
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
@@ -55,6 +57,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import 
     gym_checkpoint_keys,
     plan_snapshot,
     server_scopes,
+    within,
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     ControllerStateCapture,
@@ -95,7 +98,9 @@ class PauseFacts:
     prepared: PreparedGym
     plan: SnapshotPlan
     share: "_GymShare"
-    not_started: dict[str, set[str]]  # instance -> in-scope rollouts Gym holds unstarted (or the drain gave up on)
+    reported_unstarted: dict[str, set[str]]  # instance -> in-scope runs a saving server got after it closed
+    waited: dict[str, str]  # key -> instance: what the drain waited for (``drain_wait``)
+    unfinished: dict[str, str]  # of those, what had neither sealed nor failed when the drain ended
     held: dict[str, set[str]]  # instance (the whole topology) -> the ledger's turn-level keys there, at the capture
     refused_waiting: int  # rollouts Gym refused that wait to be sent again, at the capture
     scopes: dict[str, dict[str, list[str]]] | None  # ``server_scopes``, when the pause needed them (blocking)
@@ -165,7 +170,9 @@ class _GymShare:
     """What Gym saved of the scope inside the pause: the agents' turn-level saves, and (blocking)
     what each server wrote."""
 
-    exported: dict[str, set[str]]  # instance -> capture keys that continue at turn level
+    # instance -> capture keys that continue at turn level: what the commit wrote (blocking); None
+    # (staged): the agents' captures, read after resume (``exported_keys``)
+    exported: dict[str, set[str]] | None
     written: dict[str, dict[str, list[str]]] | None = None  # instance -> server -> keys written (blocking)
     cut_tokens: dict[str, dict[str, int]] | None = None  # instance -> key -> tokens of its generation cut (blocking)
 
@@ -247,7 +254,7 @@ class _GymStager(Stager):
         plan = plan_snapshot(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out,
                         unsavable_agents=self._unsavable_agents(restart_only))
         # A saving server reports as unsaved only runs that reached it after it closed: not started.
-        not_started = {
+        reported_unstarted = {
             iid: {k for server, keys in prepared.results[iid].unsaved.items()
                   if server not in restart_only.get(iid, ()) for k in keys}
             for iid in iids
@@ -258,8 +265,8 @@ class _GymStager(Stager):
             share = await self._save_in_pause(prepared, plan, scopes, snapshot.tmp, outcome)
             self.hooks.reached("commit", step)
             ended = {iid: prepared.results[iid].ended_keys() for iid in plan.scope}
-            for iid, keys in (await self._drain(plan.scope, share.exported, ended, prepared.deadline_ts)).items():
-                not_started[iid] |= keys
+            waited = drain_wait(plan.scope, ended, lambda iid: exported_keys(prepared, plan, share, iid))
+            unfinished = await self._drain(waited, prepared.deadline_ts)
             outcome.mark("drain")
             # No awaits from here until the state is captured in memory (with its anchor).
             held = gym_checkpoint_keys(inputs.ledger, plan.topology)  # copies, C-level
@@ -269,44 +276,43 @@ class _GymStager(Stager):
         except BaseException:
             self.store.abort(snapshot)
             raise
-        facts = PauseFacts(prepared, plan, share, not_started, held, refused, scopes)
+        facts = PauseFacts(prepared, plan, share, reported_unstarted, waited, unfinished, held, refused, scopes)
         return StagedSnapshot(outcome.checkpoint_id, step, snapshot, capture, facts)
 
-    def _account(self, facts: PauseFacts, outcome: SnapshotOutcome) -> None:
+    def _account(self, facts: PauseFacts, exported: dict[str, set[str]], not_started: dict[str, set[str]],
+                 outcome: SnapshotOutcome) -> None:
         """After resume, on what the pause fixed: the ownership check (a bug if it fails: the snapshot
         is not published) and the snapshot's counts."""
-        plan, exported = facts.plan, facts.share.exported
-        owned = check_ownership(None, plan, exported, facts.not_started, held=facts.held)
+        plan = facts.plan
+        owned = check_ownership(None, plan, exported, not_started, held=facts.held)
         if plan.left_out:
             outcome.left_out = dict(facts.prepared.left_out)
             outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
-        outcome.count(count_snapshot(None, plan, exported, facts.not_started, owned, self.first_counts,
+        outcome.count(count_snapshot(None, plan, exported, not_started, owned, self.first_counts,
                                      refused_waiting=facts.refused_waiting))
 
     async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:
         facts: PauseFacts = staged.gym
-        self._account(facts, outcome)
         plan = facts.plan
+        exported = {iid: exported_keys(facts.prepared, plan, facts.share, iid) for iid in plan.instance_ids}
+        not_started = unstarted_after_drain(plan.scope_keys, exported, facts.waited, facts.unfinished,
+                                            facts.reported_unstarted)
+        self._account(facts, exported, not_started, outcome)
         scopes = facts.scopes if facts.scopes is not None else server_scopes(plan, self.inputs.agent_servers)
         unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
-        return await self._write_gym(staged, facts, scopes, unsaved, outcome)
+        return await self._write_gym(staged, facts, scopes, exported, unsaved, outcome)
 
     @abstractmethod
-    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict,
+    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict, exported: dict[str, set[str]],
                          unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex: ...
 
-    async def _drain(
-        self, scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]],
-        ended: dict[str, set[str] | None], deadline_ts: float,
-    ) -> dict[str, set[str]]:
-        """Give in-scope rollouts Gym did not export a moment to finish, when their reply may be on
-        the wire (their agent answered them lately: ``ended``), without holding every rollout for
-        them: whatever has not sealed or failed after ``DRAIN_GRACE_S`` is returned per instance as
-        not started, and so is, at once, every rollout Gym neither holds nor answered (its ``/run``
-        has not reached the agent: nothing it did can be lost). Such a rollout restarts from its
-        prompt after a crash."""
+    async def _drain(self, waited: dict[str, str], deadline_ts: float) -> dict[str, str]:
+        """Give the rollouts ``drain_wait`` chose (their reply may be on the wire) a moment to finish,
+        without holding every rollout for them: returns those that have neither sealed nor failed after
+        ``DRAIN_GRACE_S`` (key -> instance). Such a rollout, unless Gym saved it, restarts from its
+        prompt after a crash (``unstarted_after_drain``)."""
         ledger = self.inputs.ledger
-        pending, out = drain_plan(scope, exported, ended)
+        pending = dict(waited)
 
         def settled() -> bool:
             for key in [k for k in pending if ledger.attempt_status(k) is not RolloutAttemptStatus.DISPATCHED]:
@@ -316,32 +322,55 @@ class _GymStager(Stager):
         try:
             await self.changes.wait_for(settled, timeout_s=max(0.1, min(DRAIN_GRACE_S, deadline_ts - time.time())))
         except TimeoutError:
-            logger.info("snapshot drain: %d rollouts neither exported nor finished within %.1fs; they restart "
-                        "from the prompt if this snapshot is restored: %s", len(pending), DRAIN_GRACE_S,
+            logger.info("snapshot drain: %d rollouts answered lately did not finish within %.1fs; those Gym did "
+                        "not save restart from the prompt if this snapshot is restored: %s", len(pending), DRAIN_GRACE_S,
                         sorted(pending)[:5])
-        for key, iid in pending.items():
-            out[iid].add(key)
-        return out
+        return pending
 
 
-def drain_plan(
-    scope: dict[str, dict[str, str | None]], exported: dict[str, set[str]], ended: dict[str, set[str] | None],
-) -> tuple[dict[str, str], dict[str, set[str]]]:
-    """The drain's two halves: in-scope keys Gym did not export that its agents answered lately (key ->
-    instance: wait for their replies), and per instance those it never answered (not started, no
-    wait). An instance whose agents do not report what they answered (``None``) has all of them waited for."""
+def exported_keys(prepared: PreparedGym, plan: SnapshotPlan, share: _GymShare, iid: str) -> set[str]:
+    """What instance ``iid`` saved of its scope at turn level: what its commit wrote (blocking), or what its
+    agents captured at prepare (staged: taken from their replies after resume, a set over the scope)."""
+    if share.exported is not None:
+        return share.exported[iid]
+    return prepared.results[iid].captured_keys("agent") & plan.scope_keys[iid]
+
+
+def drain_wait(
+    scope: Mapping[str, Mapping[str, str | None]], ended: Mapping[str, set[str] | None],
+    exported_of: Callable[[str], set[str]],
+) -> dict[str, str]:
+    """In the pause: the in-scope rollouts whose reply may be on the wire (key -> instance), worth a short
+    wait or their finished work would restart: those the instance's agents answered lately. That is a
+    pass over what they answered, not over the scope; the few of them the agents also captured are
+    waited for too (their replies are on the wire as well). Every other in-scope rollout Gym did not
+    save has not reached its agent: nothing it did can be lost, and waiting for it would only lengthen
+    the pause. An instance whose agents do not say what they answered (``None``) has every in-scope
+    rollout Gym did not export (``exported_of``) waited for."""
     wait: dict[str, str] = {}
-    not_started: dict[str, set[str]] = {}
     for iid, keys in scope.items():
-        missing = keys.keys() - exported[iid]  # C-level: the loop below is over what Gym did not save only
         answered = ended.get(iid)
-        if answered is None:
-            waited, not_started[iid] = missing, set()
-        else:
-            waited = missing & answered
-            not_started[iid] = missing - waited
+        waited = set(keys) - exported_of(iid) if answered is None else within(answered, keys)
         wait.update(dict.fromkeys(waited, iid))
-    return wait, not_started
+    return wait
+
+
+def unstarted_after_drain(
+    scope_keys: Mapping[str, set[str]], exported: Mapping[str, set[str]], waited: Mapping[str, str],
+    unfinished: Mapping[str, str], reported: Mapping[str, set[str]],
+) -> dict[str, set[str]]:
+    """After resume: per instance, the in-scope rollouts Gym holds unstarted or not at all, which restart
+    from the prompt after a crash having lost nothing: those a saving server reported it got after it
+    closed (``reported``), those Gym did not save that the drain did not wait for, and those it waited
+    for that neither sealed nor failed in time (``unfinished``) and Gym did not save."""
+    waited_in: dict[str, set[str]] = {iid: set() for iid in scope_keys}
+    for key, iid in waited.items():
+        waited_in[iid].add(key)
+    out = {iid: set(reported.get(iid, ())) | (keys - exported[iid] - waited_in[iid]) for iid, keys in scope_keys.items()}
+    for key, iid in unfinished.items():
+        if key not in exported[iid]:
+            out[iid].add(key)
+    return out
 
 
 class BlockingStager(_GymStager):
@@ -359,13 +388,13 @@ class BlockingStager(_GymStager):
                          written={iid: commits[iid].exported_by_server for iid in plan.instance_ids},
                          cut_tokens={iid: commits[iid].cut_tokens for iid in plan.instance_ids})
 
-    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict,
+    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict, exported: dict[str, set[str]],
                          unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex:
         """Gym's records are in the directory already: only their index."""
         share = facts.share
         outcome.captured_bytes = staged.capture.data_plane.nbytes
         assert share.written is not None
-        index = GymCheckpointIndex.from_written(staged.checkpoint_id, share.written, share.exported, unsaved,
+        index = GymCheckpointIndex.from_written(staged.checkpoint_id, share.written, exported, unsaved,
                                                 share.cut_tokens)
         count_cuts(index, outcome)
         return index
@@ -380,11 +409,10 @@ class StagedStager(_GymStager):
 
     async def _save_in_pause(self, prepared: PreparedGym, plan: SnapshotPlan, scopes: dict | None, tmp: Path,
                              outcome: SnapshotOutcome) -> _GymShare:
-        # the agents' captures are the turn-level saves (C-level set work: this runs in the pause)
-        return _GymShare(exported={iid: prepared.results[iid].captured_keys("agent") & plan.scope[iid].keys()
-                                   for iid in plan.instance_ids})
+        # the agents' captures are the turn-level saves: read from their replies after resume (``exported_keys``)
+        return _GymShare(exported=None)
 
-    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict,
+    async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict, exported: dict[str, set[str]],
                          unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex:
         """Every Gym server writes its share from the copy it took at prepare."""
         prepared = facts.prepared
@@ -392,7 +420,7 @@ class StagedStager(_GymStager):
             f"{iid}/{server}": n for iid in prepared.instance_ids
             for server, n in sorted(prepared.results[iid].captured_bytes().items())}
         outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + staged.capture.data_plane.nbytes
-        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, facts.share.exported,
+        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, exported,
                                                                                     unsaved), outcome)
         outcome.mark("persist")
         count_cuts(index, outcome)

@@ -256,7 +256,7 @@ def check_ownership(
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
     *,
-    held: Mapping[str, set[str]] | None = None,
+    held: Mapping[str, Iterable[str]] | None = None,
 ) -> dict[str, set[str]]:
     """On every instance: nothing exported outside the scope; owned minus exported is unsaved.
     Returns what the ledger owns per instance (``count_snapshot`` takes it).

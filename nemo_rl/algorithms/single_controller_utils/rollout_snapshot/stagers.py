@@ -9,12 +9,12 @@ snapshot's directory is the run store's: ``stage`` asks it to ``begin`` one):
   cut of the prefix-level rollouts' calls only, docs/design.md §5.10) (an async
   context: leaving it resumes Gym and reopens the gate, whatever happened);
 - ``stage(prepared, outcome)``: inside the pause: plan, Gym's share (blocking:
-  its commit), the drain of the replies on the wire, then with no await a copy
-  of what the ledger expects Gym to hold and the controller's state serialised
-  in memory with the anchor it belongs to; returns a ``StagedSnapshot``.
-  Nothing here loops over the rollouts in Python: the pause holds every
-  rollout, so its work is copies, and passes over what changed since the
-  prepare or was answered lately (docs/design.md §5.4);
+  its commit), the drain of the replies on the wire, then with no await what
+  the ledger expects Gym to hold and the controller's state in memory, with
+  the anchor it belongs to; returns a ``StagedSnapshot``. Nothing here passes
+  over the rollouts held: the pause keeps references to the ledger's
+  persistent views, and passes only over what changed during the prepare or
+  was answered lately (docs/design.md §5.4);
 - ``write(staged, outcome)``: after resume, on what the pause fixed
   (``PauseFacts``): what Gym saved of each scope and what restarts from the
   prompt, the ownership check and the counts, then Gym's files that are not
@@ -36,6 +36,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, ClassVar, Mapping
+
+from immutables import Map
 
 from gym_patches.utils.collector import CollectorHold
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
@@ -101,7 +103,7 @@ class PauseFacts:
     reported_unstarted: dict[str, set[str]]  # instance -> in-scope runs a saving server got after it closed
     waited: dict[str, str]  # key -> instance: what the drain waited for (``drain_wait``)
     unfinished: dict[str, str]  # of those, what had neither sealed nor failed when the drain ended
-    held: dict[str, set[str]]  # instance (the whole topology) -> the ledger's turn-level keys there, at the capture
+    held: dict[str, Map]  # instance (the whole topology) -> the ledger's turn-level keys there, at the capture
     refused_waiting: int  # rollouts Gym refused that wait to be sent again, at the capture
     scopes: dict[str, dict[str, list[str]]] | None  # ``server_scopes``, when the pause needed them (blocking)
 
@@ -269,7 +271,7 @@ class _GymStager(Stager):
             unfinished = await self._drain(waited, prepared.deadline_ts)
             outcome.mark("drain")
             # No awaits from here until the state is captured in memory (with its anchor).
-            held = gym_checkpoint_keys(inputs.ledger, plan.topology)  # copies, C-level
+            held = gym_checkpoint_keys(inputs.ledger, plan.topology)  # references to persistent maps
             refused = len(inputs.ledger.refused_waiting())
             capture = self._capture(outcome)
             snapshot = self.store.reanchor(snapshot, inputs.anchor_dir())  # a step published during the awaits

@@ -6,16 +6,18 @@ model participant (``PolicyModelParticipant.take_cut``, the step a prefix-level 
 
 Part 1, work lost. ``calls`` long calls (``max_tokens`` each, ``ignore_eos``) decode at once; every
 ``interval_s`` a snapshot's cut reads each call's tokens so far (``POST /v1/ng-cuts``) and keeps it as
-the newest snapshot would. At a seeded random moment the run "crashes": a last read gives the tokens
-each call had decoded then. The same calls are then restored: each is sent again with its newest cut
+the newest snapshot would. After a seeded number of snapshots (2-4), at a seeded moment inside the next
+interval, the run "crashes": a last read gives the tokens each call had decoded then. The worker's decode
+is metered (``testkit.decode_gate``: at most ``(max_tokens - 2) / 6`` steps an interval), so the calls are
+still decoding at every snapshot and at the crash whatever the machine's speed. The same calls are then restored: each is sent again with its newest cut
 (``ng_prefix``), and the reply must continue it (``prefix_continuation.token_count`` = the cut's, total =
 ``max_tokens``). Regenerated tokens per restored call, to get back to where the crash stopped it:
 prefix = decoded at the crash - the cut's tokens; turn = decoded at the crash (the whole call restarts).
 Goal: at prefix, at most the tokens one call decodes in one snapshot interval (measured: the rate of
 each call times the longest gap between two cuts); at turn it is the whole call so far.
 
-Part 2, the pause. ``pause_calls`` calls decode at once until each has at least ``pause_tokens`` tokens;
-then, ``repeats`` times, the participant closes admission and takes its cut, timed: what the pause pays
+Part 2, the pause. ``pause_calls`` calls decode at once, held by the gate at ``pause_tokens`` tokens
+and then let go with too few steps left to end; then, ``repeats`` times, the participant closes admission and takes its cut, timed: what the pause pays
 (``take_cut``: note the calls in flight and start their pin, no wait on the backend) and, after
 reopening, what persist pays while rollouts run (the pin lands, the pinned tokens are fetched: the
 worker packing each call's tokens, the reply parsed). Goal: the cut adds at most 5 ms to the pause at
@@ -75,7 +77,8 @@ class _Worker:
         import ray
 
         from nemo_rl.algorithms.grpo_config import GenerationConfig, PolicyConfig
-        from nemo_rl.models.generation.worker import GenerationWorker, model_files
+        from nemo_rl.models.generation.worker import model_files
+        from testkit.decode_gate import GatedGenerationWorker
 
         repo = str(Path(__file__).resolve().parents[2])
         self.owns_ray = not ray.is_initialized()  # a caller's Ray (a test session's) is used, never shut down
@@ -91,12 +94,17 @@ class _Worker:
 
         weights = load_policy(str(directory), "float32", "cpu", max_seq_len).state_dict_cpu()
         self.ray = ray
-        self.handle = GenerationWorker.options(num_cpus=1).remote(cfg.model_dump(), model_files(directory), weights,
+        self.handle = GatedGenerationWorker.options(num_cpus=1).remote(cfg.model_dump(), model_files(directory), weights,
                                                                    1, 0, "bench")
         self.base_url = ray.get(self.handle.start.remote())
 
+    async def call(self, method: str, *args: Any) -> Any:
+        """One of the decode gate's methods (``testkit.decode_gate``), awaited."""
+        return await getattr(self.handle, method).remote(*args)
+
     def close(self) -> None:
         try:
+            self.ray.get(self.handle.open.remote())  # a held decode thread would keep stop() waiting
             self.ray.get(self.handle.stop.remote())
             self.ray.kill(self.handle)
         finally:
@@ -145,44 +153,54 @@ async def _cut(session: aiohttp.ClientSession, base_url: str, call_ids: list[str
     return await cuts.fetch("snap")
 
 
-async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: float, rng: random.Random,
+async def _held(worker: "_Worker", session: aiohttp.ClientSession, ids: list[str]) -> dict[str, int] | None:
+    """Wait until the decode thread waits for credit; the calls' token counts then, or None when not every
+    call is in the held batch (the worker batched them apart: a call still queued is in no pin)."""
+    if not await worker.call("wait_held"):
+        raise RuntimeError("the generation worker never came to a step boundary (no batch decoding)")
+    counts = await _Cuts(session, worker.base_url, owner="probe").pin("p", ids)
+    return counts if len(counts) == len(ids) else None
+
+
+async def _crash_once(worker: "_Worker", calls: int, max_tokens: int, interval_s: float, rng: random.Random,
                       log: Log) -> dict[str, Any]:
+    """One crash. The decode is metered (``testkit.decode_gate``): each interval lets every call decode at most
+    ``step`` tokens, so the calls are still decoding at every snapshot and at the crash on any machine;
+    on a slow machine an interval ends by the clock with fewer tokens decoded (never none)."""
+    snapshots = rng.randint(2, 4)  # committed snapshots before the crash
+    step = (max_tokens - 2) // (4 + 2)  # the most intervals: 4 snapshots and the crash's
+    base_url = worker.base_url
     ids = [f"crash{rng.randrange(1 << 30):x}-{i}.c" for i in range(calls)]
     async with aiohttp.ClientSession() as s:
         crash_read = _Cuts(s, base_url, owner="crash")
+        await worker.call("close_gate")
         started = time.monotonic()
         live = [asyncio.ensure_future(_chat(s, base_url, cid, max_tokens)) for cid in ids]
+        if await _held(worker, s, ids) is None:
+            raise RuntimeError(f"the worker did not batch the {calls} calls together (batch_window_ms too short?)")
+
+        async def interval(budget: int, seconds: float) -> None:
+            """Let the calls decode for ``seconds`` and at most ``budget`` steps (at least one)."""
+            await worker.call("grant", budget)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds or await worker.call("credit") >= budget:
+                await asyncio.sleep(0.01)
+
         pins: list[dict[str, int]] = []  # each snapshot's pinned counts, oldest first (snapshot k: owner snap-k)
-        crash_at = None
-        k = 0
-        while True:
-            k += 1
-            due = started + k * interval_s
-            if crash_at is not None and due >= crash_at:
-                break
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            if crash_at is None and all(t.done() for t in live):
-                raise RuntimeError(f"the {calls} calls of {max_tokens} tokens ended before two snapshots caught them "
-                                   f"all ({len(pins)} snapshots every {interval_s:g} s): use longer calls")
-            counts = await _Cuts(s, base_url, owner=f"snap-{k}").pin("s", ids)
-            if len(counts) < calls and crash_at is not None:  # a call ended: crash now, before the next snapshot
-                crash_at = time.monotonic()
-                break
-            pins.append(counts)
-            if crash_at is None and len(pins) >= 2 and len(pins[-1]) == calls and len(pins[-2]) == calls:
-                # crash somewhere after this snapshot, before the calls end (70 % of their budget), at the
-                # decode rate between the last two snapshots
-                decoded = min(pins[-1].values())
-                rate = max(1e-9, min(pins[-1][c] - pins[-2][c] for c in ids) / interval_s)
-                crash_at = time.monotonic() + rng.uniform(0.0, max(0.0, (0.7 * max_tokens - decoded) / rate))
-        await asyncio.sleep(max(0.0, crash_at - time.monotonic()))
+        for k in range(1, snapshots + 1):
+            await interval(step, interval_s)
+            pins.append(await _Cuts(s, base_url, owner=f"snap-{k}").pin("s", ids))
+            await worker.call("close_gate")  # what the last interval did not decode is not carried over
+        # the crash: somewhere inside the next interval
+        await interval(max(1, rng.randrange(1, step + 1)), rng.uniform(0.0, interval_s))
         at_crash = await crash_read.pin("crash", ids)  # what each call had decoded when the crash hit
         crashed_s = time.monotonic() - started
+        await worker.call("open")  # the crashed run's calls run to their end: their replies are lost with it
         newest = len(pins)  # the newest snapshot: its cuts, as its persist wrote them
         saved = await _Cuts(s, base_url, owner=f"snap-{newest}").fetch("s")
         if set(saved) != set(pins[-1]) or len(saved) != calls:
             raise RuntimeError(f"snapshot {newest} pinned {len(pins[-1])} calls, its fetch gave {len(saved)}")
-        await asyncio.gather(*live)  # the crashed run's calls: their replies are lost with it
+        await asyncio.gather(*live)
         # restore: each call again, continuing from the newest snapshot's cut
         restored = await asyncio.gather(*(_chat(s, base_url, cid.replace("crash", "restored"), max_tokens, saved[cid])
                                           for cid in ids))
@@ -209,22 +227,9 @@ async def _crash_once(base_url: str, calls: int, max_tokens: int, interval_s: fl
 PAUSE_ROUNDS = 3  # calls that end before all reach the cut's size (split into two batches) start a new round
 
 
-async def _all_decoding(session: aiohttp.ClientSession, base_url: str, ids: list[str], live: list[asyncio.Future],
-                        at_least: int, limit_s: float = 300.0) -> bool:
-    """Polls the calls' cut until every one has ``at_least`` tokens (True) or one has ended (False): the
-    worker may batch calls that arrive apart separately, and a call that ends first is in no cut."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        await asyncio.sleep(0.2)
-        if any(t.done() for t in live):
-            return False
-        cuts = await _cut(session, base_url, ids)
-        if len(cuts) == len(ids) and min(c.token_count for c in cuts.values()) >= at_least:
-            return True
-    raise RuntimeError(f"{len(ids)} calls did not reach {at_least} tokens in {limit_s:g} s")
-
-
-async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repeats: int, log: Log) -> dict[str, Any]:
+async def _pause(worker: "_Worker", calls: int, max_tokens: int, at_least: int, repeats: int,
+                 log: Log) -> dict[str, Any]:
+    base_url = worker.base_url
     model = PolicyModelParticipant()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         model.cut_source = _Cuts(s, base_url, owner="pause")
@@ -236,13 +241,19 @@ async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repe
 
         for round_ in range(PAUSE_ROUNDS):
             ids = [f"pause{round_}-{i}.c" for i in range(calls)]
+            await worker.call("close_gate")
+            await worker.call("grant", at_least)  # every call held at the cut's size, on any machine
             live = [asyncio.ensure_future(tracked(cid)) for cid in ids]
-            if await _all_decoding(s, base_url, ids, live, at_least):
+            if await _held(worker, s, ids) is not None:
                 break
-            await asyncio.gather(*live, return_exceptions=True)  # ended (or failed): a new round
-            log(f"N={calls}: a call ended before every call had {at_least} tokens; round {round_ + 2}")
+            await worker.call("open")  # batched apart: let this round end, start another
+            await asyncio.gather(*live, return_exceptions=True)
+            log(f"N={calls}: the worker batched the calls apart; round {round_ + 2}")
         else:
-            raise RuntimeError(f"{calls} calls never all decoded {at_least} tokens at once in {PAUSE_ROUNDS} rounds")
+            raise RuntimeError(f"{calls} calls were never decoded in one batch in {PAUSE_ROUNDS} rounds")
+        # the calls decode while the cuts are taken (the pause pays for the decode thread's GIL), and cannot
+        # end before the last one: at most max_tokens - 2 steps in all
+        await worker.call("grant", max(0, max_tokens - 3 - at_least))
         times, tokens, fetches = [], [], []
         for _ in range(repeats):
             await model.close_admission("block")
@@ -259,6 +270,7 @@ async def _pause(base_url: str, calls: int, max_tokens: int, at_least: int, repe
             if len(late) != calls or failed:
                 raise RuntimeError(f"the cut completed {len(late)} of {calls}: {why}")
             tokens.append(sum(fields["cut_tokens"] for fields in late.values()))
+        await worker.call("open")
         await asyncio.gather(*live)  # every call to its end before the session closes
     log(f"N={calls}: the cut adds {statistics.median(times) * 1e3:.3f} ms to the pause; its {statistics.median(tokens):.0f} "
         f"tokens are pinned and fetched after resume in {statistics.median(fetches) * 1e3:.1f} ms (medians)")
@@ -276,11 +288,11 @@ def measure(*, workdir: Path, log: Log | None = None, calls: int = 8, max_tokens
         crashes_out = []
         for i in range(crashes):
             log(f"crash {i + 1}/{crashes}: {calls} calls of {max_tokens} tokens, a cut every {interval_s:g} s")
-            crashes_out.append(asyncio.run(_crash_once(worker.base_url, calls, max_tokens, interval_s, rng, log)))
+            crashes_out.append(asyncio.run(_crash_once(worker, calls, max_tokens, interval_s, rng, log)))
         pauses = []
         for n in pause_calls:
             log(f"pause: {n} calls decoding, each cut at >= {pause_tokens} tokens, {repeats} times")
-            pauses.append(asyncio.run(_pause(worker.base_url, n, pause_max_tokens, pause_tokens, repeats, log)))
+            pauses.append(asyncio.run(_pause(worker, n, pause_max_tokens, pause_tokens, repeats, log)))
     finally:
         worker.close()
     prefix = [x for c in crashes_out for x in c["lost_prefix"]]

@@ -1,8 +1,16 @@
-"""Suite-wide: tests marked ``gpu`` skip themselves without CUDA."""
+"""Suite-wide: tests marked ``gpu`` skip themselves without CUDA; every test keeps to its time budget
+(``tests/time_budget.py``)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
+
+from tests.time_budget import budget_s, over_budget
+
+_durations: dict[str, float] = defaultdict(float)  # node id -> setup + call + teardown seconds (passed tests)
+_failed: set[str] = set()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,3 +26,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Runs where the reports arrive: in the one process, or in xdist's controller for every worker."""
+    _durations[report.nodeid] += report.duration
+    if report.failed:
+        _failed.add(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # an xdist worker: its controller has every report
+        return
+    passed = {k: v for k, v in _durations.items() if k not in _failed}
+    lines = over_budget(passed, budget_s())
+    if not lines:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    text = ("\nerror: tests over the time budget (make them shorter, or list them with a reason in "
+            "tests/time_budget.py):\n" + "\n".join("  " + line for line in lines) + "\n")
+    if reporter is not None:
+        reporter.write(text, red=True)
+    else:
+        print(text)
+    if session.exitstatus == 0:
+        session.exitstatus = 1

@@ -1,0 +1,43 @@
+"""The suite's time budget: one place that says how long a test may take, and which tests may take longer.
+
+A test whose setup, call and teardown together take more than ``BUDGET_S`` fails the run (the
+``pytest_sessionfinish`` hook in ``tests/conftest.py`` sets the exit status and names it), unless it is
+listed in ``OVER_BUDGET`` with its own budget and the reason it needs it. The list is meant to stay
+short: a slow test is first made shorter (fewer steps, a gate instead of a timer, a shared start).
+``NEMO_RL_TEST_BUDGET_S`` overrides ``BUDGET_S`` (the guard's own test sets it low); ``0`` turns the guard
+off, e.g. for a run under a profiler.
+"""
+
+from __future__ import annotations
+
+import os
+
+BUDGET_S = 90.0
+
+# node id -> (its budget in seconds, why it needs more than BUDGET_S)
+OVER_BUDGET: dict[str, tuple[float, str]] = {
+}
+
+
+def budget_s() -> float:
+    """The default budget in force (``NEMO_RL_TEST_BUDGET_S`` or ``BUDGET_S``; 0 = no guard)."""
+    raw = os.environ.get("NEMO_RL_TEST_BUDGET_S")
+    if raw is None:
+        return BUDGET_S
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"NEMO_RL_TEST_BUDGET_S={raw!r}: not a number of seconds") from None
+
+
+def over_budget(durations: dict[str, float], default_s: float) -> list[str]:
+    """One line per test over its budget (its listed budget, else ``default_s``), slowest first."""
+    if default_s <= 0:
+        return []
+    lines = []
+    for nodeid, took in sorted(durations.items(), key=lambda kv: -kv[1]):
+        limit, reason = OVER_BUDGET.get(nodeid, (default_s, None))
+        if took > limit:
+            where = f"its listed budget of {limit:g} s ({reason})" if reason else f"the budget of {limit:g} s"
+            lines.append(f"{nodeid} took {took:.1f} s, over {where}")
+    return lines

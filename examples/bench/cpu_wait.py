@@ -6,7 +6,7 @@
 A Gym server's event loop serves a control request once the loop gets to it *and* once its process
 is on a CPU. On this 2-core machine a burst keeps more processes runnable than there are cores, so
 part of a burst pause may be time the servers spent runnable but not running (docs/benchmarks.md
-§1i). The kernel counts that per thread (``/proc/<pid>/schedstat``: time on a CPU, time waiting in
+§1c). The kernel counts that per thread (``/proc/<pid>/schedstat``: time on a CPU, time waiting in
 the run queue); ``sample`` reads it for the main thread (the event loop's) of every Python process
 every ``--interval`` seconds, and the system-wide CPU pressure (``/proc/pressure/cpu``, "some": time
 in which at least one task waited for a CPU). ``report`` cuts both at each snapshot attempt's

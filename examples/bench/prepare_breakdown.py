@@ -1,4 +1,4 @@
-"""Where a snapshot's prepare spent its time, server by server (docs/benchmarks.md §1h).
+"""Where a snapshot's prepare spent its time, server by server (docs/benchmarks.md §1c).
 
 Reads a run directory of the recovery benchmark (``--keep-workdir``: its ``snapshot-timing.jsonl`` and
 ``logs/snapshots.jsonl``, or a kept copy with both files side by side) and the ``BENCH_CONTROL_LOG`` directory of the same run, and prints, for

@@ -54,7 +54,7 @@ COMMIT_MODES = [("staged", ["rollout_checkpointing.commit_mode=staged"]),
 # has ``repeats`` steady attempts; ``steps`` leaves room for more steps (each step at 8192 begins with
 # burst attempts). Tool runs get the idle runs' 3 s per reply, not 1.5 s: at 8192 a replica admits the
 # step's /run calls for about 45 s, and at 1.5 s enough rollouts had ended by then that no later attempt
-# held 95 % of N, so the tool runs had no steady attempt at all (benchmarks §1e).
+# held 95 % of N, so the tool runs had no steady attempt at all (measured while choosing it).
 N8192: dict[str, dict[str, Any]] = {
     "snapshot_cost": {"sizes": [2048, 8192], "repeats": 4, "generations": 16, "per_replica": 8192, "steps": 6,
                       "tool_delay_s": 3.0, "timeout_s": {2048: 120.0, 8192: 220.0}, "variants": COMMIT_MODES},

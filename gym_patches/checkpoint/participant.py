@@ -52,7 +52,7 @@ class CheckpointParticipant(ABC):
 
     @abstractmethod
     def readiness(self) -> PrepareReport:
-        """Blockers (capture keys that prevent a safe cut) and unsaved keys."""
+        """Blockers (capture keys that prevent a consistent snapshot) and unsaved keys."""
 
     def is_ready(self) -> bool:
         """``readiness().ready``, cheaply: the control plane polls it on every change while

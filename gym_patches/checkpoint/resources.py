@@ -122,7 +122,7 @@ class ResourcesParticipant(CheckpointParticipant):
     # -- admission ---------------------------------------------------------
     @property
     def holds_session_calls(self) -> bool:
-        """Only modes that save state must keep tool calls out of the cut."""
+        """Only modes that save state must keep tool calls out of a snapshot."""
         return self.mode != "restart_only"
 
     async def close_admission(self, policy: RestartOnlyPolicy) -> None:

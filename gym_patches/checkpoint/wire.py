@@ -109,7 +109,7 @@ class RestoreRequest(CheckpointRequest):
 
 
 class PrepareReport(BaseModel):
-    """Readiness of one participant: what blocks a safe cut, what cannot be saved."""
+    """Readiness of one participant: what blocks a consistent snapshot, what cannot be saved."""
 
     ready: bool
     blockers: list[str] = Field(default_factory=list)  # capture keys, capped

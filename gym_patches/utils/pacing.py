@@ -32,7 +32,8 @@ from typing import Callable
 # A paced step (a body parse, a request's encoding and send, a reply's decoding) takes 1-3 ms on this
 # project's CPUs, a seed's handler up to about 10: 8 keep a busy turn within tens of milliseconds. At
 # 8,192 rollouts on one replica, 6 and 16 gave the same burst pauses within noise, and so did 4 once a
-# prepare's work went first (docs/benchmarks.md §1g, §1h).
+# prepare's work went first (measured while choosing it: git history of docs/benchmarks.md; §1c
+# there has the current burst figures).
 DEFAULT_PER_TURN = 8
 # Unclaimed steps per turn while a checkpoint is in progress: never none (work a prepare does not
 # wait for may still be work a prepare elsewhere waits for), never many.

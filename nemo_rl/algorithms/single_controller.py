@@ -11,9 +11,13 @@ to the newest durable trainer step (its anchor), and the groups trained after
 that anchor stay complete in the ledger, with their samples, until the next
 checkpoint is published, so a restore (§5.5) trains them again. Every task
 (rollouts, the dispatcher, the pump) belongs to one ``asyncio.TaskGroup`` owned
-by ``run``: an error in any of them stops the run and is raised from ``run``;
-nothing polls. Training, refit and file writes run off the event loop, so lease
-renewals and rollouts keep going meanwhile.
+by ``run``: an error in any of them stops the run and is raised from ``run``.
+Waits are on events (a rollout ending, a ledger transition, a step completing),
+except three on a clock: the pump's schedule (``snapshot_attempt_interval_s``), the
+stall watchdog (every ``async_rl.stall_watchdog.interval_s``) and, while Gym
+prepares, the coordinator's prepare round, which ticks every 100 ms
+(docs/design.md §5.8). Training, refit and file writes run off
+the event loop, so lease renewals and rollouts keep going meanwhile.
 """
 
 from __future__ import annotations
@@ -621,14 +625,14 @@ class SingleController:
             raise named from exc
         checkpoint_s = time.monotonic() - t0
         # Published: in one step without awaits, these groups become trained and the anchor moves, so
-        # a snapshot cut sees them either complete under the old anchor or trained under the new one.
+        # a snapshot sees them either complete under the old anchor or trained under the new one.
         for g in taken:
             self.ledger.mark_group_trained(g)
             self.data_plane.discard(s.rollout_id for s in self.data_plane.group_samples(g))
         for s in [s for s in self._trained_pending if s <= step]:
             del self._trained_pending[s]
         self.anchor_step = step
-        if not self._rollouts:  # nothing in flight: the checkpoint itself is a full cut
+        if not self._rollouts:  # nothing in flight: the checkpoint itself saves all there is
             self.coverage.committed(time.monotonic(), step)
         # Step durable, no snapshot under it yet: here, not after the prune below, which waits for an
         # attempt in flight, and that attempt may publish under this step (re-anchored, §5.9).

@@ -3,7 +3,8 @@
 Why a process: a replica's ``NemoGym`` actor sends a step's thousands of ``/run`` calls from its
 event-loop thread, which then holds the GIL most of the time. A checkpoint call answered on another
 thread of that process waited for the GIL at every step of its three round trips: burst prepares
-took 0.3-1.2 s while the Gym servers answered in under 0.1 s (docs/benchmarks.md §1e). Here the
+took 0.3-1.2 s while the Gym servers answered in under 0.1 s (measured while it was built;
+the current burst figures are docs/benchmarks.md §1c). Here the
 calls run in a Ray actor that does nothing else.
 
 Lifetime: the replica's ``NemoGym`` actor creates it (``NemoGym.start_control``) on its own node

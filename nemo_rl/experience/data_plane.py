@@ -24,7 +24,7 @@ class DataPlaneError(ValueError):
 
 
 class DataPlaneCapture:
-    """The store's lines at one moment (a snapshot's cut): taken in O(samples) without encoding or
+    """The store's lines at one moment (a snapshot's pause): taken in O(samples) without encoding or
     hashing; ``encode`` builds the file and its digest later, off the pause."""
 
     def __init__(self, lines: dict[str, bytes]):
@@ -47,7 +47,7 @@ class DataPlaneStore:
     def __init__(self) -> None:
         self._samples: dict[str, RolloutSample] = {}
         # each sample's line, encoded once when it is sealed (samples never change afterwards), so a
-        # snapshot's cut copies references instead of serialising every sample while rollouts wait
+        # snapshot's pause copies references instead of serialising every sample while rollouts wait
         self._lines: dict[str, bytes] = {}
 
     def put(self, sample: RolloutSample) -> None:

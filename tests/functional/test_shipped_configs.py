@@ -15,7 +15,7 @@ tokenizer and warm start are built once (docs/design.md §5.6).
 A config that joins a cluster that already exists (``cluster.ray_address``:
 ``grpo_mixed_two_nodes_turn.yaml``) is run with nothing listening at the address
 it is given and must end with the documented error naming ``cluster.ray_address``
-and the address (README: "cannot be joined within 20 s is an error naming the key
+and the address (docs/usage.md: "cannot be joined within 15 s is an error naming the key
 and the address"). Its run on a real two-node cluster is
 ``tests/functional/test_ray_cluster.py``; everything else it runs (the mixed
 data, its warm start, the generation worker, restart-only servers allowed) is

@@ -521,7 +521,7 @@ async def test_restart_only_install_and_retire():
 
 
 def scanned_readiness(p: AgentSessionParticipant) -> tuple[bool, list[str], list[str], dict[str, int]]:
-    """What readiness must say, worked out by a scan of every session (the rule DESIGN §4.5 states)."""
+    """What readiness must say, worked out by a scan of every session (the rule docs/design.md §4.5 states)."""
     blockers, unsaved, counts = [], [], {"sessions": 0, "at_boundary": 0, "awaiting_model": 0}
     for key, s in p._sessions.items():
         if s.phase == "admitting":

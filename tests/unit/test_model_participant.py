@@ -1,4 +1,4 @@
-"""The model server's admission gate and checkpoint participant (DESIGN §3.4 Model)."""
+"""The model server's admission gate and checkpoint participant (docs/design.md §4.5, "Model")."""
 
 from __future__ import annotations
 

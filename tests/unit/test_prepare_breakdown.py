@@ -1,5 +1,5 @@
-"""``examples/bench/prepare_breakdown.py`` on the raw logs kept in ``docs/benchmarks/`` (§1h): the
-attempts it classes and the figures the table in docs/benchmarks.md §1h was read from."""
+"""``examples/bench/prepare_breakdown.py`` on the raw logs kept in ``docs/benchmarks/`` (§1c): the
+attempts it classes and the figures the table in docs/benchmarks.md §1c was read from."""
 
 from __future__ import annotations
 

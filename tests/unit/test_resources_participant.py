@@ -1,4 +1,4 @@
-"""ResourcesParticipant rules (DESIGN §3.4), driven directly without sockets."""
+"""ResourcesParticipant rules (docs/design.md §4.5), driven directly without sockets."""
 
 from __future__ import annotations
 

@@ -279,7 +279,7 @@ class RolloutRecoveryConfig(_Section):
     gym_prepare_timeout_s: float = Field(default=300.0, gt=0)
     # Once the other Gym replicas are prepared, a replica not prepared within this grace leaves the
     # snapshot (its rollouts are not saved in it) instead of holding every replica until the deadline;
-    # also how long a status probe waits before a server counts as not answering (docs/design.md §5.4).
+    # also how long a status probe waits before a server counts as not answering (docs/design.md §5.8).
     gym_park_grace_s: float = Field(default=1.5, gt=0)
     allow_restart_only_gym_servers: bool = False
 

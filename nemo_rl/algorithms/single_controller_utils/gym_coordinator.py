@@ -5,7 +5,7 @@ all replicas, keep their leases renewed, and always resume them on the way out
 (also on error or cancellation) so Gym is never left closed by us.
 
 A replica that cannot be parked in time leaves the snapshot instead of holding
-the others (docs/design.md §5.4, "Stalled replicas"): one whose servers do not
+the others (docs/design.md §5.8, "Hung Gym servers"): one whose servers do not
 answer a status probe leaves at once, one still preparing ``park_grace_s`` after
 every other replica is prepared leaves then; it is resumed at once, its rollouts
 are not saved in this snapshot, and the reason names the server. A replica whose

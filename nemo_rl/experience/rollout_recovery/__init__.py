@@ -4,7 +4,7 @@ One module per concern: ``levels`` (how much of a rollout survives a crash),
 ``schema`` (the saved records and ``LedgerState``, schema 2), ``ledger`` (the
 mutable ledger and its transitions) and ``restart`` (the per-level restart
 rules). What a snapshot asks of Gym is computed from the ledger by the snapshot
-cut planner (``single_controller_utils/rollout_snapshot/planner.py``). Every public name is
+planner (``single_controller_utils/rollout_snapshot/planner.py``). Every public name is
 re-exported here, so importers use ``nemo_rl.experience.rollout_recovery``.
 """
 

@@ -13,7 +13,7 @@ from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 
 @dataclass
 class SnapshotInputs:
-    """The controller's state a snapshot reads, as live references (read only inside the cut)."""
+    """The controller's state a snapshot reads, as live references (read only inside the pause)."""
 
     ledger: RolloutRecoveryLedger
     data_plane: DataPlaneStore

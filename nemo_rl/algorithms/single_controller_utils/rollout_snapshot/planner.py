@@ -13,7 +13,8 @@ very same code:
 - ``check_ownership``: after commit and drain, every rollout the ledger
   expected Gym to hold when the pause captured its state was either exported
   or reported unsaved (else ``GymOwnershipError``); a snapshotter runs it after
-  resume on the copy its pause took (``held=``), before anything is published;
+  resume on the references its pause kept to the ledger's persistent views
+  (``held=``), before anything is published;
 - ``count_snapshot``: what the run record says about the snapshot, and (with
   ``FirstCounts``) which of its rollouts no earlier snapshot had counted.
 """
@@ -263,7 +264,8 @@ def check_ownership(
 
     ``held``: instead of reading the ledger as it stands now, what it held per instance when the
     snapshot's state was captured (``gym_checkpoint_keys`` then, over ``plan.topology``): a snapshotter
-    checks after resume, on the copy its pause took. ``not_started``: in-scope rollouts Gym holds but has not
+    checks after resume, on the references its pause kept (persistent views, unchanged since).
+    ``not_started``: in-scope rollouts Gym holds but has not
     started (a ``/run`` that reached a saving agent after it closed, or one the drain did not see
     finish): they restart from the prompt after a crash, like unsaved ones, having lost nothing."""
     problems = []

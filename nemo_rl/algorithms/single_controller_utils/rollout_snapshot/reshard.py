@@ -9,7 +9,7 @@ whose records are not portable (its status says ``records_portable: false``) kee
 home: those of a vanished replica restart from their prompt instead. A snapshot naming a shard
 that no longer runs is refused (its task sources would have nowhere to run).
 
-Pure functions over names, like the cut planner (``planner.py``).
+Pure functions over names, like the snapshot planner (``planner.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ A snapshot directory (``<anchor>/rollout_snapshots/snapshot_<seq>``) holds:
 - the manifest, written last (``nemo_rl.utils.snapshot_store``).
 
 ``required_snapshot_files`` is what the one scan that picks a snapshot to restore
-(``snapshot_store.resolve_restore_point``) asks of it; ``publish_snapshot`` writes a staged cut's files and
+(``snapshot_store.resolve_restore_point``) asks of it; ``publish_snapshot`` writes a staged snapshot's files and
 seals the directory. ``TrainerBookkeeping`` is what the controller keeps beside the trainer's own state
 in ``step_N``.
 """
@@ -141,7 +141,7 @@ class ControllerState(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    step: int = Field(ge=0)  # the controller's step at the cut
+    step: int = Field(ge=0)  # the controller's step in the snapshot's pause
     anchor_step: int | None = Field(default=None, ge=0)  # the trainer step it belongs to (None: older files, = step)
     ledger: dict[str, Any]
     dataloader: dict[str, Any]
@@ -276,9 +276,9 @@ class RunStore:
     The order of calls (docs/design.md §5.4):
 
     - a snapshot (the snapshotter, one attempt at a time; ``busy`` serialises it with pruning):
-      ``begin(anchor) -> SnapshotDir`` in the pause, before the cut (an empty temporary directory
+      ``begin(anchor) -> SnapshotDir`` in the pause, before the capture (an empty temporary directory
       under the anchor: Gym's blocking commit and staged persist write into ``snap.tmp``);
-      ``reanchor(snap, anchor)`` if the cut belongs to a trainer step published meanwhile (§5.9);
+      ``reanchor(snap, anchor)`` if the snapshot belongs to a trainer step published meanwhile (§5.9);
       then either ``publish(snap, ...)`` after resume (write, seal, rename, prune the anchor's
       snapshots to ``keep_latest_k``) or ``abort(snap)`` on any failure before the publish;
     - a trainer step (the controller): ``save_step(step, bookkeeping, save_trainer, files)``, then

@@ -1,4 +1,5 @@
-"""Suite-wide: tests marked ``gpu`` skip themselves without CUDA; every test keeps to its time budget
+"""Suite-wide: tests marked ``gpu`` skip themselves without CUDA; tests marked ``alone`` run with no other
+test beside them under pytest-xdist (``tests/machine_lock.py``); every test keeps to its time budget
 (``tests/time_budget.py``)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 
+from tests.machine_lock import MARKER as ALONE, machine
 from tests.time_budget import budget_s, over_budget
 
 _durations: dict[str, float] = defaultdict(float)  # node id -> setup + call + teardown seconds (passed tests)
@@ -26,6 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request):
+    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it (``tests/machine_lock.py``)."""
+    with machine(alone=request.node.get_closest_marker(ALONE) is not None):
+        yield
 
 
 def pytest_runtest_logreport(report):

@@ -49,29 +49,25 @@ def _finite(*values: Any) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
-def test_every_measurement_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
-    results = {}
-    for module in MODULES:
-        results[module.NAME] = module.measure(workdir=tmp_path / module.NAME, log=_quiet, **TINY[module.NAME])
-
-    check_snapshot_cost(results["snapshot_cost"])
-    check_stall(results["stall"])
-    check_work_lost(results["work_lost"])
-    check_alternative(results["alternative"])
-    check_overhead(results["overhead"])
-    check_setup(results["setup_check"])
-    check_relaunch(results["relaunch"])
-    check_bookkeeping(results["bookkeeping"])
-    for module in MODULES:
-        res = results[module.NAME]
-        assert res["name"] == module.NAME
-        assert module.table(res).startswith("|")
-        if module.NAME in PLOTTERS:
-            assert plot(module.NAME, res, tmp_path).stat().st_size > 1000
-    md = bench_recovery.render_markdown(results, {"preset": "tiny", "command": "test", "machine": {}, "seconds": 0,
-                                                  "git": {"head": None, "modified_tracked_files": []}})
-    assert "## " + bookkeeping.TITLE in md and "![bookkeeping]" not in md and "![snapshot_cost]" in md
-    assert any(line.startswith("8. trainer-checkpoint bookkeeping") for line in bench_recovery.goal_lines(results))
+@pytest.mark.parametrize("module", MODULES, ids=[m.NAME for m in MODULES])
+def test_each_measurement_runs_and_keeps_its_invariants(module, tmp_path: Path) -> None:
+    """One measurement at its tiniest (one test each: they are independent runs, and each keeps to the
+    suite's time budget): its invariants, its table, its plot and its section of the report."""
+    res = module.measure(workdir=tmp_path / module.NAME, log=_quiet, **TINY[module.NAME])
+    CHECKS[module.NAME](res)
+    assert res["name"] == module.NAME
+    assert module.table(res).startswith("|")
+    if module.NAME in PLOTTERS:
+        assert plot(module.NAME, res, tmp_path).stat().st_size > 1000
+    md = bench_recovery.render_markdown({module.NAME: res}, {
+        "preset": "tiny", "command": "test", "machine": {}, "seconds": 0,
+        "git": {"head": None, "modified_tracked_files": []}})
+    assert "## " + module.TITLE in md
+    assert (f"![{module.NAME}]" in md) == (module.NAME in PLOTTERS)  # snapshot_cost has one, bookkeeping none
+    assert bench_recovery.goal_lines({module.NAME: res})  # every measurement states its goal
+    if module is bookkeeping:
+        assert any(line.startswith("8. trainer-checkpoint bookkeeping")
+                   for line in bench_recovery.goal_lines({module.NAME: res}))
 
 
 def check_snapshot_cost(res: dict[str, Any]) -> None:
@@ -230,6 +226,16 @@ def check_bookkeeping(res: dict[str, Any]) -> None:
     assert res["goal"]["save_reads_own_bytes_at_most_once"] is True
     assert res["goal"]["prune_rereads_no_kept_step"] is True
     assert res["goal"]["restore_hashes_only_the_restored_step"] is True
+
+
+CHECKS = {"snapshot_cost": check_snapshot_cost, "stall": check_stall, "work_lost": check_work_lost,
+          "alternative": check_alternative, "overhead": check_overhead, "setup_check": check_setup,
+          "relaunch": check_relaunch, "bookkeeping": check_bookkeeping}
+
+
+def test_every_measurement_has_its_check() -> None:
+    assert set(CHECKS) == {m.NAME for m in MODULES}
+    assert "snapshot_cost" in PLOTTERS and "bookkeeping" not in PLOTTERS  # the report test relies on both kinds
 
 
 def test_presets_list_all_measurements() -> None:

@@ -4,7 +4,9 @@ test beside them under pytest-xdist (``tests/machine_lock.py``); every test keep
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,19 @@ from tests.time_budget import budget_s, over_budget
 
 _durations: dict[str, float] = defaultdict(float)  # node id -> setup + call + teardown seconds (passed tests)
 _failed: set[str] = set()
+
+
+@pytest.fixture(scope="session")
+def embedded_model_cache(tmp_path_factory) -> Path:
+    """A ``policy.cache_dir`` shared by the tests that only need the embedded model warm-started (30 steps, as
+    their runs ask), so it is trained once a session, not once a test. Under xdist every worker of the run
+    shares it (the cache writes each entry into a temporary sibling and renames it: concurrent builders
+    agree). Tests of the cache itself (a first run trains, a second reuses) keep their own directory."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "embedded_model_cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def pytest_collection_modifyitems(config, items):

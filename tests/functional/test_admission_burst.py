@@ -144,6 +144,11 @@ async def test_status_and_prepare_answer_at_once_while_a_burst_is_seeding(agent_
         # Every call arrived; only the gate's limit are seeding (held by the resources server), and a
         # seed in flight blocks nothing: every run of the burst is not started yet.
         assert started == limit and status["report"]["blocker_count"] == 0
+        # The seeds the agent started reach the resources server (under load some are still on their way
+        # when the status counts them): wait for all of them, and never for more.
+        deadline = time.monotonic() + 60
+        while upstreams.seeds_received < limit and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
         # The prepare: answered at once, the seeds still held; nothing of the burst is saved, nothing waits.
         reply = await _post(ctl, url, "prepare", capture=True)

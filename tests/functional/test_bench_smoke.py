@@ -359,12 +359,13 @@ def test_staged_memory_per_participant() -> None:
     assert snapshot_cost.staged_memory(attempts[3:]) is None  # blocking only: no staged copies
 
 
-def test_async_throughput_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+@pytest.mark.alone  # CPU-bound (training, decoding): shares no core under xdist
+def test_async_throughput_runs_and_keeps_its_invariants(tmp_path: Path, embedded_model_cache: Path) -> None:
     """Measurement 9 on its own (real model and trainer, so not in the chain above): 4 throughput runs of
     the main job (sync and async, snapshots off and every 1 s) and its two learning runs, all shortened."""
     params = ASYNC_TINY["async_throughput"]
-    # A short warm start in a cache of its own: a fresh machine (CI) has no cached embedded model.
-    cache = ["policy.warm_start.steps=30", f"policy.cache_dir={tmp_path / 'model_cache'}"]
+    # A short warm start in the session's cache: a fresh machine (CI) has no cached embedded model.
+    cache = ["policy.warm_start.steps=30", f"policy.cache_dir={embedded_model_cache}"]
     res = async_throughput.measure(workdir=tmp_path / "async", log=_quiet, **{
         **params, "overrides": [*params.get("overrides", []), *cache],
         "learning_overrides": [*params["learning_overrides"], *cache]})
@@ -415,6 +416,7 @@ def test_async_throughput_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert any(line.startswith("9. Goals with snapshots every 1 s") for line in bench_recovery.goal_lines({async_throughput.NAME: res}))
 
 
+@pytest.mark.alone  # CPU-bound (training, decoding): shares no core under xdist
 def test_prefix_work_lost_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     """Measurement 10 on its own (the torch worker, not the scripted backend): one crash, one pause size."""
     params = PREFIX_TINY["prefix_work_lost"]

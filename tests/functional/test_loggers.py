@@ -164,16 +164,18 @@ def test_a_backend_that_cannot_start_stops_the_launch_before_ray_naming_its_key(
     assert time.monotonic() - t0 < 60
 
 
-def test_the_main_job_with_its_embedded_config_logs_the_real_trainers_series_to_tensorboard(tmp_path):
+@pytest.mark.alone  # CPU-bound (training, decoding): shares no core under xdist
+def test_the_main_job_with_its_embedded_config_logs_the_real_trainers_series_to_tensorboard(tmp_path,
+                                                                                             embedded_model_cache):
     """The embedded default (tiny Hugging Face policy, generation worker, GRPO trainer) shortened like
-    tests/functional/test_main_job.py: ~1.5 min here, most of it the short warm start."""
+    tests/functional/test_main_job.py, on the session's warm-started model."""
     _need("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     dirs = RunDirs(tmp_path)
     proc = run_grpo([*dirs.overrides(), "grpo.max_num_steps=2", "grpo.num_prompts_per_step=2",
                      "grpo.num_generations_per_prompt=4", "policy.warm_start.steps=30",
-                     f"policy.cache_dir={tmp_path / 'model_cache'}", "rollout_checkpointing.snapshot_attempt_interval_s=0.2",
+                     f"policy.cache_dir={embedded_model_cache}", "rollout_checkpointing.snapshot_attempt_interval_s=0.2",
                      "logger.plot=false", "logger.tensorboard_enabled=true"], env=env_for(), timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     acc = EventAccumulator(str(dirs.logs / "tensorboard"), size_guidance={"scalars": 0})

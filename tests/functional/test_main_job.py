@@ -23,6 +23,7 @@ def _cache(tmp_path) -> str:
     return f"policy.cache_dir={tmp_path / 'model_cache'}"
 
 
+@pytest.mark.alone  # CPU-bound (training, decoding): shares no core under xdist
 def test_main_job_two_steps_then_cached_then_complete(tmp_path):
     dirs = RunDirs(tmp_path)
     args = [*dirs.overrides(), *SHORT, _cache(tmp_path), "grpo.max_num_steps=2"]
@@ -62,14 +63,17 @@ def test_main_job_two_steps_then_cached_then_complete(tmp_path):
     assert [m["step"] for m in fresh.records("metrics.jsonl")] == [1]
 
 
-def test_main_job_resumes_from_newest_trainer_checkpoint_after_kill_without_warm_start(tmp_path):
+@pytest.mark.alone  # CPU-bound (training, decoding): shares no core under xdist
+def test_main_job_resumes_from_newest_trainer_checkpoint_after_kill_without_warm_start(tmp_path, embedded_model_cache):
+    import shutil
+
+    # the first launch starts from a copy of the session's warm-started model (this test is about the relaunch)
+    shutil.copytree(embedded_model_cache, tmp_path / "model_cache")
     dirs = RunDirs(tmp_path)
     env = env_for(extra={"NEMO_RL_TEST_RUN_ID": uuid.uuid4().hex})
     args = [*dirs.overrides(), *SHORT, _cache(tmp_path), "grpo.max_num_steps=3"]
     run_until_then_kill(args, env=env, until=lambda: (dirs.ckpt / "step_1" / "manifest.json").exists(), timeout_s=300)
     # the relaunch must not need the cached warm start: take it away
-    import shutil
-
     shutil.rmtree(tmp_path / "model_cache")
     proc = run_grpo(args, env=env, timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,6 +87,7 @@ def test_main_job_resumes_from_newest_trainer_checkpoint_after_kill_without_warm
     assert metrics[-1]["step"] == 3 and {m["step"] for m in metrics} == {1, 2, 3}
 
 
+@pytest.mark.alone  # CPU-bound (training, decoding): shares no core under xdist
 def test_another_architecture_from_a_directory_trains_two_steps_with_turn_snapshots(tmp_path):
     from tests.model_fixtures import llama_dir
 

@@ -270,12 +270,14 @@ class GymServer:
         self.setup_routes(app)
         if self.participant is not None:
             from gym_patches.checkpoint.control import ParticipantControlPlane
+            from gym_patches.checkpoint.storage import build_writer
 
             settings = self.global_config.checkpoint
             ParticipantControlPlane(
                 self.participant,
                 instance=self.name,
                 auth_token=settings.control_auth_token or "",
+                writer=build_writer(settings.storage_writer),  # this server's own instance
                 lease_grace_seconds=settings.lease_grace_seconds,
                 pacer=self.pacer,
             ).install(app)

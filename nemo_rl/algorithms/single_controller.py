@@ -65,7 +65,7 @@ from nemo_rl.algorithms.single_controller_utils.run_identity_check import record
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.stop_signals import RunStopped
 from nemo_rl.utils.write_errors import as_write_error
-from nemo_rl.utils.snapshot_store import anchor_dir, ensure_bootstrap_anchor
+from nemo_rl.utils.snapshot_store import anchor_dir
 
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
@@ -124,6 +124,7 @@ class SingleController:
         loggers: MetricLoggers | None = None,  # the metric backends (opened and closed by the runner)
         hooks: RunHooks | None = None,  # where tests act (crash points); none: the product's no-op
         restore_lookup: RestoreLookup | None = None,  # the runner's one lookup at start; none: look here
+        store: RunStore,  # the one owner of checkpoint_dir's layout, with the run's writer (docs/design.md §5.4)
     ):
         self.config = config
         self.hooks = hooks or RunHooks()
@@ -136,8 +137,9 @@ class SingleController:
         self.rows = rows
         self.on_progress = on_progress or (lambda _: None)
         self.checkpoint_dir = Path(config.checkpointing.checkpoint_dir)
-        # The one owner of checkpoint_dir's layout: snapshots, trainer steps, restore (docs/design.md §5.4).
-        self.store = RunStore(self.checkpoint_dir, keep_latest_k=config.rollout_checkpointing.keep_latest_k)
+        if store.checkpoint_dir != self.checkpoint_dir:
+            raise ValueError(f"store of {store.checkpoint_dir}, but checkpointing.checkpoint_dir is {self.checkpoint_dir}")
+        self.store = store
         self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file, loggers)
         self.ledger = RolloutRecoveryLedger(config.async_rl.rollout_failure.max_infra_attempts_per_prompt)
         self.data_plane = DataPlaneStore()
@@ -686,7 +688,7 @@ class SingleController:
         restored = await restorer.restore(self.restore_lookup)
         self.startup.resumed = restored is not None and restored.step > 0
         if restored is None:
-            ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
+            self.store.ensure_bootstrap({"created": time.time()})
             record_run_identity(self.config)  # the directory now belongs to this run
             return
         self.step = self.anchor_step = restored.step

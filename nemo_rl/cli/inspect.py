@@ -31,10 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.storage import StorageWriter
 from nemo_rl.algorithms.recording_trainer import STATE_FILE as RECORDING_STATE_FILE
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import replica_counts
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import RunRestorer, find_restore_point
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import GYM_CHECKPOINT_FILE, GymCheckpointIndex
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
+    GYM_CHECKPOINT_FILE,
+    GymCheckpointIndex,
+    RunStore,
+)
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.snapshot_store import (
     BOOTSTRAP_DIRNAME,
@@ -138,6 +143,15 @@ async def _bookkeeping(anchor: Path) -> dict[str, Any]:
     raise SnapshotStoreError(f"{anchor}: no trainer_state.json or {RECORDING_STATE_FILE} (not a trainer checkpoint)")
 
 
+class _RefusingWriter(StorageWriter):
+    """The inspector's writer: it refuses every write, so the restore it runs provably changes nothing."""
+
+    def _refuse(self, path: Path, *_: Any, **__: Any) -> Any:
+        raise PermissionError(f"the inspector writes nothing, but its restore tried {path}")
+
+    write = open_write = put = commit = make_dirs = remove = _refuse  # type: ignore[assignment]
+
+
 class _ReadOnlyRestorer(RunRestorer):
     """The relaunch's restorer, except that the replica counts it resumes on are not recorded."""
 
@@ -188,7 +202,8 @@ def what_a_restart_restores(checkpoint_dir: Path, *, turn_level: bool, read_snap
     restorer = _ReadOnlyRestorer(
         checkpoint_dir, read_snapshots=read_snapshots,
         coordinator=_SavedEpisodes(instance_ids) if turn_level else None,
-        max_attempts_per_sibling=max_attempts, load_trainer=_bookkeeping, hooks=RunHooks())
+        max_attempts_per_sibling=max_attempts, load_trainer=_bookkeeping, hooks=RunHooks(),
+        store=RunStore(checkpoint_dir, _RefusingWriter()))
     restored = asyncio.run(restorer.restore(lookup))
     return None if restored is None else {**restored.record, "message": restored.message}
 

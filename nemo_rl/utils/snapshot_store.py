@@ -15,12 +15,13 @@ Reading costs what it must and no more (a trainer step can be gigabytes):
   ``recording_digests``: the digest is taken from the bytes as they are
   written. Other files (a library's ``save_pretrained``) are hashed once.
 
-Every file written here goes through a ``StorageWriter`` and every manifest and
-digest is read through a ``StorageReader`` (``gym_patches.checkpoint.storage``,
-the one definition both sides share), passed in by the caller (none: the
-process's default writer, plain files), so a test hands in a writer that fails
-like a full disk without this module knowing about it. The run store
-(``rollout_snapshot/store.py``: ``RunStore``) composes these functions.
+Every file written here, every rename, directory made and directory removed
+goes through the ``StorageWriter`` the caller passes
+(``gym_patches.checkpoint.storage``, the one definition both sides share; the
+run store, ``rollout_snapshot/store.py``: ``RunStore``, passes the one it was
+built with), so a test hands in a writer that fails like a full disk without
+this module knowing about it. A caller that passes none writes plain files
+(``PLAIN_FILES``: what the run's logs use). Reads are plain file reads.
 
 Layout::
 
@@ -38,16 +39,15 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import IO, Any, Callable, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
+from gym_patches.checkpoint.storage import FileSystemWriter, StorageWriter
 from nemo_rl.utils.write_errors import naming_write
 
 MANIFEST_NAME = "manifest.json"
@@ -60,7 +60,7 @@ STORE_SCHEMA_VERSION = 1
 _SNAPSHOT_NAME = re.compile(r"^(?P<seq>[0-9]{1,18})(?:-[A-Za-z0-9._-]{1,64})?$")
 _STEP_DIR = re.compile(r"^step_(?P<step>[0-9]+)$")
 _CHUNK = 1 << 20
-_FILES = FileSystemReader()  # what a caller that passes no reader reads through
+PLAIN_FILES: StorageWriter = FileSystemWriter()  # stateless: what a caller that passes no writer writes through
 
 
 class SnapshotStoreError(ValueError):
@@ -122,55 +122,80 @@ def recording_digests(root: str | Path) -> Iterator[WrittenDigests]:
 
 
 # ----- primitives ----------------------------------------------------------
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or create inside ``path`` durable."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _temp_beside(path: Path) -> Path:
+    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
 
 
-def write_bytes_atomic(path: str | Path, data: bytes, writer: StorageWriter | None = None) -> None:
-    """Write via a temp file in the same directory (through ``writer``; None: the process's default),
-    then rename over ``path``. Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
+def _note_digest(path: Path, sha256: Callable[[], str]) -> None:
+    recorders = _recording.get()
+    if recorders:
+        digest = sha256()
+        for digests in recorders:
+            digests.note(path, digest)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, writer: StorageWriter = PLAIN_FILES) -> None:
+    """Write a temp file in the same directory through ``writer``, then commit it over ``path``.
+    Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
 
     Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error; the
     temp file is removed, so no torn file is left.
     """
     path = Path(path)
     with naming_write(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        writer.make_dirs(path.parent)
+        tmp = _temp_beside(path)
         try:
-            (process_writer() if writer is None else writer).write(tmp, data)
-            os.replace(tmp, path)
+            writer.write(tmp, data)
+            writer.commit(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            writer.remove(tmp)
             raise
-        fsync_dir(path.parent)
-        recorders = _recording.get()
-        if recorders:
-            sha256 = hashlib.sha256(data).hexdigest()
-            for digests in recorders:
-                digests.note(path, sha256)
+        _note_digest(path, lambda: hashlib.sha256(data).hexdigest())
 
 
-def write_json_atomic(path: str | Path, obj: Any, writer: StorageWriter | None = None) -> None:
+class _HashingStream:
+    """A write-only file that hashes what passes through it (``torch.save`` needs write and flush)."""
+
+    def __init__(self, out: IO[bytes]):
+        self._out, self.sha256 = out, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
+def write_stream_atomic(path: str | Path, fill: Callable[[Any], None], writer: StorageWriter = PLAIN_FILES) -> None:
+    """``write_bytes_atomic`` for a file written in pieces: ``fill(file)`` writes it (``torch.save``), so
+    no copy of the whole file is held in memory; its digest is taken as it streams."""
+    path = Path(path)
+    with naming_write(path):
+        writer.make_dirs(path.parent)
+        tmp = _temp_beside(path)
+        try:
+            with writer.open_write(tmp) as out:
+                stream = _HashingStream(out)
+                fill(stream)
+            writer.commit(tmp, path)
+        except BaseException:
+            writer.remove(tmp)
+            raise
+        _note_digest(path, stream.sha256.hexdigest)
+
+
+def write_json_atomic(path: str | Path, obj: Any, writer: StorageWriter = PLAIN_FILES) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), writer)
 
 
-def sha256_file(path: str | Path, reader: StorageReader = _FILES) -> str:
+def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
-    with reader.open(Path(path)) as fh:
+    with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
 
 
 # ----- manifests -----------------------------------------------------------
@@ -214,12 +239,13 @@ def _seal(
     metadata: dict[str, Any] | None,
     skip_subdirs: tuple[str, ...] = (),
     digests: WrittenDigests | None = None,
-    writer: StorageWriter | None = None,
+    writer: StorageWriter = PLAIN_FILES,
 ) -> DirectoryManifest:
-    """fsync every file, then write the manifest last (through ``writer``).
+    """List every file with its digest, then write the manifest last (through ``writer``).
 
-    A file in ``digests`` (written by ``write_bytes_atomic``, already fsynced) is not read again;
-    any other file is fsynced and hashed here, once.
+    A file in ``digests`` (written by ``write_bytes_atomic``) is not read again; any other (Gym's
+    records, a staged library file) is hashed here, once. Every file reached the directory through
+    a writer, which made it durable; the writer's commit of the directory makes the tree durable.
     """
     files = {}
     for rel in _listed_files(root, skip_subdirs):
@@ -230,12 +256,8 @@ def _seal(
         if written is not None:
             files[rel] = written
             continue
-        with naming_write(path):  # an fsync that fails (EIO) names the file it could not make durable
-            _fsync_file(path)
+        with naming_write(path):
             files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
-    for dirpath, _dirs, _files in os.walk(root):
-        with naming_write(dirpath):
-            fsync_dir(dirpath)
     manifest = DirectoryManifest(
         kind=kind, sequence=sequence, created_at=time.time(), files=files, metadata=metadata or {}
     )
@@ -243,13 +265,13 @@ def _seal(
     return manifest
 
 
-def trust_directory(root: str | Path, kind: str | None = None, reader: StorageReader = _FILES) -> DirectoryManifest:
+def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
     """The manifest if ``root``'s commit marker holds: it parses (of ``kind``) and every listed file
     exists with its listed size. Stat only, nothing is read but the manifest; else raise naming the file."""
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:
-        raw = reader.read_bytes(manifest_path)
+        raw = manifest_path.read_bytes()
     except FileNotFoundError:
         raise SnapshotStoreError(f"{manifest_path}: missing") from None
     try:
@@ -272,13 +294,13 @@ def trust_directory(root: str | Path, kind: str | None = None, reader: StorageRe
     return manifest
 
 
-def verify_directory(root: str | Path, kind: str | None = None, reader: StorageReader = _FILES) -> DirectoryManifest:
+def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
     """The manifest if ``root`` is intact: trusted (``trust_directory``) and every file's sha256
     matches. Reads every byte: only for a directory about to be restored. Else raise naming the file."""
     root = Path(root)
-    manifest = trust_directory(root, kind, reader)
+    manifest = trust_directory(root, kind)
     for rel, entry in manifest.files.items():
-        if sha256_file(root / rel, reader) != entry.sha256:
+        if sha256_file(root / rel) != entry.sha256:
             raise SnapshotStoreError(f"{root / rel}: sha256 does not match the manifest")
     return manifest
 
@@ -312,7 +334,8 @@ def next_snapshot_path(anchor_dir: str | Path) -> Path:
     return snapshots_root(anchor_dir) / f"{SNAPSHOT_PREFIX}{next_snapshot_name(anchor_dir)}"
 
 
-def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = None) -> tuple[Path, Path]:
+def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = None,
+                           writer: StorageWriter = PLAIN_FILES) -> tuple[Path, Path]:
     """``(tmp_dir, final_dir)`` for a new snapshot; ``tmp_dir`` is created empty.
 
     ``snapshot_name`` is ``<sequence>[-tag]``; None picks the next sequence.
@@ -328,9 +351,8 @@ def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = N
     tmp_dir = root / f"{TMP_PREFIX}{SNAPSHOT_PREFIX}{snapshot_name}"
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
+    writer.remove(tmp_dir)
+    writer.make_dirs(tmp_dir)
     return tmp_dir, final_dir
 
 
@@ -340,7 +362,7 @@ def commit_snapshot(
     keep_latest_k: int,
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
-    writer: StorageWriter | None = None,
+    writer: StorageWriter = PLAIN_FILES,
 ) -> DirectoryManifest:
     """Seal ``tmp_dir`` with a manifest (written through ``writer``), rename it to ``final_dir``, prune old ones.
 
@@ -357,25 +379,19 @@ def commit_snapshot(
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
     manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests, writer=writer)
-    moved = tmp_dir.parent != final_dir.parent
-    if moved:
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        fsync_dir(final_dir.parent.parent)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
-    if moved:
-        fsync_dir(tmp_dir.parent)
-    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k)
+    writer.make_dirs(final_dir.parent)
+    writer.commit(tmp_dir, final_dir)
+    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k, writer)
     return manifest
 
 
-def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
+def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int, writer: StorageWriter) -> None:
     newest_seq = snapshot_sequence(newest.name)
     for path in root.iterdir():
         if path.name.startswith(TMP_PREFIX) and path.is_dir():
             # stale: the run lock (nemo_rl/utils/run_lock.py) makes this run the only writer, and its
             # attempts never overlap (the pump awaits each publish), so no other .tmp- dir is being written
-            shutil.rmtree(path, ignore_errors=True)
+            writer.remove(path)
     older = sorted(
         (
             (snapshot_sequence(p.name), p)
@@ -391,8 +407,7 @@ def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
         if kept < keep_latest_k and _is_trusted(path, "rollout_snapshot"):
             kept += 1
             continue
-        shutil.rmtree(path, ignore_errors=True)
-    fsync_dir(root)
+        writer.remove(path)
 
 
 def _is_trusted(path: Path, kind: str) -> bool:
@@ -411,8 +426,7 @@ class SnapshotSelection(NamedTuple):
     manifest: DirectoryManifest | None = None
 
 
-def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = (),
-                            reader: StorageReader = _FILES) -> SnapshotSelection:
+def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = ()) -> SnapshotSelection:
     """Pick the newest valid snapshot by sequence number (never by mtime) that lists every ``required``
     file; newer ones are skipped with the reason, in one scan. Only the chosen one (and the corrupt
     ones tried before it) is hashed: a snapshot is only resolved to be restored."""
@@ -431,7 +445,7 @@ def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = 
             candidates.append((seq, path))
     for seq, path in sorted(candidates, reverse=True):
         try:
-            manifest = verify_directory(path, "rollout_snapshot", reader)
+            manifest = verify_directory(path, "rollout_snapshot")
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -459,31 +473,29 @@ def anchor_dir(checkpoint_dir: str | Path, step: int) -> Path:
 
 
 def ensure_bootstrap_anchor(checkpoint_dir: str | Path, metadata: dict[str, Any] | None = None,
-                            writer: StorageWriter | None = None) -> Path:
+                            writer: StorageWriter = PLAIN_FILES) -> Path:
     """Create the step-0 anchor once (atomically, its manifest through ``writer``); an existing valid one is kept."""
     final = anchor_dir(checkpoint_dir, 0)
     if final.exists():
         verify_directory(final, "bootstrap")
         return final
     tmp = Path(checkpoint_dir) / f"{TMP_PREFIX}{BOOTSTRAP_DIRNAME}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    writer.remove(tmp)
+    writer.make_dirs(tmp)
     _seal(tmp, "bootstrap", 0, metadata, writer=writer)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
+    writer.commit(tmp, final)
     return final
 
 
-def prepare_trainer_step(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path]:
+def prepare_trainer_step(checkpoint_dir: str | Path, step: int,
+                         writer: StorageWriter = PLAIN_FILES) -> tuple[Path, Path]:
     """``(tmp_dir, final_dir)`` for trainer step ``step`` (>= 1); tmp is created empty."""
     if step < 1:
         raise SnapshotStoreError(f"trainer steps start at 1, got {step}")
     final = anchor_dir(checkpoint_dir, step)
     tmp = Path(checkpoint_dir) / f"{TMP_PREFIX}{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    writer.remove(tmp)
+    writer.make_dirs(tmp)
     return tmp, final
 
 
@@ -492,7 +504,7 @@ def publish_trainer_step(
     final_dir: str | Path,
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
-    writer: StorageWriter | None = None,
+    writer: StorageWriter = PLAIN_FILES,
 ) -> DirectoryManifest:
     """Seal and rename a trainer step; a torn or corrupt ``step_N`` (one a restore skipped) is replaced.
 
@@ -507,17 +519,16 @@ def publish_trainer_step(
         try:
             verify_directory(final_dir, "trainer_step")
         except SnapshotStoreError:
-            shutil.rmtree(final_dir)
+            writer.remove(final_dir)
         else:
             raise SnapshotStoreError(f"{final_dir}: a valid trainer step already exists")
     manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,), digests, writer)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
+    writer.commit(tmp_dir, final_dir)
     return manifest
 
 
 def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None,
-                        spare: int | None = None) -> list[Path]:
+                        spare: int | None = None, writer: StorageWriter = PLAIN_FILES) -> list[Path]:
     """Delete all but the newest ``keep_top_k`` trusted trainer steps (``checkpointing.keep_top_k`` with
     no metric: the latest k), each with its rollout snapshots; ``bootstrap/`` counts as the oldest
     anchor, so it goes once k steps exist (until then its snapshots may still be restored with step 1:
@@ -542,11 +553,9 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
     removed = []
     for path in doomed:
         trash = path.parent / f"{TMP_PREFIX}deleted-{path.name}"
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.rename(path, trash)
-        fsync_dir(path.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        writer.remove(trash)
+        writer.commit(path, trash)
+        writer.remove(trash)
         removed.append(path)
     return removed
 
@@ -564,8 +573,8 @@ def _anchor_dirs(checkpoint_dir: Path) -> list[tuple[int, str, Path]]:
     return sorted(found, reverse=True)
 
 
-def _trusted_anchor(step: int, kind: str, path: Path, reader: StorageReader = _FILES) -> DirectoryManifest:
-    manifest = trust_directory(path, kind, reader)
+def _trusted_anchor(step: int, kind: str, path: Path) -> DirectoryManifest:
+    manifest = trust_directory(path, kind)
     if manifest.sequence != step:
         raise SnapshotStoreError(f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name")
     return manifest
@@ -593,7 +602,6 @@ class RestorePoint(NamedTuple):
 
 def resolve_restore_point(
     checkpoint_dir: str | Path, required: tuple[str, ...] = (), *, read_snapshots: bool = True,
-    reader: StorageReader = _FILES,
 ) -> RestorePoint | None:
     """The newest intact trainer anchor and the newest valid snapshot listing ``required`` (may be none;
     none either with ``read_snapshots=False``: the snapshots then stay unread).
@@ -611,8 +619,8 @@ def resolve_restore_point(
     anchors = _anchor_dirs(Path(checkpoint_dir))
     for i, (step, kind, path) in enumerate(anchors):
         try:
-            _trusted_anchor(step, kind, path, reader)  # stat first: a torn step costs no read
-            verify_directory(path, kind, reader)
+            _trusted_anchor(step, kind, path)  # stat first: a torn step costs no read
+            verify_directory(path, kind)
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -620,7 +628,7 @@ def resolve_restore_point(
             return RestorePoint(step, path, SnapshotSelection(None, []), tuple(skipped))
         tried: list[tuple[Path, str]] = []
         for _, _, under in [(step, kind, path), *anchors[i + 1:]]:
-            snapshot = resolve_latest_snapshot(under, required, reader)
+            snapshot = resolve_latest_snapshot(under, required)
             tried += snapshot.skipped
             if snapshot.path is not None:
                 break
@@ -628,7 +636,7 @@ def resolve_restore_point(
     return None
 
 
-def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
+def remove_stale_tmp_dirs(checkpoint_dir: str | Path, writer: StorageWriter = PLAIN_FILES) -> list[Path]:
     """Delete ``.tmp-*`` dirs a crash left behind, each named in a warning.
 
     Only the holder of the run directory's lock may call it (``runner.run`` does, at every start, also
@@ -649,7 +657,7 @@ def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
             continue
         for path in parent.iterdir():
             if path.name.startswith(TMP_PREFIX) and path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+                writer.remove(path)
                 removed.append(path)
                 logging.getLogger(__name__).warning(
                     "removed a half-written checkpoint directory left by a crash: %s", path)

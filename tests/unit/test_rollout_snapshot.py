@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_patches.checkpoint.storage import FileSystemWriter
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
@@ -73,14 +74,15 @@ class Run:
 
     def snapshotter(self, hooks: RunHooks | None = None, **settings) -> RolloutSnapshotter:
         return RolloutSnapshotter(self.inputs(), None, self.records, RolloutCheckpointConfig(**settings),
-                                  LedgerChanges(), hooks=hooks)
+                                  LedgerChanges(), RunStore(self.checkpoint_dir, FileSystemWriter()), hooks=hooks)
 
     def restorer(self, *, read_snapshots: bool = True) -> RunRestorer:
         async def no_trainer(anchor: Path) -> dict:
             raise AssertionError("step 0 has no trainer state to load")
 
         return RunRestorer(self.checkpoint_dir, read_snapshots=read_snapshots, coordinator=None,
-                           max_attempts_per_sibling=3, load_trainer=no_trainer, hooks=RunHooks())
+                           max_attempts_per_sibling=3, load_trainer=no_trainer, hooks=RunHooks(),
+                           store=RunStore(self.checkpoint_dir, FileSystemWriter()))
 
     def rows(self) -> list[dict]:
         return self.records.read("snapshots.jsonl")
@@ -91,7 +93,7 @@ def test_one_stager_per_mode_is_chosen_once():
                             lambda: 0, lambda: 0, lambda: Path("/nonexistent"))
     changes = LedgerChanges()
     gate = DispatchGate(changes)
-    store = RunStore(Path("/nonexistent"))  # never written: only the choice is under test
+    store = RunStore(Path("/nonexistent"), FileSystemWriter())  # never written: only the choice is under test
     assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes, store), LedgerOnlyStager)
     coordinator = object()  # never called: only the choice is under test
     assert isinstance(make_stager("staged", inputs, RunHooks(), coordinator, gate, changes, store), StagedStager)

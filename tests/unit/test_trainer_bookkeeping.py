@@ -34,7 +34,7 @@ from nemo_rl.utils.snapshot_store import (
     write_json_atomic,
 )
 from nemo_rl.utils.write_errors import RunWriteError
-from gym_patches.checkpoint.storage import FileSystemWriter, use_process_writer
+from gym_patches.checkpoint.storage import FileSystemWriter
 
 MB = 1 << 20
 
@@ -45,9 +45,9 @@ def hashed(monkeypatch) -> list[Path]:
     seen: list[Path] = []
     real = snapshot_store.sha256_file
 
-    def counting_sha256_file(path, *reader):
+    def counting_sha256_file(path):
         seen.append(Path(path))
-        return real(path, *reader)
+        return real(path)
 
     monkeypatch.setattr(snapshot_store, "sha256_file", counting_sha256_file)
     return seen
@@ -338,21 +338,6 @@ def test_a_manifest_that_cannot_be_written_publishes_nothing(tmp_path):
     assert [p.name.split(".")[1] for p in writer.paths] == ["optimizer", "manifest"]  # every file went through it
 
 
-def test_a_write_given_no_writer_goes_through_the_process_default(tmp_path):
-    """What a caller that passes none down (a trainer's save) writes through: the process's default."""
-    writer = HalfThenFullDisk("optimizer.pt")
-    previous = use_process_writer(writer)
-    try:
-        with pytest.raises(RunWriteError, match="optimizer.pt"):
-            write_bytes_atomic(tmp_path / "optimizer.pt", b"x" * 64)
-    finally:
-        assert use_process_writer(previous) is writer
-    write_bytes_atomic(tmp_path / "optimizer.pt", b"x" * 64)  # the default back
-    assert len(writer.paths) == 1 and (tmp_path / "optimizer.pt").read_bytes() == b"x" * 64
-    with pytest.raises(TypeError, match="StorageWriter"):
-        use_process_writer(lambda path, data: None)  # type: ignore[arg-type]
-
-
 def test_snapshot_store_reads_no_test_environment_and_imports_no_testing_module():
     source = Path(snapshot_store.__file__).read_text()
     assert "testing" not in source and "os.environ" not in source and "getenv" not in source
@@ -397,7 +382,7 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
 
     ckpt = tmp_path / "ckpt"
     controller = SimpleNamespace(
-        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt), snapshotter=None,
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter()), snapshotter=None,
         trainer=RecordingTrainer(tmp_path / "logs"),
         dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},

@@ -203,7 +203,7 @@ def what_a_restart_restores(checkpoint_dir: Path, *, turn_level: bool, read_snap
         checkpoint_dir, read_snapshots=read_snapshots,
         coordinator=_SavedEpisodes(instance_ids) if turn_level else None,
         max_attempts_per_sibling=max_attempts, load_trainer=_bookkeeping, hooks=RunHooks(),
-        store=RunStore(checkpoint_dir, _RefusingWriter()))
+        store=RunStore(checkpoint_dir, _RefusingWriter(), keep_latest_k=1))
     restored = asyncio.run(restorer.restore(lookup))
     return None if restored is None else {**restored.record, "message": restored.message}
 

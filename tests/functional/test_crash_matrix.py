@@ -178,7 +178,8 @@ def test_no_valid_snapshot_resumes_from_the_trainer_checkpoint_and_says_so(publi
     (s2 / "gym_checkpoint.json").unlink()  # listed in its manifest, gone
     (s1 / "controller_state.json").write_text("{}")  # another size than the manifest says
     config = load_config(REPO / "examples/configs/grpo_mixed_turn.yaml", spec.args()[2:])
-    store = RunStore(config.checkpointing.checkpoint_dir, FileSystemWriter())
+    store = RunStore(config.checkpointing.checkpoint_dir, FileSystemWriter(),
+                     keep_latest_k=config.rollout_checkpointing.keep_latest_k)
     controller = SingleController(config, NemoGymShardSet(handles={}, instances={}), RecordingTrainer(spec.logs),
                                   None, load_jsonl(REPO / config.data.train_data_path), store=store)
     with caplog.at_level("WARNING"):

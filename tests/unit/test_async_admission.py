@@ -175,7 +175,7 @@ def test_a_snapshot_under_an_older_anchor_restores_with_the_newer_step_minus_wha
     step = {"now": 1}  # the trainer took step 1's groups; step 1 is not durable yet
     inputs = SnapshotInputs(ledger, data_plane, dataloader, lambda: step["now"], lambda: 0,
                             lambda: anchor_dir(ckpt, 0))
-    store = RunStore(ckpt, FileSystemWriter())
+    store = RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k)
     snapshotter = RolloutSnapshotter(inputs, None, RunRecords(tmp_path / "logs"), RolloutCheckpointConfig(),
                                      LedgerChanges(), store)
     outcome = asyncio.run(snapshotter.attempt())

@@ -67,7 +67,7 @@ def test_a_snapshot_cut_before_the_publish_stays_under_its_anchor_which_prune_sp
                             lambda: anchor["now"], lambda: anchor_dir(ckpt, anchor["now"]))
     records = RunRecords(tmp_path / "logs")
     snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(),
-                                     RunStore(ckpt, FileSystemWriter()),
+                                     RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k),
                                      hooks=PublishAt(ckpt, anchor, "persist"))  # after the cut, before the publish
     outcome = asyncio.run(snapshotter.attempt())
     assert outcome.committed and outcome.reason == "committed"
@@ -91,7 +91,7 @@ def test_an_attempt_not_overtaken_has_no_overtaken_by(tmp_path):
                             lambda: 0, lambda: anchor_dir(ckpt, 0))
     records = RunRecords(tmp_path / "logs")
     snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(),
-                                     RunStore(ckpt, FileSystemWriter()))
+                                     RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k))
     outcome = asyncio.run(snapshotter.attempt())
     assert outcome.committed and outcome.overtaken_by is None and snapshotter.newest_anchor == 0
     assert "overtaken_by" not in records.read("snapshots.jsonl")[0]

@@ -32,7 +32,12 @@ from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import SnapshotStoreError, anchor_dir, ensure_bootstrap_anchor, resolve_latest_snapshot
+from nemo_rl.utils.snapshot_store import (
+    SnapshotStoreError,
+    anchor_dir,
+    ensure_bootstrap_anchor,
+    resolve_latest_snapshot,
+)
 
 ROWS = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
 
@@ -74,7 +79,10 @@ class Run:
 
     def snapshotter(self, hooks: RunHooks | None = None, **settings) -> RolloutSnapshotter:
         return RolloutSnapshotter(self.inputs(), None, self.records, RolloutCheckpointConfig(**settings),
-                                  LedgerChanges(), RunStore(self.checkpoint_dir, FileSystemWriter()), hooks=hooks)
+                                  LedgerChanges(), self.store(RolloutCheckpointConfig(**settings).keep_latest_k), hooks=hooks)
+
+    def store(self, keep_latest_k: int = 1) -> RunStore:
+        return RunStore(self.checkpoint_dir, FileSystemWriter(), keep_latest_k=keep_latest_k)
 
     def restorer(self, *, read_snapshots: bool = True) -> RunRestorer:
         async def no_trainer(anchor: Path) -> dict:
@@ -82,7 +90,7 @@ class Run:
 
         return RunRestorer(self.checkpoint_dir, read_snapshots=read_snapshots, coordinator=None,
                            max_attempts_per_sibling=3, load_trainer=no_trainer, hooks=RunHooks(),
-                           store=RunStore(self.checkpoint_dir, FileSystemWriter()))
+                           store=self.store())
 
     def rows(self) -> list[dict]:
         return self.records.read("snapshots.jsonl")
@@ -93,7 +101,7 @@ def test_one_stager_per_mode_is_chosen_once():
                             lambda: 0, lambda: 0, lambda: Path("/nonexistent"))
     changes = LedgerChanges()
     gate = DispatchGate(changes)
-    store = RunStore(Path("/nonexistent"), FileSystemWriter())  # never written: only the choice is under test
+    store = RunStore(Path("/nonexistent"), FileSystemWriter(), keep_latest_k=1)  # never written: only the choice is under test
     assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes, store), LedgerOnlyStager)
     coordinator = object()  # never called: only the choice is under test
     assert isinstance(make_stager("staged", inputs, RunHooks(), coordinator, gate, changes, store), StagedStager)

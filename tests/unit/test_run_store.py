@@ -82,7 +82,7 @@ def test_a_snapshot_is_begun_published_and_read_through_the_store(tmp_path):
 
 def test_an_aborted_snapshot_leaves_nothing_and_a_failed_publish_is_aborted_by_its_caller(tmp_path):
     anchor = ensure_bootstrap_anchor(tmp_path)
-    store = RunStore(tmp_path, NotingWriter(fail=CONTROLLER_STATE_FILE))
+    store = RunStore(tmp_path, NotingWriter(fail=CONTROLLER_STATE_FILE), keep_latest_k=1)
     snap = store.begin(anchor)
     with pytest.raises(RunWriteError, match=CONTROLLER_STATE_FILE):
         store.publish(snap, _capture(), None, "rollout-1")
@@ -90,11 +90,11 @@ def test_an_aborted_snapshot_leaves_nothing_and_a_failed_publish_is_aborted_by_i
     store.abort(snap)
     store.abort(snap)  # idempotent
     assert not snap.tmp.exists()
-    assert RunStore(tmp_path, PLAIN).select(turn_level=False, read_snapshots=True).snapshot.path is None
+    assert RunStore(tmp_path, PLAIN, keep_latest_k=1).select(turn_level=False, read_snapshots=True).snapshot.path is None
 
 
 def test_a_reanchored_snapshot_is_published_under_the_newer_step(tmp_path):
-    store = RunStore(tmp_path, PLAIN)
+    store = RunStore(tmp_path, PLAIN, keep_latest_k=1)
     old = ensure_bootstrap_anchor(tmp_path)
     snap = store.begin(old)
     assert store.reanchor(snap, old) is snap
@@ -107,12 +107,12 @@ def test_a_reanchored_snapshot_is_published_under_the_newer_step(tmp_path):
 
 def test_begin_refuses_an_anchor_of_another_directory(tmp_path):
     with pytest.raises(SnapshotStoreError, match="not an anchor of"):
-        RunStore(tmp_path / "a", PLAIN).begin(ensure_bootstrap_anchor(tmp_path / "b"))
+        RunStore(tmp_path / "a", PLAIN, keep_latest_k=1).begin(ensure_bootstrap_anchor(tmp_path / "b"))
 
 
 def test_a_trainer_step_keeps_its_bookkeeping_as_the_controller_always_wrote_it(tmp_path):
     writer = NotingWriter()
-    store = RunStore(tmp_path, writer)
+    store = RunStore(tmp_path, writer, keep_latest_k=1)
     kept = _bookkeeping(3)
     assert list(kept.as_saved()) == ["step", "dataloader", "ledger", "metrics_row"]
     store.save_step(3, kept, _save_json, {"config.yaml": b"a: 1\n"})
@@ -124,7 +124,7 @@ def test_a_trainer_step_keeps_its_bookkeeping_as_the_controller_always_wrote_it(
 
 
 def test_a_step_that_cannot_be_written_is_not_published_and_its_temporary_directory_goes(tmp_path):
-    store = RunStore(tmp_path, NotingWriter(fail="manifest.json"))
+    store = RunStore(tmp_path, NotingWriter(fail="manifest.json"), keep_latest_k=1)
     with pytest.raises(RunWriteError, match="manifest.json"):
         store.save_step(1, _bookkeeping(1), _save_json)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -132,7 +132,7 @@ def test_a_step_that_cannot_be_written_is_not_published_and_its_temporary_direct
 
 def test_bad_bookkeeping_is_refused_naming_the_step_and_the_field(tmp_path):
     with pytest.raises(SnapshotStoreError, match=r"step_2: trainer state: dataloader: Field required"):
-        RunStore(tmp_path, PLAIN).read_step(tmp_path / "step_2", {"step": 2, "ledger": {}})
+        RunStore(tmp_path, PLAIN, keep_latest_k=1).read_step(tmp_path / "step_2", {"step": 2, "ledger": {}})
 
 
 # ----- the writer handed to the store sees every file -------------------------------------------
@@ -175,7 +175,7 @@ def test_a_recording_writer_passed_to_the_store_sees_every_file_of_a_snapshot(tm
     from nemo_rl.experience.sample import RolloutSample
 
     writer = RecordingWriter()
-    store = RunStore(tmp_path, writer)
+    store = RunStore(tmp_path, writer, keep_latest_k=1)
     anchor = store.ensure_bootstrap()
     snap = store.begin(anchor)
     # Gym's records land in the snapshot's directory through a Gym server's own writer; here the same one.
@@ -204,7 +204,7 @@ def test_a_recording_writer_passed_to_the_store_sees_every_file_of_a_trainer_ste
                           load_policy(str(model), "float32", "cpu", 64))
     trainer.reset_reference()
     writer = RecordingWriter()
-    store = RunStore(tmp_path / "ckpt", writer)
+    store = RunStore(tmp_path / "ckpt", writer, keep_latest_k=1)
     manifest = store.save_step(1, _bookkeeping(1), lambda d, extra, w: trainer.save(d, extra, writer=w),
                                {"config.yaml": b"a: 1\n"})
     tmp = tmp_path / "ckpt" / ".tmp-step_1"

@@ -382,7 +382,7 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
 
     ckpt = tmp_path / "ckpt"
     controller = SimpleNamespace(
-        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter()), snapshotter=None,
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter(), keep_latest_k=1), snapshotter=None,
         trainer=RecordingTrainer(tmp_path / "logs"),
         dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},

@@ -293,7 +293,7 @@ class RunStore:
       ``read_step(anchor, saved)`` for the trainer's bookkeeping and ``read(snapshot, turn_level)``.
     """
 
-    def __init__(self, checkpoint_dir: str | Path, writer: StorageWriter, *, keep_latest_k: int = 1):
+    def __init__(self, checkpoint_dir: str | Path, writer: StorageWriter, *, keep_latest_k: int):
         if not isinstance(writer, StorageWriter):
             raise TypeError(f"writer must be a StorageWriter, got {type(writer).__name__}")
         self.checkpoint_dir = Path(checkpoint_dir)

@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -265,12 +266,54 @@ def _seal(
     return manifest
 
 
+def _not_regular(path: Path) -> str | None:
+    """Why ``path`` cannot be part of a sealed directory (None: a regular file or a real directory)."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return "not a regular file"
+    return None
+
+
+def _refuse(path: Path, why: str) -> SnapshotStoreError:
+    return SnapshotStoreError(f"{path}: {why}; a sealed directory holds only regular files and directories")
+
+
+def _check_listed(root: Path, rel: str) -> None:
+    """``root / rel`` and every directory on the way to it are real (no link, nothing special), by lstat."""
+    path = root
+    for part in Path(rel).parts:
+        path = path / part
+        why = _not_regular(path)
+        if why is not None:
+            raise _refuse(path, why)
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise _refuse(path, "not a regular file")
+
+
+def _check_tree(root: Path, skip_subdirs: tuple[str, ...]) -> None:
+    """Every entry under ``root`` (and ``root``) is a regular file or a real directory: a restore reads a
+    checkpoint dir as untrusted input, so a link that points out of it is refused, not followed."""
+    why = _not_regular(root)
+    if why is not None:
+        raise _refuse(root, why)
+    for dirpath, dirnames, filenames in os.walk(root):  # does not follow links
+        for name in sorted(dirnames + filenames):
+            why = _not_regular(Path(dirpath) / name)
+            if why is not None:
+                raise _refuse(Path(dirpath) / name, why)
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in skip_subdirs]
+
+
 def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
     """The manifest if ``root``'s commit marker holds: it parses (of ``kind``) and every listed file
     exists with its listed size. Stat only, nothing is read but the manifest; else raise naming the file."""
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:
+        _check_listed(root, MANIFEST_NAME)
         raw = manifest_path.read_bytes()
     except FileNotFoundError:
         raise SnapshotStoreError(f"{manifest_path}: missing") from None
@@ -286,8 +329,10 @@ def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManif
         path = root / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             raise SnapshotStoreError(f"{manifest_path}: file entry {rel!r} escapes the directory")
-        if not path.is_file():
-            raise SnapshotStoreError(f"{path}: listed in the manifest but missing")
+        try:
+            _check_listed(root, rel)
+        except FileNotFoundError:
+            raise SnapshotStoreError(f"{path}: listed in the manifest but missing") from None
         size = path.stat().st_size
         if size != entry.size:
             raise SnapshotStoreError(f"{path}: size {size}, manifest says {entry.size}")
@@ -295,10 +340,15 @@ def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManif
 
 
 def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
-    """The manifest if ``root`` is intact: trusted (``trust_directory``) and every file's sha256
-    matches. Reads every byte: only for a directory about to be restored. Else raise naming the file."""
+    """The manifest if ``root`` is intact: trusted (``trust_directory``), nothing in it a link or a
+    special file (its snapshots aside: each is verified on its own), and every file's sha256 matches.
+    Reads every byte: only for a directory about to be restored. Else raise naming the file."""
     root = Path(root)
     manifest = trust_directory(root, kind)
+    try:
+        _check_tree(root, () if manifest.kind == "rollout_snapshot" else (SNAPSHOTS_DIRNAME,))
+    except FileNotFoundError as exc:  # changed under us: as unusable as a torn one
+        raise SnapshotStoreError(f"{exc.filename}: vanished while being verified") from None
     for rel, entry in manifest.files.items():
         if sha256_file(root / rel) != entry.sha256:
             raise SnapshotStoreError(f"{root / rel}: sha256 does not match the manifest")

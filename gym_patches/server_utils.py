@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import aiohttp
 import yaml
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
@@ -29,6 +29,7 @@ from gym_patches.utils.collector import (
     restore_collections,
     young_collections_only,
 )
+from gym_patches.server_configs import ServerConfigBase, parse_instance_config
 from gym_patches.utils.pacing import TurnPacer
 from gym_patches.wire_models import ACTIVITY_ROUTE
 
@@ -37,12 +38,6 @@ from gym_patches.wire_models import ACTIVITY_ROUTE
 MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 # Routes served at once, however busy the server: checkpoint control, liveness, the activity report.
 UNPACED_ROUTE_PREFIXES = (CHECKPOINT_ROUTE_PREFIX, "/health", ACTIVITY_ROUTE)
-
-
-class ServerConfigBase(BaseModel):
-    """Base of every implementation's config block (unknown keys are errors)."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)
@@ -231,13 +226,7 @@ class GymServer:
     @classmethod
     def validate_instance_config(cls, instance: ServerInstanceConfig) -> ServerConfigBase:
         """Parse an instance's implementation config; errors name the full key."""
-        try:
-            return cls.config_model(**instance.config)
-        except ValidationError as exc:
-            detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-            raise GymConfigError(
-                f"{instance.name}.{instance.server_type}.{instance.implementation}: {detail}"
-            ) from None
+        return parse_instance_config(cls.config_model, instance)
 
     # -- for subclasses ----------------------------------------------------
     def setup_routes(self, app: web.Application) -> None:

@@ -388,7 +388,8 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
         hooks=RunHooks(),
         coverage=SnapshotCoverage(None),
-        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), to_yaml=lambda: "grpo:\n  seed: 7\n"),
+        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), grpo=SimpleNamespace(max_num_steps=10),
+                               to_yaml=lambda: "grpo:\n  seed: 7\n"),
     )
     seconds = []
     for step in (1, 2, 3):
@@ -400,3 +401,61 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
     manifest = verify_directory(ckpt / "step_3", "trainer_step")
     assert set(manifest.files) == {STATE_FILE, "config.yaml"}  # the config the step was trained with, sealed
     assert (ckpt / "step_3" / "config.yaml").read_text() == "grpo:\n  seed: 7\n"
+
+
+# ----- retention: the spare anchor goes once no restore can need it ------------------------------
+def _stand_in(tmp_path, max_num_steps: int, newest_snapshot_under: int):
+    """A stand-in controller (the recording trainer, the real store, keep_top_k=2) with a stand-in snapshotter
+    that says its newest snapshot is under ``newest_snapshot_under`` (pruning reads only that number)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nemo_rl.algorithms.recording_trainer import RecordingTrainer
+    from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
+    from nemo_rl.experience.data_plane import DataPlaneStore
+    from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+    from nemo_rl.utils.run_hooks import RunHooks
+
+    ckpt = tmp_path / "ckpt"
+    return SimpleNamespace(
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter(), keep_latest_k=1),
+        snapshotter=SimpleNamespace(busy=asyncio.Lock(), newest_anchor=newest_snapshot_under),
+        trainer=RecordingTrainer(tmp_path / "logs"), dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
+        ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
+        hooks=RunHooks(), coverage=SnapshotCoverage(None), _spared=None,
+        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2),
+                               grpo=SimpleNamespace(max_num_steps=max_num_steps), to_yaml=lambda: "a: 1\n"),
+    )
+
+
+def _save_steps(controller, steps) -> None:
+    import asyncio
+
+    from nemo_rl.algorithms.single_controller import SingleController
+
+    for step in steps:
+        controller.step = step
+        asyncio.run(SingleController.save_trainer_checkpoint(controller))
+
+
+def test_the_spare_anchor_stays_while_a_restore_needs_it_and_goes_once_a_newer_step_holds_a_snapshot(tmp_path):
+    import asyncio
+
+    from nemo_rl.algorithms.single_controller import SingleController
+
+    controller = _stand_in(tmp_path, max_num_steps=10, newest_snapshot_under=1)
+    _save_steps(controller, (1, 2, 3))
+    ckpt = controller.checkpoint_dir
+    assert list_trainer_steps(ckpt) == [1, 2, 3] and controller._spared == 1  # step 1 holds the newest snapshot
+    controller.snapshotter.newest_anchor = 3  # a snapshot published under step 3: a restore takes that one
+    asyncio.run(SingleController._prune_spared(controller))
+    assert list_trainer_steps(ckpt) == [2, 3] and controller._spared == 3
+
+
+def test_a_complete_run_keeps_only_keep_top_k_steps(tmp_path):
+    controller = _stand_in(tmp_path, max_num_steps=3, newest_snapshot_under=1)
+    _save_steps(controller, (1, 2))
+    assert list_trainer_steps(controller.checkpoint_dir) == [1, 2]
+    _save_steps(controller, (3,))  # the last step: the run is complete, no restore needs step 1
+    assert list_trainer_steps(controller.checkpoint_dir) == [2, 3] and controller._spared is None

@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 import aiohttp
 import yaml
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
@@ -59,10 +58,6 @@ class ServerResponse:
     text: str
     cookies: dict[str, str]
     headers: dict[str, str]
-
-    def raise_for_status(self, server: str, path: str) -> None:
-        if self.status >= 400:
-            raise ServerCallError(server, path, self.status, self.body if self.body is not None else self.text)
 
 
 class ServerCallError(RuntimeError):
@@ -182,27 +177,6 @@ class ServerClient:
 def json_error(status: int, code: str, detail: str) -> web.Response:
     """The one error body shape every Gym route uses."""
     return web.json_response({"error": {"code": code, "detail": detail}}, status=status)
-
-
-async def read_json_model(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    """Parse a request body into ``model``; a bad body is a 422 naming the field."""
-    try:
-        data = await request.json()
-    except ValueError:
-        raise web.HTTPUnprocessableEntity(
-            text='{"error": {"code": "invalid_request", "detail": "body is not valid JSON"}}',
-            content_type="application/json",
-        ) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in exc.errors()
-        )
-        raise web.HTTPUnprocessableEntity(
-            text=web.json_response({"error": {"code": "invalid_request", "detail": detail}}).text,
-            content_type="application/json",
-        ) from None
 
 
 class GymServer:

@@ -40,7 +40,7 @@ from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, al
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.models.policy import HFPolicy
 from gym_patches.checkpoint.storage import StorageWriter
-from nemo_rl.utils.snapshot_store import PLAIN_FILES, write_bytes_atomic, write_stream_atomic
+from nemo_rl.utils.atomic_write import PLAIN_FILES, write_bytes_atomic, write_stream_atomic
 from nemo_rl.utils.write_errors import as_write_error, naming_write, newest_file
 
 CHECKPOINT_FORMAT = "nemo_rl.grpo_trainer.v2"

@@ -22,7 +22,7 @@ from typing import Any
 from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, already_open
 from nemo_rl.experience.sample import RolloutSample
 from gym_patches.checkpoint.storage import StorageWriter
-from nemo_rl.utils.snapshot_store import PLAIN_FILES, write_json_atomic
+from nemo_rl.utils.atomic_write import PLAIN_FILES, write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 STATE_FILE = "recording_trainer.json"

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from nemo_rl.experience.sample import RolloutSample
 from gym_patches.checkpoint.storage import StorageWriter
-from nemo_rl.utils.snapshot_store import PLAIN_FILES, write_bytes_atomic
+from nemo_rl.utils.atomic_write import PLAIN_FILES, write_bytes_atomic
 
 DATA_PLANE_FILE = "rollout_samples.jsonl"
 

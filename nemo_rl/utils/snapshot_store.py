@@ -11,7 +11,7 @@ Reading costs what it must and no more (a trainer step can be gigabytes):
   listed file exists with its listed size (stat only, no file is read);
 - a restore *verifies* only the directory it restores (every sha256), and
   skips a corrupt one, naming the bad file, for the next older one;
-- sealing reads nothing back that ``write_bytes_atomic`` wrote inside
+- sealing reads nothing back that ``atomic_write`` wrote inside
   ``recording_digests``: the digest is taken from the bytes as they are
   written. Other files (a library's ``save_pretrained``) are hashed once.
 
@@ -21,7 +21,7 @@ goes through the ``StorageWriter`` the caller passes
 run store, ``rollout_snapshot/store.py``: ``RunStore``, passes the one it was
 built with), so a test hands in a writer that fails like a full disk without
 this module knowing about it. A caller that passes none writes plain files
-(``PLAIN_FILES``: what the run's logs use). Reads are plain file reads.
+(``atomic_write.PLAIN_FILES``). Reads are plain file reads.
 
 Layout::
 
@@ -34,21 +34,18 @@ Layout::
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
-import json
 import os
 import re
 import stat
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gym_patches.checkpoint.storage import FileSystemWriter, StorageWriter
+from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import PLAIN_FILES, WrittenDigests, write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 MANIFEST_NAME = "manifest.json"
@@ -61,134 +58,10 @@ STORE_SCHEMA_VERSION = 1
 _SNAPSHOT_NAME = re.compile(r"^(?P<seq>[0-9]{1,18})(?:-[A-Za-z0-9._-]{1,64})?$")
 _STEP_DIR = re.compile(r"^step_(?P<step>[0-9]+)$")
 _CHUNK = 1 << 20
-PLAIN_FILES: StorageWriter = FileSystemWriter()  # stateless: what a caller that passes no writer writes through
 
 
 class SnapshotStoreError(ValueError):
     """A snapshot or trainer directory that cannot be used (names the path)."""
-
-
-# ----- digests taken while writing ---------------------------------------------
-def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
-    """What changes when a file is rewritten: a recorded digest is only trusted while it is unchanged."""
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-class WrittenDigests:
-    """sha256 and size of the files ``write_bytes_atomic`` wrote under ``root`` while recording.
-
-    The seal takes these instead of reading the files back; a file changed since (another size,
-    mtime or inode) or written some other way is hashed at seal time as before.
-    """
-
-    def __init__(self, root: str | Path):
-        self.root = Path(os.path.abspath(root))
-        self._files: dict[str, tuple[FileEntry, tuple[int, int, int]]] = {}
-
-    def note(self, path: Path, sha256: str) -> bool:
-        """Record ``path`` (just written, with digest ``sha256``) if it lies under ``root``."""
-        try:
-            rel = Path(os.path.abspath(path)).relative_to(self.root).as_posix()
-        except ValueError:
-            return False
-        st = os.stat(path)
-        self._files[rel] = (FileEntry(sha256=sha256, size=st.st_size), _stat_key(st))
-        return True
-
-    def entry(self, rel: str, path: Path) -> FileEntry | None:
-        """The recorded entry for ``rel`` if the file on disk is still the one written, else None."""
-        recorded = self._files.get(rel)
-        if recorded is None or _stat_key(os.stat(path)) != recorded[1]:
-            return None
-        return recorded[0]
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-
-_recording: contextvars.ContextVar[tuple[WrittenDigests, ...]] = contextvars.ContextVar(
-    "snapshot_store_recording", default=())
-
-
-@contextlib.contextmanager
-def recording_digests(root: str | Path) -> Iterator[WrittenDigests]:
-    """While open (in this thread / task), ``write_bytes_atomic`` under ``root`` keeps each file's
-    digest; hand the result to ``publish_trainer_step`` / ``commit_snapshot`` so sealing reads nothing back."""
-    digests = WrittenDigests(root)
-    token = _recording.set(_recording.get() + (digests,))
-    try:
-        yield digests
-    finally:
-        _recording.reset(token)
-
-
-# ----- primitives ----------------------------------------------------------
-def _temp_beside(path: Path) -> Path:
-    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-
-
-def _note_digest(path: Path, sha256: Callable[[], str]) -> None:
-    recorders = _recording.get()
-    if recorders:
-        digest = sha256()
-        for digests in recorders:
-            digests.note(path, digest)
-
-
-def write_bytes_atomic(path: str | Path, data: bytes, writer: StorageWriter = PLAIN_FILES) -> None:
-    """Write a temp file in the same directory through ``writer``, then commit it over ``path``.
-    Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
-
-    Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error; the
-    temp file is removed, so no torn file is left.
-    """
-    path = Path(path)
-    with naming_write(path):
-        writer.make_dirs(path.parent)
-        tmp = _temp_beside(path)
-        try:
-            writer.write(tmp, data)
-            writer.commit(tmp, path)
-        except BaseException:
-            writer.remove(tmp)
-            raise
-        _note_digest(path, lambda: hashlib.sha256(data).hexdigest())
-
-
-class _HashingStream:
-    """A write-only file that hashes what passes through it (``torch.save`` needs write and flush)."""
-
-    def __init__(self, out: IO[bytes]):
-        self._out, self.sha256 = out, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        return self._out.write(data)
-
-    def flush(self) -> None:
-        self._out.flush()
-
-
-def write_stream_atomic(path: str | Path, fill: Callable[[Any], None], writer: StorageWriter = PLAIN_FILES) -> None:
-    """``write_bytes_atomic`` for a file written in pieces: ``fill(file)`` writes it (``torch.save``), so
-    no copy of the whole file is held in memory; its digest is taken as it streams."""
-    path = Path(path)
-    with naming_write(path):
-        writer.make_dirs(path.parent)
-        tmp = _temp_beside(path)
-        try:
-            with writer.open_write(tmp) as out:
-                stream = _HashingStream(out)
-                fill(stream)
-            writer.commit(tmp, path)
-        except BaseException:
-            writer.remove(tmp)
-            raise
-        _note_digest(path, stream.sha256.hexdigest)
-
-
-def write_json_atomic(path: str | Path, obj: Any, writer: StorageWriter = PLAIN_FILES) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), writer)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -255,7 +128,7 @@ def _seal(
             raise SnapshotStoreError(f"{path}: only regular files may be published")
         written = digests.entry(rel, path) if digests is not None else None
         if written is not None:
-            files[rel] = written
+            files[rel] = FileEntry(sha256=written.sha256, size=written.size)
             continue
         with naming_write(path):
             files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)

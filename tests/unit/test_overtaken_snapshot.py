@@ -22,6 +22,7 @@ from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.atomic_write import write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
     commit_snapshot,
@@ -33,7 +34,6 @@ from nemo_rl.utils.snapshot_store import (
     publish_trainer_step,
     resolve_restore_point,
     verify_directory,
-    write_json_atomic,
 )
 
 ROWS = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]

@@ -21,13 +21,13 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
 )
 from nemo_rl.experience.data_plane import DATA_PLANE_FILE, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.utils.atomic_write import write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     SnapshotStoreError,
     anchor_dir,
     ensure_bootstrap_anchor,
     list_trainer_steps,
     verify_directory,
-    write_json_atomic,
 )
 from nemo_rl.utils.write_errors import RunWriteError
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.utils import snapshot_store
+from nemo_rl.utils.atomic_write import recording_digests, write_bytes_atomic, write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     MANIFEST_NAME,
     SnapshotStoreError,
@@ -25,13 +26,10 @@ from nemo_rl.utils.snapshot_store import (
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    recording_digests,
     resolve_latest_snapshot,
     resolve_restore_point,
     trust_directory,
     verify_directory,
-    write_bytes_atomic,
-    write_json_atomic,
 )
 from nemo_rl.utils.write_errors import RunWriteError
 from gym_patches.checkpoint.storage import FileSystemWriter

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from nemo_rl.experience.data_plane import DataPlaneCapture, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import LedgerJsonParts, RolloutRecoveryLedger
 from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import recording_digests, write_bytes_atomic, write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     DirectoryManifest,
     RestorePoint,
@@ -43,11 +44,8 @@ from nemo_rl.utils.snapshot_store import (
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    recording_digests,
     remove_stale_tmp_dirs,
     resolve_restore_point,
-    write_bytes_atomic,
-    write_json_atomic,
 )
 
 GYM_CHECKPOINT_SCHEMA_VERSION = 3

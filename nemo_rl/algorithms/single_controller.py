@@ -65,7 +65,6 @@ from nemo_rl.algorithms.single_controller_utils.run_identity_check import record
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.stop_signals import RunStopped
 from nemo_rl.utils.write_errors import as_write_error
-from nemo_rl.utils.snapshot_store import anchor_dir
 
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
@@ -590,7 +589,7 @@ class SingleController:
             stopped.error = f"{type(exc).__name__}: {exc}"
 
     def anchor_dir(self) -> Path:
-        return anchor_dir(self.checkpoint_dir, self.anchor_step)
+        return self.store.anchor(self.anchor_step)
 
     async def _gym_activity(self) -> dict[str, dict[str, Any]]:
         """Every replica's agents: what each run in flight is doing (the stall watchdog reads it)."""
@@ -659,7 +658,7 @@ class SingleController:
             t1 = time.monotonic()
             await _prune_steps(self.store, self.config.checkpointing.keep_top_k, step, spare, self.checkpoint_dir)
             self._spared = spare
-            self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())
+            self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
             return checkpoint_s + (time.monotonic() - t1)
 
     async def _prune_spared(self) -> None:
@@ -671,7 +670,7 @@ class SingleController:
             await _prune_steps(self.store, self.config.checkpointing.keep_top_k, self.anchor_step, spare,
                                self.checkpoint_dir)
             self._spared = spare
-            self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())
+            self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
 
     async def _forget_trained(self) -> None:
         """Trained groups whose step is durable leave the ledger, and Gym forgets their rollouts:

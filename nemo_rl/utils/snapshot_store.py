@@ -559,6 +559,62 @@ def resolve_restore_point(
     return None
 
 
+class Listed(NamedTuple):
+    """One directory of a checkpoint dir as the inspector shows it (``list_checkpoint_dir``)."""
+
+    path: Path
+    kind: Literal["bootstrap", "trainer_step", "rollout_snapshot", "temporary"]
+    step: int | None  # an anchor's step (0: bootstrap); None for a snapshot or a temporary anchor
+    manifest: DirectoryManifest | None  # its commit marker, when it holds (``trust_directory``)
+    reason: str | None  # why it is not valid (None: valid, or temporary)
+    size_bytes: int  # its own files (an anchor's snapshots not counted)
+    snapshots: tuple["Listed", ...] = ()
+
+
+def _tree_size(path: Path, skip: str | None = None) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        if skip and Path(dirpath) == path:
+            dirnames[:] = [d for d in dirnames if d != skip]
+        total += sum((Path(dirpath) / f).stat().st_size for f in filenames if (Path(dirpath) / f).is_file())
+    return total
+
+
+def _listed(path: Path, kind: str, step: int | None, skip: str | None = None) -> Listed:
+    size = _tree_size(path, skip)
+    if kind == "temporary":
+        return Listed(path, "temporary", step, None, None, size)
+    try:
+        return Listed(path, kind, step, trust_directory(path, kind), None, size)  # type: ignore[arg-type]
+    except SnapshotStoreError as exc:
+        return Listed(path, kind, step, None, str(exc), size)  # type: ignore[arg-type]
+
+
+def list_checkpoint_dir(checkpoint_dir: str | Path) -> list[Listed]:
+    """Every anchor (newest first) with its snapshots (newest first), and the temporary directories a crash
+    left (last). Stat only: each commit marker is trusted, nothing is hashed."""
+    root = Path(checkpoint_dir)
+    anchors = []
+    for path in root.iterdir() if root.is_dir() else []:
+        if path.name.startswith(TMP_PREFIX):
+            anchors.append(_listed(path, "temporary", None))
+            continue
+        if path.name == BOOTSTRAP_DIRNAME:
+            step, kind = 0, "bootstrap"
+        elif match := _STEP_DIR.match(path.name):
+            step, kind = int(match["step"]), "trainer_step"
+        else:
+            continue
+        snaps_root = snapshots_root(path)
+        snapshots = tuple(
+            _listed(snap, "temporary" if snap.name.startswith(TMP_PREFIX) else "rollout_snapshot", None)
+            for snap in sorted(snaps_root.iterdir() if snaps_root.is_dir() else [], reverse=True,
+                               key=lambda p: (snapshot_sequence(p.name) or -1, p.name))
+            if snap.name.startswith(TMP_PREFIX) or snapshot_sequence(snap.name) is not None)
+        anchors.append(_listed(path, kind, step, skip=SNAPSHOTS_DIRNAME)._replace(snapshots=snapshots))
+    return sorted(anchors, key=lambda a: (a.step is not None, a.step or 0), reverse=True)
+
+
 def remove_stale_tmp_dirs(checkpoint_dir: str | Path, writer: StorageWriter = PLAIN_FILES) -> list[Path]:
     """Delete ``.tmp-*`` dirs a crash left behind, each named in a warning.
 

@@ -22,7 +22,7 @@ import ray
 from gym_patches.checkpoint.storage import StorageWriter
 from gym_patches.utils.processes import free_port
 from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, ConfigError, MasterConfig
-from nemo_rl.utils.snapshot_store import RestorePoint
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RestorePoint
 
 logger = logging.getLogger(__name__)
 

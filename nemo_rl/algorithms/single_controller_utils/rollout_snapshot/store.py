@@ -33,12 +33,17 @@ from nemo_rl.experience.data_plane import DataPlaneCapture, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import LedgerJsonParts, RolloutRecoveryLedger
 from gym_patches.checkpoint.storage import StorageWriter
 from nemo_rl.utils.atomic_write import recording_digests, write_bytes_atomic, write_json_atomic
+# Listed, list_checkpoint_dir and RestorePoint are the run store's read side too: the inspector and the
+# runner's components take them from here, not from the layout module.
 from nemo_rl.utils.snapshot_store import (
     DirectoryManifest,
+    Listed,
     RestorePoint,
     SnapshotStoreError,
+    anchor_dir,
     commit_snapshot,
     ensure_bootstrap_anchor,
+    list_checkpoint_dir,
     next_snapshot_path,
     prepare_snapshot_paths,
     prepare_trainer_step,
@@ -297,6 +302,10 @@ class RunStore:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.writer = writer
         self.keep_latest_k = keep_latest_k
+
+    def anchor(self, step: int) -> Path:
+        """The directory of trainer step ``step`` (``bootstrap/`` for 0): where its snapshots go."""
+        return anchor_dir(self.checkpoint_dir, step)
 
     # -- at start
     def remove_stale_tmp_dirs(self) -> list[Path]:

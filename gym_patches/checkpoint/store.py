@@ -64,13 +64,6 @@ def _check_checkpoint_id(checkpoint_id: str) -> None:
         raise CheckpointStoreError(f"checkpoint_id {checkpoint_id!r} must match {CHECKPOINT_ID_PATTERN}")
 
 
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def _stop_if(should_stop: Callable[[], bool] | None, where: Path) -> None:
     if should_stop is not None and should_stop():
         raise WriteStopped(f"write of {where} stopped before it was published")
@@ -167,7 +160,7 @@ def write_participant_state(
         why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
         raise CheckpointStoreError(f"cannot write {target}: {why}") from None
     finally:
-        _unlink_quietly(tmp)
+        writer.remove(tmp)  # a temporary left by a failure (none once committed)
 
 
 def _publish_manifest(path: Path, manifest: ParticipantManifest, writer: StorageWriter) -> ParticipantManifest:
@@ -180,7 +173,7 @@ def _publish_manifest(path: Path, manifest: ParticipantManifest, writer: Storage
             return _same_or_raise(path, manifest)
         return manifest
     finally:
-        _unlink_quietly(tmp)
+        writer.remove(tmp)  # a temporary left by a failure (none once committed)
 
 
 def _same_or_raise(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:

@@ -26,16 +26,17 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import 
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
+    RestorePoint,
     RunStore,
-    select_restore_point,
     SnapshotContents,
+    select_restore_point,
 )
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.experience.rollout_recovery.restart import RestartSummary, RestoredEpisode
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_replicas, replica_changes
-from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError
+from nemo_rl.utils.snapshot_store import SnapshotStoreError
 
 logger = logging.getLogger(__name__)
 

@@ -64,15 +64,25 @@ class StorageWriter(ABC):
     @contextlib.contextmanager
     def staging(self, directory: Path) -> Iterator[Path]:
         """A local directory for a library that writes its files itself; on a clean exit each file in it
-        is ``put`` under ``directory`` (sub-directories kept), and it is removed either way."""
+        is ``put`` under ``directory`` (sub-directories kept), and it is removed either way. A failure
+        to make it names ``directory``; a failed put names the file it was to become."""
         scratch = Path(directory) / f".staging-{uuid.uuid4().hex[:12]}"
-        scratch.mkdir(parents=True)
+        try:
+            scratch.mkdir(parents=True)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(directory)) from exc
         try:
             yield scratch
             for dirpath, _dirs, names in os.walk(scratch):
                 for name in sorted(names):
                     staged = Path(dirpath) / name
-                    self.put(Path(directory) / staged.relative_to(scratch), staged)
+                    dest = Path(directory) / staged.relative_to(scratch)
+                    try:
+                        self.put(dest, staged)
+                    except OSError as exc:
+                        if exc.filename == str(dest):
+                            raise
+                        raise OSError(exc.errno, exc.strerror, str(dest)) from exc
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 

@@ -283,7 +283,8 @@ class GRPOTrainer:
             self.dataloader_state = copy.deepcopy(dataloader_state)
         model = self.policy.model
         # Hugging Face writes its files itself: into the writer's staging directory, which it commits.
-        with naming_write(d), writer.staging(d) as staged:
+        # (A failure names its file: _hf_save for a write, the writer for a put.)
+        with naming_write(None), writer.staging(d) as staged:
             _hf_save(d, staged, lambda: model.save_pretrained(staged, max_shard_size=_MAX_SHARD_SIZE),
                      _weights_files(model))
             _hf_save(d, staged, lambda: self.tokenizer.save_pretrained(staged))

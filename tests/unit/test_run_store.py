@@ -215,3 +215,20 @@ def test_a_recording_writer_passed_to_the_store_sees_every_file_of_a_trainer_ste
     assert (tmp, anchor_dir(tmp_path / "ckpt", 1)) in writer.dirs
     verify_directory(anchor_dir(tmp_path / "ckpt", 1), "trainer_step")
     assert not any(p.name.startswith(".staging-") for p in anchor_dir(tmp_path / "ckpt", 1).iterdir())
+
+
+def test_a_weights_file_the_writer_cannot_put_fails_the_step_naming_that_file(tmp_path):
+    from nemo_rl.algorithms.grpo import GRPOTrainer
+    from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
+    from nemo_rl.models.policy import load_policy
+    from testkit.write_faults import FailingWriter
+    from tests.model_fixtures import tiny_qwen_dir
+
+    trainer = GRPOTrainer(PolicyConfig(device="cpu", max_seq_len=64), LossConfig(), GRPOConfig(seed=0),
+                          load_policy(str(tiny_qwen_dir(tmp_path / "model")), "float32", "cpu", 64))
+    store = RunStore(tmp_path / "ckpt", FailingWriter("ENOSPC:model.safetensors"), keep_latest_k=1)
+    with pytest.raises(RunWriteError) as caught:
+        store.save_step(1, _bookkeeping(1), lambda d, extra, w: trainer.save(d, extra, writer=w))
+    assert caught.value.filename == str(tmp_path / "ckpt" / ".tmp-step_1" / "model.safetensors")
+    assert "No space left on device" in str(caught.value)
+    assert list((tmp_path / "ckpt").iterdir()) == []  # no step, no temporary directory, no staging left

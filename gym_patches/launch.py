@@ -36,6 +36,7 @@ from gym_patches.config import (
     parse_gym_config,
 )
 from gym_patches.rl_config import GYM_SECTION, looks_like_rl_config, read_rl_gym
+from gym_patches.server_catalog import check_servers
 from gym_patches.utils.processes import die_with_parent, listening_socket, signals_blocked
 
 
@@ -82,12 +83,7 @@ class GymDeployment:
             config = load_gym_config(config)
         elif isinstance(config, dict):
             config = parse_gym_config(config)
-        from gym_patches.server_main import server_class
-
-        classes = {name: server_class(i.server_type, i.implementation) for name, i in config.instances.items()}
-        for name, server_cls in classes.items():
-            server_cls.validate_instance_config(config.instances[name])  # a bad key fails here, not in a child
-        modes = {name: server_cls.checkpoint_mode_label() for name, server_cls in classes.items()}
+        modes = check_servers(config)  # a bad key fails here, not in a child (and no server is imported here)
         config, sockets = _assign_ports(config)
         logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="gym-logs-"))
         logs.mkdir(parents=True, exist_ok=True)

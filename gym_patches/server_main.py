@@ -17,7 +17,6 @@ import sys
 import yaml
 from aiohttp import web
 
-from gym_patches.checkpoint.storage import install_writer
 from gym_patches.config import (
     CONFIG_DICT_ENV,
     CONFIG_PATH_ENV,
@@ -97,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{CONFIG_DICT_ENV} is not set", file=sys.stderr)
         return 2
     config = parse_gym_config(yaml.safe_load(raw))
-    install_writer(config.checkpoint.storage_writer)  # before any checkpoint file is written
     if args.head:
         app = build_head_app(config)
         host, port = config.head_server.host, config.head_server.port

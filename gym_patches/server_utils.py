@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 import aiohttp
 import yaml
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.config import SERVER_KIND, GymConfigError, GymGlobalConfig, ServerInstanceConfig, parse_gym_config
@@ -29,6 +28,7 @@ from gym_patches.utils.collector import (
     restore_collections,
     young_collections_only,
 )
+from gym_patches.server_configs import ServerConfigBase, parse_instance_config
 from gym_patches.utils.pacing import TurnPacer
 from gym_patches.wire_models import ACTIVITY_ROUTE
 
@@ -37,12 +37,6 @@ from gym_patches.wire_models import ACTIVITY_ROUTE
 MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 # Routes served at once, however busy the server: checkpoint control, liveness, the activity report.
 UNPACED_ROUTE_PREFIXES = (CHECKPOINT_ROUTE_PREFIX, "/health", ACTIVITY_ROUTE)
-
-
-class ServerConfigBase(BaseModel):
-    """Base of every implementation's config block (unknown keys are errors)."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)
@@ -64,10 +58,6 @@ class ServerResponse:
     text: str
     cookies: dict[str, str]
     headers: dict[str, str]
-
-    def raise_for_status(self, server: str, path: str) -> None:
-        if self.status >= 400:
-            raise ServerCallError(server, path, self.status, self.body if self.body is not None else self.text)
 
 
 class ServerCallError(RuntimeError):
@@ -189,27 +179,6 @@ def json_error(status: int, code: str, detail: str) -> web.Response:
     return web.json_response({"error": {"code": code, "detail": detail}}, status=status)
 
 
-async def read_json_model(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    """Parse a request body into ``model``; a bad body is a 422 naming the field."""
-    try:
-        data = await request.json()
-    except ValueError:
-        raise web.HTTPUnprocessableEntity(
-            text='{"error": {"code": "invalid_request", "detail": "body is not valid JSON"}}',
-            content_type="application/json",
-        ) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in exc.errors()
-        )
-        raise web.HTTPUnprocessableEntity(
-            text=web.json_response({"error": {"code": "invalid_request", "detail": detail}}).text,
-            content_type="application/json",
-        ) from None
-
-
 class GymServer:
     """Base class of every Gym server. Subclasses set ``config_model`` and add routes."""
 
@@ -231,13 +200,7 @@ class GymServer:
     @classmethod
     def validate_instance_config(cls, instance: ServerInstanceConfig) -> ServerConfigBase:
         """Parse an instance's implementation config; errors name the full key."""
-        try:
-            return cls.config_model(**instance.config)
-        except ValidationError as exc:
-            detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-            raise GymConfigError(
-                f"{instance.name}.{instance.server_type}.{instance.implementation}: {detail}"
-            ) from None
+        return parse_instance_config(cls.config_model, instance)
 
     # -- for subclasses ----------------------------------------------------
     def setup_routes(self, app: web.Application) -> None:
@@ -270,12 +233,14 @@ class GymServer:
         self.setup_routes(app)
         if self.participant is not None:
             from gym_patches.checkpoint.control import ParticipantControlPlane
+            from gym_patches.checkpoint.storage import build_writer
 
             settings = self.global_config.checkpoint
             ParticipantControlPlane(
                 self.participant,
                 instance=self.name,
                 auth_token=settings.control_auth_token or "",
+                writer=build_writer(settings.storage_writer),  # this server's own instance
                 lease_grace_seconds=settings.lease_grace_seconds,
                 pacer=self.pacer,
             ).install(app)

@@ -138,14 +138,6 @@ def message_item(role: str, text: str) -> Item:
     return {"type": "message", "role": role, "content": text}
 
 
-def item_text(item: Item) -> str:
-    """Text of a message item whose content is a string or a list of text parts."""
-    content = item.get("content", "")
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-
-
 # -- /run errors and agent activity ----------------------------------------
 
 RUN_ERROR_UPSTREAM_TIMEOUT = "upstream_timeout"  # 504: a Gym server the agent called did not answer in time

@@ -5,7 +5,7 @@
 - ``run_grpo``: the test entry of a run: the product's main with test hooks.
 - ``crash_points``: ``CrashAt``, run hooks that SIGKILL the run at a phase.
 - ``write_faults``: a storage writer that fails one write like a full disk (a run
-  names it in ``checkpointing.storage_writer``; every process installs it).
+  names it in ``checkpointing.storage_writer``; every process builds its own and hands it to its stores).
 
 The wheel packages only ``gym_patches`` and ``nemo_rl``; product modules never
 import this package (``tests/unit/test_no_test_hooks_in_product.py``).

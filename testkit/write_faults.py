@@ -6,8 +6,9 @@ write (default 1) of a file whose path contains ``fragment`` raise
 ``StorageWriter`` (``gym_patches.checkpoint.storage``, the one definition both
 sides' stores use): a unit test hands it to a store; a run names it in its
 config, ``checkpointing.storage_writer`` (``write_fault_overrides``), and the
-driver and every Gym server install it as their process's writer at startup,
-each with its own count. So a test can fail one snapshot and check that it is
+driver and every Gym server build one from it and hand it to their stores,
+each with its own count. A file's bytes fail, however they are written
+(``write``, streamed, or a library's file put into place). So a test can fail one snapshot and check that it is
 reported by file name, that rollouts go on, and that older snapshots stay
 intact: through the product's own storage seam, with no import hook.
 """
@@ -72,6 +73,14 @@ class FailingWriter(FileSystemWriter):
     def write(self, path: Path, data: bytes) -> None:
         self.fault.check(path)
         super().write(path, data)
+
+    def open_write(self, path: Path):
+        self.fault.check(path)
+        return super().open_write(path)
+
+    def put(self, path: Path, staged: Path) -> None:
+        self.fault.check(path)
+        super().put(path, staged)
 
 
 def write_fault_overrides(fault: str) -> list[str]:

@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from nemo_rl.utils.atomic_write import recording_digests, write_bytes_atomic, write_json_atomic  # noqa: E402
 from nemo_rl.utils.snapshot_store import (  # noqa: E402
     BOOTSTRAP_DIRNAME,
     SnapshotStoreError,
@@ -69,12 +70,9 @@ from nemo_rl.utils.snapshot_store import (  # noqa: E402
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    recording_digests,
     resolve_latest_snapshot,
     resolve_restore_point,
     verify_directory,
-    write_bytes_atomic,
-    write_json_atomic,
 )
 
 MB = 1 << 20

@@ -115,8 +115,8 @@ class Flight:
         exported = {IID: set().union(captured) & plan.scope_keys[IID]}  # as ``exported_keys``
         not_started = unstarted_after_drain(plan.scope_keys, exported, waited, {}, {})
         c5 = clock()
-        owned = check_ownership(None, plan, exported, not_started, held=held)
-        counts = count_snapshot(None, plan, exported, not_started, owned=owned, first=self.first,
+        owned = check_ownership(plan, exported, not_started, held=held)
+        counts = count_snapshot(plan, exported, not_started, owned=owned, first=self.first,
                                 refused_waiting=refused)
         c6 = clock()
         server_scopes(plan, AGENT_SERVERS)

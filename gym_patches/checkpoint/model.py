@@ -35,7 +35,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Literal,
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, outlast_cancellation
+from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX
+from gym_patches.utils.cancellation import outlast_cancellation
 from gym_patches.checkpoint.cuts import CutSummary, GenerationCut
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt

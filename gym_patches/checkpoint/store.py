@@ -2,14 +2,13 @@
 
 Layout: ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` plus a
 write-once ``manifest.json``. The records file is named by its digest, so a
-torn write can never pass for a finished one; the manifest is published with
-``os.link`` so it is created exactly once and never replaced. Reading checks
+torn write can never pass for a finished one; the manifest is committed with
+``replace=False`` (``os.link`` for plain files) so it is created exactly once and never replaced. Reading checks
 every manifest field and the digest, and every error names the file.
 
-Every file's bytes go through the ``StorageWriter`` the caller passes
-(``gym_patches.checkpoint.storage``; none: the process's default, plain files)
-and are read back through its ``StorageReader``: a test passes one that fails
-like a full disk.
+Every file's bytes, its rename and the directory it lands in go through the
+``StorageWriter`` the caller passes (``gym_patches.checkpoint.storage``): a test
+passes one that fails like a full disk. Reads are plain file reads.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointStoreError
 from gym_patches.checkpoint.records import RecordEncodeError, decode_record, encode_record
-from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
+from gym_patches.checkpoint.storage import StorageWriter
 from gym_patches.checkpoint.wire import CHECKPOINT_ID_PATTERN, ParticipantKind, ParticipantManifest
 
 SCHEMA_VERSION = 1
@@ -63,21 +62,6 @@ def participant_dir(checkpoint_dir: str | os.PathLike[str], kind: str, instance:
 def _check_checkpoint_id(checkpoint_id: str) -> None:
     if not isinstance(checkpoint_id, str) or not _CHECKPOINT_ID.match(checkpoint_id):
         raise CheckpointStoreError(f"checkpoint_id {checkpoint_id!r} must match {CHECKPOINT_ID_PATTERN}")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def _stop_if(should_stop: Callable[[], bool] | None, where: Path) -> None:
@@ -129,22 +113,21 @@ def write_participant_state(
     checkpoint_id: str,
     records: list[dict[str, Any]] | EncodedRecords,
     *,
+    writer: StorageWriter,
     should_stop: Callable[[], bool] | None = None,
-    writer: StorageWriter | None = None,
 ) -> ParticipantManifest:
-    """Write ``records`` (or records encoded earlier) and publish the manifest once.
+    """Write ``records`` (or records encoded earlier) and publish the manifest once, all through
+    ``writer`` (the files, their renames, the directory).
 
     Identical content committed again returns the existing manifest; other
     content for an existing manifest is an error. ``should_stop`` (checked
     before each rename) lets a resume abandon a write that is not yet
-    published; it then raises ``WriteStopped``. ``writer``: every file's bytes
-    (None: ``storage.process_writer()``).
+    published; it then raises ``WriteStopped``.
     """
-    writer = process_writer() if writer is None else writer
     _check_checkpoint_id(checkpoint_id)
     directory = participant_dir(checkpoint_dir, kind, instance)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        writer.make_dirs(directory)
     except OSError as exc:
         raise CheckpointStoreError(f"cannot create {directory}: {exc}") from None
     encoded = records if isinstance(records, EncodedRecords) else encode_records(
@@ -166,12 +149,10 @@ def write_participant_state(
         if manifest_path.exists():
             existing = _same_or_raise(manifest_path, manifest)
             if not (directory / manifest.records_file).exists():  # repair a lost records file
-                os.replace(tmp, directory / manifest.records_file)
-                _fsync_dir(directory)
+                writer.commit(tmp, directory / manifest.records_file)
             return existing
         _stop_if(should_stop, directory)
-        os.replace(tmp, directory / manifest.records_file)
-        _fsync_dir(directory)
+        writer.commit(tmp, directory / manifest.records_file)
         _stop_if(should_stop, directory)
         target = manifest_path
         return _publish_manifest(manifest_path, manifest, writer)
@@ -179,7 +160,7 @@ def write_participant_state(
         why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
         raise CheckpointStoreError(f"cannot write {target}: {why}") from None
     finally:
-        _unlink_quietly(tmp)
+        writer.remove(tmp)  # a temporary left by a failure (none once committed)
 
 
 def _publish_manifest(path: Path, manifest: ParticipantManifest, writer: StorageWriter) -> ParticipantManifest:
@@ -187,13 +168,12 @@ def _publish_manifest(path: Path, manifest: ParticipantManifest, writer: Storage
     try:
         writer.write(tmp, json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode() + b"\n")
         try:
-            os.link(tmp, path)  # fails if a manifest exists: never replaced
+            writer.commit(tmp, path, replace=False)  # created exactly once, never replaced
         except FileExistsError:
             return _same_or_raise(path, manifest)
-        _fsync_dir(path.parent)
         return manifest
     finally:
-        _unlink_quietly(tmp)
+        writer.remove(tmp)  # a temporary left by a failure (none once committed)
 
 
 def _same_or_raise(path: Path, manifest: ParticipantManifest) -> ParticipantManifest:
@@ -212,9 +192,9 @@ def _same_or_raise(path: Path, manifest: ParticipantManifest) -> ParticipantMani
     return existing
 
 
-def _load_manifest(path: Path, reader: StorageReader = FileSystemReader()) -> ParticipantManifest:
+def _load_manifest(path: Path) -> ParticipantManifest:
     try:
-        raw = reader.read_bytes(path)
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointStoreError(f"{path} is missing") from None
     except OSError as exc:
@@ -238,15 +218,12 @@ def _load_manifest(path: Path, reader: StorageReader = FileSystemReader()) -> Pa
 
 def read_participant_state(
     checkpoint_dir: str | os.PathLike[str], kind: str, instance: str, checkpoint_id: str,
-    reader: StorageReader | None = None,
 ) -> tuple[ParticipantManifest, list[dict[str, Any]]]:
-    """Load and verify one participant's records; any mismatch raises naming the file.
-    ``reader``: every file's bytes (None: plain files)."""
+    """Load and verify one participant's records; any mismatch raises naming the file."""
     _check_checkpoint_id(checkpoint_id)
-    reader = FileSystemReader() if reader is None else reader
     directory = participant_dir(checkpoint_dir, kind, instance)
     manifest_path = directory / MANIFEST_NAME
-    manifest = _load_manifest(manifest_path, reader)
+    manifest = _load_manifest(manifest_path)
     for field, expected in (("kind", kind), ("instance", instance), ("checkpoint_id", checkpoint_id)):
         if getattr(manifest, field) != expected:
             raise CheckpointStoreError(
@@ -262,7 +239,7 @@ def read_participant_state(
     records: list[dict[str, Any]] = []
     problem: str | None = None
     try:
-        with reader.open(records_path) as src:
+        with open(records_path, "rb") as src:
             for number, line in enumerate(src, start=1):
                 digest.update(line)
                 if problem is not None:

@@ -211,14 +211,5 @@ class ResumeReply(BaseModel):
     idempotent: bool
 
 
-class ErrorDetail(BaseModel):
-    code: str
-    detail: str
-
-
-class ErrorReply(BaseModel):
-    error: ErrorDetail
-
-
 def dump(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json")

@@ -16,12 +16,11 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import uuid
 from typing import Any, Awaitable, Callable, ClassVar
 
 from aiohttp import web
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
@@ -29,7 +28,8 @@ from gym_patches.checkpoint.resources import ResourcesParticipant, SessionStateH
 from gym_patches.checkpoint.wire import ResourcesCheckpointMode
 from gym_patches.config import GymConfigError, GymGlobalConfig, ServerInstanceConfig
 from gym_patches.resources_servers import ToolError
-from gym_patches.server_utils import GymServer, ServerConfigBase, json_error
+from gym_patches.server_configs import ResourcesServerConfig, ServerConfigBase
+from gym_patches.server_utils import GymServer, json_error
 from gym_patches.wire_models import (
     ROLLOUT_ID_FIELD,
     SESSION_COOKIE,
@@ -45,21 +45,6 @@ RESERVED_ROUTES = frozenset({"seed_session", "verify", "close_session", "health"
 MODE_LABELS: dict[str, str] = {"exported": "saves", "stateless": "stateless", "restart_only": "restart-only"}
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
-
-
-class ResourcesServerConfig(ServerConfigBase):
-    """Config every resources server accepts; subclasses add their own keys."""
-
-    # tool name -> seconds to sleep before running it (tests use it to catch a call mid-flight)
-    tool_delay_s: dict[str, float] = Field(default_factory=dict)
-
-    @field_validator("tool_delay_s")
-    @classmethod
-    def _delays(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, seconds in value.items():
-            if not math.isfinite(seconds) or seconds < 0:
-                raise ValueError(f"tool_delay_s[{name!r}] must be a finite number >= 0, got {seconds!r}")
-        return value
 
 
 def _field_errors(exc: ValidationError) -> str:

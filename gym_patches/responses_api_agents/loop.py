@@ -16,14 +16,14 @@ import re
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gym_patches.activity import ActivityBoard, RunTrack
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.config import ServerRef
 from gym_patches.responses_api_agents.admission import StartGate
-from gym_patches.server_utils import GymServer, ServerCallError, ServerClient, ServerConfigBase
+from gym_patches.server_configs import LoopAgentConfig
+from gym_patches.server_utils import GymServer, ServerCallError, ServerClient
 from gym_patches.wire_models import (
     ACTIVITY_ROUTE,
     ROLLOUT_ID_FIELD,
@@ -381,30 +381,6 @@ class ServerLoopIO:
 
 
 # -- the server both agents share -------------------------------------------
-
-
-class LoopAgentConfig(ServerConfigBase):
-    model_server: ServerRef
-    resources_server: ServerRef
-    max_steps: int = Field(default=6, ge=1, le=1000)
-    # A model reply may be held across a checkpoint's prepare, and reasoning generations are long.
-    model_call_timeout_s: float = Field(default=1800.0, gt=0, allow_inf_nan=False, strict=True)
-    # Seed, tool calls and verify: a resources server that takes longer is taken as hung.
-    resources_call_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False, strict=True)
-
-    @field_validator("model_server")
-    @classmethod
-    def _model_ref(cls, ref: ServerRef) -> ServerRef:
-        if ref.type != "responses_api_models":
-            raise ValueError(f"model_server must name a responses_api_models server, not {ref.type}/{ref.name}")
-        return ref
-
-    @field_validator("resources_server")
-    @classmethod
-    def _resources_ref(cls, ref: ServerRef) -> ServerRef:
-        if ref.type != "resources_servers":
-            raise ValueError(f"resources_server must name a resources_servers server, not {ref.type}/{ref.name}")
-        return ref
 
 
 class RunRequestError(ValueError):

@@ -26,6 +26,8 @@ import logging
 import time
 from typing import Iterator
 
+from gym_patches.utils.cancellation import outlast_cancellation
+
 logger = logging.getLogger(__name__)
 
 # A generation-2 threshold no run reaches: automatic collection never walks the old generation.
@@ -111,11 +113,12 @@ class FullCollections:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="full gc collections")
 
     async def stop(self) -> None:
+        """Cancel the loop and wait until it has ended; a cancellation of the caller meanwhile is raised
+        once it has (never swallowed: ``utils.cancellation``)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await outlast_cancellation(task)
 
     async def _loop(self) -> None:
         while True:

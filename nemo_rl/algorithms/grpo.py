@@ -39,7 +39,8 @@ from nemo_rl.algorithms.loss_functions import clipped_pg_loss
 from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, already_open
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.models.policy import HFPolicy
-from nemo_rl.utils.snapshot_store import write_bytes_atomic
+from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import PLAIN_FILES, write_bytes_atomic, write_stream_atomic
 from nemo_rl.utils.write_errors import as_write_error, naming_write, newest_file
 
 CHECKPOINT_FORMAT = "nemo_rl.grpo_trainer.v2"
@@ -93,8 +94,9 @@ def _weights_files(model: Any) -> list[str]:
     return list(split.filename_to_tensors)
 
 
-def _hf_save(directory: Path, save: Callable[[], Any], weights: Sequence[str] = ()) -> None:
-    """Run a Hugging Face ``save_pretrained``; a failed write leaves as ``RunWriteError`` naming its file.
+def _hf_save(directory: Path, staged: Path, save: Callable[[], Any], weights: Sequence[str] = ()) -> None:
+    """Run a Hugging Face ``save_pretrained`` into ``staged`` (the writer's staging directory for
+    ``directory``); a failed write leaves as ``RunWriteError`` naming its file under ``directory``.
 
     Neither safetensors' ``SafetensorError (os error N)`` nor an ``OSError`` from ``write()`` names
     the file, so it is found here: a failed weights shard is not left on disk (safetensors removes
@@ -107,9 +109,11 @@ def _hf_save(directory: Path, save: Callable[[], Any], weights: Sequence[str] = 
         if isinstance(exc, OSError) and exc.filename:
             path: Path | str = exc.filename
         elif not isinstance(exc, OSError) and weights:
-            path = next((directory / w for w in weights if not (directory / w).exists()), directory / weights[-1])
+            path = next((staged / w for w in weights if not (staged / w).exists()), staged / weights[-1])
         else:
-            path = newest_file(directory, started) or directory
+            path = newest_file(staged, started) or staged
+        if Path(path).is_relative_to(staged):
+            path = directory / Path(path).relative_to(staged)
         converted = as_write_error(exc, path)
         if converted is None or converted is exc:
             raise
@@ -120,6 +124,11 @@ def _torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def _torch_file(path: Path, obj: Any, writer: StorageWriter) -> None:
+    """``obj`` streamed by ``torch.save`` through ``writer``: no second copy of it in memory."""
+    write_stream_atomic(path, lambda out: torch.save(obj, out), writer)
 
 
 class GRPOTrainer:
@@ -254,34 +263,40 @@ class GRPOTrainer:
         return _torch_bytes(self.state_dict_for_refit())
 
     # ----- checkpoint ----------------------------------------------------
-    def save(self, directory: str | os.PathLike, dataloader_state: dict | None = None) -> Path:
+    def save(self, directory: str | os.PathLike, dataloader_state: dict | None = None, *,
+             writer: StorageWriter = PLAIN_FILES) -> Path:
         """Hugging Face model + tokenizer, optimizer, reference, RNG; ``trainer_state.json`` goes last.
+        Every file goes through ``writer`` (the run store's, in a run; plain files for a direct call).
 
         A file that cannot be written (disk full, I/O error) raises ``RunWriteError`` naming it, so
         the run ends with one line instead of a library traceback.
         """
         with self._lock:  # never between a step's optimizer update and its counter bump
-            return self._save(Path(directory), dataloader_state)
+            return self._save(Path(directory), dataloader_state, writer)
 
-    def _save(self, d: Path, dataloader_state: dict | None) -> Path:
+    def _save(self, d: Path, dataloader_state: dict | None, writer: StorageWriter) -> Path:
         with naming_write(d):
-            d.mkdir(parents=True, exist_ok=True)
+            writer.make_dirs(d)
         if dataloader_state is not None:
             if not isinstance(dataloader_state, dict):
                 raise TypeError(f"dataloader_state must be a dict, got {type(dataloader_state).__name__}")
             self.dataloader_state = copy.deepcopy(dataloader_state)
         model = self.policy.model
-        _hf_save(d, lambda: model.save_pretrained(d, max_shard_size=_MAX_SHARD_SIZE), _weights_files(model))
-        _hf_save(d, lambda: self.tokenizer.save_pretrained(d))
-        write_bytes_atomic(d / "optimizer.pt", _torch_bytes(self.optimizer.state_dict()))
+        # Hugging Face writes its files itself: into the writer's staging directory, which it commits.
+        # (A failure names its file: _hf_save for a write, the writer for a put.)
+        with naming_write(None), writer.staging(d) as staged:
+            _hf_save(d, staged, lambda: model.save_pretrained(staged, max_shard_size=_MAX_SHARD_SIZE),
+                     _weights_files(model))
+            _hf_save(d, staged, lambda: self.tokenizer.save_pretrained(staged))
+        _torch_file(d / "optimizer.pt", self.optimizer.state_dict(), writer)
         if self.reference is not None:
-            write_bytes_atomic(d / "reference.pt", _torch_bytes(self.reference.state_dict_cpu()))
+            _torch_file(d / "reference.pt", self.reference.state_dict_cpu(), writer)
         elif (d / "reference.pt").exists():
-            (d / "reference.pt").unlink()
+            writer.remove(d / "reference.pt")
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        write_bytes_atomic(d / "rng.pt", _torch_bytes(rng))
+        _torch_file(d / "rng.pt", rng, writer)
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
@@ -292,7 +307,7 @@ class GRPOTrainer:
             "loss_cfg": self.loss_cfg.model_dump(mode="json"),
             "grpo_cfg": self.grpo_cfg.model_dump(mode="json"),
         }
-        write_bytes_atomic(d / "trainer_state.json", json.dumps(state, indent=1).encode())
+        write_bytes_atomic(d / "trainer_state.json", json.dumps(state, indent=1).encode(), writer)
         return d
 
     def load(self, directory: str | os.PathLike) -> dict:

@@ -21,7 +21,8 @@ from typing import Any
 
 from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, already_open
 from nemo_rl.experience.sample import RolloutSample
-from nemo_rl.utils.snapshot_store import write_json_atomic
+from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import PLAIN_FILES, write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 STATE_FILE = "recording_trainer.json"
@@ -117,12 +118,14 @@ class RecordingTrainer:
         self.weight_version += 1
         return {"loss": 0.0, "num_samples": float(len(samples))}
 
-    def save(self, directory: Path, extra_state: dict[str, Any]) -> None:
-        """One file (the lineage); a failed write raises ``RunWriteError`` naming it, like the real trainer."""
+    def save(self, directory: Path, extra_state: dict[str, Any], writer: StorageWriter = PLAIN_FILES) -> None:
+        """One file (the lineage), through ``writer``; a failed write raises ``RunWriteError`` naming it,
+        like the real trainer."""
         path = Path(directory) / STATE_FILE
         with naming_write(path):
             write_json_atomic(
                 path, {"weight_version": self.weight_version, "batches": self.batches, "extra_state": extra_state},
+                writer,
             )
 
     def load(self, directory: Path) -> dict[str, Any]:

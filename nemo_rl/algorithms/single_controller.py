@@ -69,7 +69,6 @@ from nemo_rl.algorithms.single_controller_utils.run_identity_check import record
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.stop_signals import RunStopped
 from nemo_rl.utils.write_errors import as_write_error
-from nemo_rl.utils.snapshot_store import anchor_dir, ensure_bootstrap_anchor
 
 logger = logging.getLogger(__name__)
 # A /run Gym refuses while closed for a checkpoint is dispatched again after resume, at most this often.
@@ -113,6 +112,15 @@ def prefix_continuations(samples: list) -> dict[str, Any]:
             "prefix_discarded_calls": len(calls) - len(kept), "prefix_continuations": calls}
 
 
+async def _prune_steps(store: RunStore, keep_top_k: int | None, newest: int, spare: int | None,
+                       checkpoint_dir: Path) -> None:
+    """``store.prune_steps`` off the event loop; a read-only or failing disk names what it could not remove."""
+    try:
+        await asyncio.to_thread(store.prune_steps, keep_top_k, newest, spare)
+    except OSError as exc:
+        raise as_write_error(exc, None if exc.filename else checkpoint_dir) from exc
+
+
 class SingleController:
     def __init__(
         self,
@@ -128,6 +136,7 @@ class SingleController:
         loggers: MetricLoggers | None = None,  # the metric backends (opened and closed by the runner)
         hooks: RunHooks | None = None,  # where tests act (crash points); none: the product's no-op
         restore_lookup: RestoreLookup | None = None,  # the runner's one lookup at start; none: look here
+        store: RunStore,  # the one owner of checkpoint_dir's layout, with the run's writer (docs/design.md §5.4)
     ):
         self.config = config
         self.hooks = hooks or RunHooks()
@@ -140,8 +149,9 @@ class SingleController:
         self.rows = rows
         self.on_progress = on_progress or (lambda _: None)
         self.checkpoint_dir = Path(config.checkpointing.checkpoint_dir)
-        # The one owner of checkpoint_dir's layout: snapshots, trainer steps, restore (docs/design.md §5.4).
-        self.store = RunStore(self.checkpoint_dir, keep_latest_k=config.rollout_checkpointing.keep_latest_k)
+        if store.checkpoint_dir != self.checkpoint_dir:
+            raise ValueError(f"store of {store.checkpoint_dir}, but checkpointing.checkpoint_dir is {self.checkpoint_dir}")
+        self.store = store
         self.records = RunRecords(config.logger.log_dir, config.logger.metrics_file, loggers)
         self.ledger = RolloutRecoveryLedger(config.async_rl.rollout_failure.max_infra_attempts_per_prompt)
         self.data_plane = DataPlaneStore()
@@ -156,6 +166,7 @@ class SingleController:
         self._rollouts: dict[str, asyncio.Task] = {}
         self.coverage = SnapshotCoverage(config.rollout_checkpointing.snapshot_attempt_interval_s)
         self.snapshot_counts = {"committed": 0, "failed": 0}
+        self._spared: int | None = None  # the anchor the last prune kept for the newest snapshot (§5.4)
         recovery = config.rollout_recovery
         self.coordinator = (
             GymCheckpointCoordinator(
@@ -517,6 +528,8 @@ class SingleController:
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
             if outcome.committed:
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
+                if self._spared is not None and outcome.anchor_step != self._spared:
+                    await self._prune_spared()
 
     async def _next_snapshot(self, interval: float | None) -> str | None:
         """Wait for the next scheduled snapshot (None; ``interval`` None: no schedule) or a request
@@ -580,7 +593,7 @@ class SingleController:
             stopped.error = f"{type(exc).__name__}: {exc}"
 
     def anchor_dir(self) -> Path:
-        return anchor_dir(self.checkpoint_dir, self.anchor_step)
+        return self.store.anchor(self.anchor_step)
 
     async def _gym_activity(self) -> dict[str, dict[str, Any]]:
         """Every replica's agents: what each run in flight is doing (the stall watchdog reads it)."""
@@ -638,18 +651,30 @@ class SingleController:
         # attempt in flight, and that attempt may publish under this step (re-anchored, §5.9).
         self.hooks.reached("checkpointed")
         # Older anchors go, but not under a snapshot that is still being persisted, nor the one
-        # holding the newest snapshot (a restore needs it until one is published under a newer step).
-        # A snapshot begun before this publish and published after it under its own, older anchor is
-        # that newest one: the snapshotter notes its anchor before it releases ``busy`` (§5.9).
+        # holding the newest snapshot while a restore may need it: until one is published under a
+        # newer step (the pump then prunes it, ``_prune_spared``), and not once the run is complete
+        # (its last step is durable: a relaunch restores nothing). A snapshot begun before this
+        # publish and published after it under its own, older anchor is that newest one: the
+        # snapshotter notes its anchor before it releases ``busy`` (§5.9).
+        complete = step >= self.config.grpo.max_num_steps
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
-            spare = self.snapshotter.newest_anchor if self.snapshotter is not None else None
+            spare = None if complete or self.snapshotter is None else self.snapshotter.newest_anchor
             t1 = time.monotonic()
-            try:
-                await asyncio.to_thread(self.store.prune_steps, self.config.checkpointing.keep_top_k, step, spare)
-            except OSError as exc:  # a read-only or failing disk: name what could not be removed
-                raise as_write_error(exc, None if exc.filename else self.checkpoint_dir) from exc
-            self.coverage.pruned(lambda kept: anchor_dir(self.checkpoint_dir, kept).is_dir())
+            await _prune_steps(self.store, self.config.checkpointing.keep_top_k, step, spare, self.checkpoint_dir)
+            self._spared = spare
+            self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
             return checkpoint_s + (time.monotonic() - t1)
+
+    async def _prune_spared(self) -> None:
+        """A snapshot was published under a newer anchor than the one the last prune spared for the newest
+        snapshot: a restore now takes that newer one, so the spared anchor goes unless it is one of the
+        newest ``checkpointing.keep_top_k``."""
+        async with self.snapshotter.busy:
+            spare = self.snapshotter.newest_anchor
+            await _prune_steps(self.store, self.config.checkpointing.keep_top_k, self.anchor_step, spare,
+                               self.checkpoint_dir)
+            self._spared = spare
+            self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
 
     async def _forget_trained(self) -> None:
         """Trained groups whose step is durable leave the ledger, and Gym forgets their rollouts:
@@ -690,7 +715,7 @@ class SingleController:
         restored = await restorer.restore(self.restore_lookup)
         self.startup.resumed = restored is not None and restored.step > 0
         if restored is None:
-            ensure_bootstrap_anchor(self.checkpoint_dir, {"created": time.time()})
+            self.store.ensure_bootstrap({"created": time.time()})
             record_run_identity(self.config)  # the directory now belongs to this run
             return
         self.step = self.anchor_step = restored.step

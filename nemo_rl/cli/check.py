@@ -47,7 +47,7 @@ def server_rows(config: MasterConfig, shard_set, rows: list[dict]) -> list[Serve
     """Every server of every replica, from the shard set ``_spinup_gym`` started (restart-only servers
     as its replicas reported them) and the same level rules the setup check uses."""
     from gym_patches.config import SERVER_KIND, parse_gym_config
-    from gym_patches.server_main import server_class
+    from gym_patches.server_catalog import spec_of
     from nemo_rl.algorithms.single_controller_utils.gym_server_levels import agent_levels, turn_level_users
     from nemo_rl.algorithms.single_controller_utils.setup import shard_gym_config
     from nemo_rl.environments.nemo_gym import build_gym_actor_config
@@ -70,7 +70,7 @@ def server_rows(config: MasterConfig, shard_set, rows: list[dict]) -> list[Serve
             restart_only = set(shard_set.restart_only_servers.get(iid, []))
             for name, inst in parsed.instances.items():
                 label = "restart-only" if name in restart_only else \
-                    server_class(inst.server_type, inst.implementation).checkpoint_mode_label()
+                    spec_of(inst.server_type, inst.implementation).checkpoint_mode
                 agents = sorted(a for a, servers in uses.items() if name in servers)
                 serves = ", ".join(f"{a} ({'/'.join(sorted(lv.value for lv in levels.get(a, ())))})" for a in agents)
                 # a model server is never restart-only here; it carries the turn-level rollouts of its agents

@@ -24,27 +24,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
+from gym_patches.checkpoint.storage import StorageWriter
 from nemo_rl.algorithms.recording_trainer import STATE_FILE as RECORDING_STATE_FILE
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import replica_counts
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import RunRestorer, find_restore_point
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import GYM_CHECKPOINT_FILE, GymCheckpointIndex
-from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import (
-    BOOTSTRAP_DIRNAME,
-    MANIFEST_NAME,
-    SNAPSHOTS_DIRNAME,
-    TMP_PREFIX,
-    SnapshotStoreError,
-    snapshot_sequence,
-    trust_directory,
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
+    GYM_CHECKPOINT_FILE,
+    GymCheckpointIndex,
+    Listed,
+    RunStore,
+    list_checkpoint_dir,
 )
+from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.snapshot_store import SnapshotStoreError
 
 # The counts of restore.json, in the order they are printed.
 COUNT_KEYS = ("retrained_groups", "restored_turn", "restored_prefix", "prefix_tokens", "restarted_from_prompt",
@@ -52,56 +50,30 @@ COUNT_KEYS = ("retrained_groups", "restored_turn", "restored_prefix", "prefix_to
 
 
 # ----------------------------------------------------------------------------- the listing
-def _size(path: Path, skip: str | None = None) -> int:
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        if skip and Path(dirpath) == path:
-            dirnames[:] = [d for d in dirnames if d != skip]
-        total += sum((Path(dirpath) / f).stat().st_size for f in filenames if (Path(dirpath) / f).is_file())
-    return total
+_TEMPORARY = {"trainer_step": "unpublished (a crash left it; the next start removes it)",
+              "rollout_snapshot": "unpublished (the snapshot was not finished)"}
 
 
-def _entry(path: Path, kind: str, now: float, skip: str | None = None) -> dict[str, Any]:
-    """One directory: valid (its commit marker holds) or why not, its size, its age."""
-    out: dict[str, Any] = {"path": str(path), "kind": kind, "size_bytes": _size(path, skip)}
-    try:
-        manifest = trust_directory(path, kind)
-        out.update(valid=True, reason=None, age_s=round(now - manifest.created_at, 1),
-                   files=sorted(manifest.files))
-    except SnapshotStoreError as exc:
-        out.update(valid=False, reason=str(exc), age_s=round(now - path.stat().st_mtime, 1), files=[])
+def _entry(listed: Listed, now: float, within: str) -> dict[str, Any]:
+    """One directory as the report shows it: valid (its commit marker holds) or why not, its size, its age."""
+    out: dict[str, Any] = {"path": str(listed.path), "kind": listed.kind, "size_bytes": listed.size_bytes}
+    if listed.kind == "temporary":
+        out.update(valid=False, reason=_TEMPORARY[within], age_s=round(now - listed.path.stat().st_mtime, 1))
+    elif listed.manifest is not None:
+        out.update(valid=True, reason=None, age_s=round(now - listed.manifest.created_at, 1),
+                   files=sorted(listed.manifest.files))
+    else:
+        out.update(valid=False, reason=listed.reason, age_s=round(now - listed.path.stat().st_mtime, 1), files=[])
     return out
 
 
 def list_directory(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    """Every anchor (newest first) with its snapshots (newest first), and leftover temporary dirs."""
+    """Every anchor (newest first) with its snapshots (newest first), and leftover temporary dirs (the run
+    store's listing, ``list_checkpoint_dir``)."""
     now = time.time()
-    anchors = []
-    for path in checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else []:
-        if path.name.startswith(TMP_PREFIX):
-            anchors.append({"path": str(path), "kind": "temporary", "step": None, "valid": False,
-                            "reason": "unpublished (a crash left it; the next start removes it)",
-                            "size_bytes": _size(path), "age_s": round(now - path.stat().st_mtime, 1),
-                            "snapshots": []})
-            continue
-        if path.name == BOOTSTRAP_DIRNAME:
-            step, kind = 0, "bootstrap"
-        elif path.name.startswith("step_") and path.name[5:].isdigit():
-            step, kind = int(path.name[5:]), "trainer_step"
-        else:
-            continue
-        entry = {**_entry(path, kind, now, skip=SNAPSHOTS_DIRNAME), "step": step, "snapshots": []}
-        snaps_root = path / SNAPSHOTS_DIRNAME
-        for snap in sorted(snaps_root.iterdir() if snaps_root.is_dir() else [], reverse=True,
-                           key=lambda p: (snapshot_sequence(p.name) or -1, p.name)):
-            if snap.name.startswith(TMP_PREFIX):
-                entry["snapshots"].append({"path": str(snap), "kind": "temporary", "valid": False,
-                                           "reason": "unpublished (the snapshot was not finished)",
-                                           "size_bytes": _size(snap), "age_s": round(now - snap.stat().st_mtime, 1)})
-            elif snapshot_sequence(snap.name) is not None:
-                entry["snapshots"].append(_entry(snap, "rollout_snapshot", now))
-        anchors.append(entry)
-    return sorted(anchors, key=lambda a: (a["step"] is not None, a["step"] or 0), reverse=True)
+    return [{**_entry(anchor, now, "trainer_step"), "step": anchor.step,
+             "snapshots": [_entry(snap, now, "rollout_snapshot") for snap in anchor.snapshots]}
+            for anchor in list_checkpoint_dir(checkpoint_dir)]
 
 
 def infer_turn_level(anchors: list[dict[str, Any]]) -> bool:
@@ -136,6 +108,15 @@ async def _bookkeeping(anchor: Path) -> dict[str, Any]:
         if path.is_file():
             return json.loads(path.read_text()).get(key) or {}
     raise SnapshotStoreError(f"{anchor}: no trainer_state.json or {RECORDING_STATE_FILE} (not a trainer checkpoint)")
+
+
+class _RefusingWriter(StorageWriter):
+    """The inspector's writer: it refuses every write, so the restore it runs provably changes nothing."""
+
+    def _refuse(self, path: Path, *_: Any, **__: Any) -> Any:
+        raise PermissionError(f"the inspector writes nothing, but its restore tried {path}")
+
+    write = open_write = put = commit = make_dirs = remove = _refuse  # type: ignore[assignment]
 
 
 class _ReadOnlyRestorer(RunRestorer):
@@ -188,7 +169,8 @@ def what_a_restart_restores(checkpoint_dir: Path, *, turn_level: bool, read_snap
     restorer = _ReadOnlyRestorer(
         checkpoint_dir, read_snapshots=read_snapshots,
         coordinator=_SavedEpisodes(instance_ids) if turn_level else None,
-        max_attempts_per_sibling=max_attempts, load_trainer=_bookkeeping, hooks=RunHooks())
+        max_attempts_per_sibling=max_attempts, load_trainer=_bookkeeping, hooks=RunHooks(),
+        store=RunStore(checkpoint_dir, _RefusingWriter(), keep_latest_k=1))
     restored = asyncio.run(restorer.restore(lookup))
     return None if restored is None else {**restored.record, "message": restored.message}
 

@@ -142,8 +142,6 @@ class GymCheckpointAdapter:
         if unknown:
             raise RuntimeError(f"{self.instance.instance_id}: {request.route} names Gym servers this deployment "
                                f"does not have: {unknown}")
-        if isinstance(request, (CommitCall, PersistCall)):
-            Path(request.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         replies = await coordination.call(self.participants, request)
         match request:
             case CommitCall() | PersistCall():

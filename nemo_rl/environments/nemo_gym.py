@@ -27,6 +27,7 @@ from gym_patches.checkpoint.wire import RestartOnlyPolicy
 from gym_patches.checkpoint.storage import StorageWriterSpec
 from gym_patches.config import GymConfigError, parse_gym_config
 from gym_patches.launch import GymDeployment
+from gym_patches.server_catalog import check_servers
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
@@ -105,11 +106,7 @@ def build_gym_actor_config(
     }
     if storage_writer is not None:
         cfg["checkpoint"]["storage_writer"] = storage_writer.model_dump(mode="json")
-    parsed = parse_gym_config(cfg)  # fail here, in the driver, with the key named
-    from gym_patches.server_main import server_class
-
-    for name, inst in parsed.instances.items():
-        server_class(inst.server_type, inst.implementation).validate_instance_config(parsed.instances[name])
+    check_servers(parse_gym_config(cfg))  # fail here, in the driver, with the key named (no server imported)
     return cfg
 
 

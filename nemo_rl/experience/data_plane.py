@@ -14,7 +14,8 @@ from typing import Iterable, Iterator
 from pydantic import ValidationError
 
 from nemo_rl.experience.sample import RolloutSample
-from nemo_rl.utils.snapshot_store import write_bytes_atomic
+from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import PLAIN_FILES, write_bytes_atomic
 
 DATA_PLANE_FILE = "rollout_samples.jsonl"
 
@@ -115,13 +116,14 @@ class DataPlaneStore:
         return self.capture().encode()
 
     @staticmethod
-    def write_dump(directory: str | Path, data: bytes) -> None:
-        write_bytes_atomic(Path(directory) / DATA_PLANE_FILE, data)
+    def write_dump(directory: str | Path, data: bytes, writer: StorageWriter) -> None:
+        """``data`` (from ``dump`` or a capture) written atomically through ``writer``."""
+        write_bytes_atomic(Path(directory) / DATA_PLANE_FILE, data, writer)
 
-    def save(self, directory: str | Path) -> dict:
+    def save(self, directory: str | Path, writer: StorageWriter = PLAIN_FILES) -> dict:
         """Write one JSONL file (sorted by id) atomically; returns ``{file, sha256, count}``."""
         data, meta = self.dump()
-        self.write_dump(directory, data)
+        self.write_dump(directory, data, writer)
         return meta
 
     @classmethod

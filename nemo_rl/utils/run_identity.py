@@ -24,7 +24,8 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from nemo_rl.utils.snapshot_store import list_trainer_steps, write_json_atomic
+from nemo_rl.utils.atomic_write import write_json_atomic
+from nemo_rl.utils.snapshot_store import list_trainer_steps
 
 logger = logging.getLogger(__name__)
 IDENTITY_FILE = "run_identity.json"

@@ -11,16 +11,17 @@ Reading costs what it must and no more (a trainer step can be gigabytes):
   listed file exists with its listed size (stat only, no file is read);
 - a restore *verifies* only the directory it restores (every sha256), and
   skips a corrupt one, naming the bad file, for the next older one;
-- sealing reads nothing back that ``write_bytes_atomic`` wrote inside
+- sealing reads nothing back that ``atomic_write`` wrote inside
   ``recording_digests``: the digest is taken from the bytes as they are
   written. Other files (a library's ``save_pretrained``) are hashed once.
 
-Every file written here goes through a ``StorageWriter`` and every manifest and
-digest is read through a ``StorageReader`` (``gym_patches.checkpoint.storage``,
-the one definition both sides share), passed in by the caller (none: the
-process's default writer, plain files), so a test hands in a writer that fails
-like a full disk without this module knowing about it. The run store
-(``rollout_snapshot/store.py``: ``RunStore``) composes these functions.
+Every file written here, every rename, directory made and directory removed
+goes through the ``StorageWriter`` the caller passes
+(``gym_patches.checkpoint.storage``, the one definition both sides share; the
+run store, ``rollout_snapshot/store.py``: ``RunStore``, passes the one it was
+built with), so a test hands in a writer that fails like a full disk without
+this module knowing about it. A caller that passes none writes plain files
+(``atomic_write.PLAIN_FILES``). Reads are plain file reads.
 
 Layout::
 
@@ -33,21 +34,18 @@ Layout::
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
-import json
 import os
 import re
-import shutil
+import stat
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
+from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import PLAIN_FILES, WrittenDigests, write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 MANIFEST_NAME = "manifest.json"
@@ -60,117 +58,18 @@ STORE_SCHEMA_VERSION = 1
 _SNAPSHOT_NAME = re.compile(r"^(?P<seq>[0-9]{1,18})(?:-[A-Za-z0-9._-]{1,64})?$")
 _STEP_DIR = re.compile(r"^step_(?P<step>[0-9]+)$")
 _CHUNK = 1 << 20
-_FILES = FileSystemReader()  # what a caller that passes no reader reads through
 
 
 class SnapshotStoreError(ValueError):
     """A snapshot or trainer directory that cannot be used (names the path)."""
 
 
-# ----- digests taken while writing ---------------------------------------------
-def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
-    """What changes when a file is rewritten: a recorded digest is only trusted while it is unchanged."""
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-class WrittenDigests:
-    """sha256 and size of the files ``write_bytes_atomic`` wrote under ``root`` while recording.
-
-    The seal takes these instead of reading the files back; a file changed since (another size,
-    mtime or inode) or written some other way is hashed at seal time as before.
-    """
-
-    def __init__(self, root: str | Path):
-        self.root = Path(os.path.abspath(root))
-        self._files: dict[str, tuple[FileEntry, tuple[int, int, int]]] = {}
-
-    def note(self, path: Path, sha256: str) -> bool:
-        """Record ``path`` (just written, with digest ``sha256``) if it lies under ``root``."""
-        try:
-            rel = Path(os.path.abspath(path)).relative_to(self.root).as_posix()
-        except ValueError:
-            return False
-        st = os.stat(path)
-        self._files[rel] = (FileEntry(sha256=sha256, size=st.st_size), _stat_key(st))
-        return True
-
-    def entry(self, rel: str, path: Path) -> FileEntry | None:
-        """The recorded entry for ``rel`` if the file on disk is still the one written, else None."""
-        recorded = self._files.get(rel)
-        if recorded is None or _stat_key(os.stat(path)) != recorded[1]:
-            return None
-        return recorded[0]
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-
-_recording: contextvars.ContextVar[tuple[WrittenDigests, ...]] = contextvars.ContextVar(
-    "snapshot_store_recording", default=())
-
-
-@contextlib.contextmanager
-def recording_digests(root: str | Path) -> Iterator[WrittenDigests]:
-    """While open (in this thread / task), ``write_bytes_atomic`` under ``root`` keeps each file's
-    digest; hand the result to ``publish_trainer_step`` / ``commit_snapshot`` so sealing reads nothing back."""
-    digests = WrittenDigests(root)
-    token = _recording.set(_recording.get() + (digests,))
-    try:
-        yield digests
-    finally:
-        _recording.reset(token)
-
-
-# ----- primitives ----------------------------------------------------------
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or create inside ``path`` durable."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: str | Path, data: bytes, writer: StorageWriter | None = None) -> None:
-    """Write via a temp file in the same directory (through ``writer``; None: the process's default),
-    then rename over ``path``. Inside ``recording_digests`` the sha256 of ``data`` is kept for the seal.
-
-    Any failure raises ``RunWriteError`` naming ``path`` (not the temp file) and the OS error; the
-    temp file is removed, so no torn file is left.
-    """
-    path = Path(path)
-    with naming_write(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            (process_writer() if writer is None else writer).write(tmp, data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
-        recorders = _recording.get()
-        if recorders:
-            sha256 = hashlib.sha256(data).hexdigest()
-            for digests in recorders:
-                digests.note(path, sha256)
-
-
-def write_json_atomic(path: str | Path, obj: Any, writer: StorageWriter | None = None) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), writer)
-
-
-def sha256_file(path: str | Path, reader: StorageReader = _FILES) -> str:
+def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
-    with reader.open(Path(path)) as fh:
+    with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
 
 
 # ----- manifests -----------------------------------------------------------
@@ -214,12 +113,13 @@ def _seal(
     metadata: dict[str, Any] | None,
     skip_subdirs: tuple[str, ...] = (),
     digests: WrittenDigests | None = None,
-    writer: StorageWriter | None = None,
+    writer: StorageWriter = PLAIN_FILES,
 ) -> DirectoryManifest:
-    """fsync every file, then write the manifest last (through ``writer``).
+    """List every file with its digest, then write the manifest last (through ``writer``).
 
-    A file in ``digests`` (written by ``write_bytes_atomic``, already fsynced) is not read again;
-    any other file is fsynced and hashed here, once.
+    A file in ``digests`` (written by ``write_bytes_atomic``) is not read again; any other (Gym's
+    records, a staged library file) is hashed here, once. Every file reached the directory through
+    a writer, which made it durable; the writer's commit of the directory makes the tree durable.
     """
     files = {}
     for rel in _listed_files(root, skip_subdirs):
@@ -228,14 +128,10 @@ def _seal(
             raise SnapshotStoreError(f"{path}: only regular files may be published")
         written = digests.entry(rel, path) if digests is not None else None
         if written is not None:
-            files[rel] = written
+            files[rel] = FileEntry(sha256=written.sha256, size=written.size)
             continue
-        with naming_write(path):  # an fsync that fails (EIO) names the file it could not make durable
-            _fsync_file(path)
+        with naming_write(path):
             files[rel] = FileEntry(sha256=sha256_file(path), size=path.stat().st_size)
-    for dirpath, _dirs, _files in os.walk(root):
-        with naming_write(dirpath):
-            fsync_dir(dirpath)
     manifest = DirectoryManifest(
         kind=kind, sequence=sequence, created_at=time.time(), files=files, metadata=metadata or {}
     )
@@ -243,13 +139,55 @@ def _seal(
     return manifest
 
 
-def trust_directory(root: str | Path, kind: str | None = None, reader: StorageReader = _FILES) -> DirectoryManifest:
+def _not_regular(path: Path) -> str | None:
+    """Why ``path`` cannot be part of a sealed directory (None: a regular file or a real directory)."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return "not a regular file"
+    return None
+
+
+def _refuse(path: Path, why: str) -> SnapshotStoreError:
+    return SnapshotStoreError(f"{path}: {why}; a sealed directory holds only regular files and directories")
+
+
+def _check_listed(root: Path, rel: str) -> None:
+    """``root / rel`` and every directory on the way to it are real (no link, nothing special), by lstat."""
+    path = root
+    for part in Path(rel).parts:
+        path = path / part
+        why = _not_regular(path)
+        if why is not None:
+            raise _refuse(path, why)
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise _refuse(path, "not a regular file")
+
+
+def _check_tree(root: Path, skip_subdirs: tuple[str, ...]) -> None:
+    """Every entry under ``root`` (and ``root``) is a regular file or a real directory: a restore reads a
+    checkpoint dir as untrusted input, so a link that points out of it is refused, not followed."""
+    why = _not_regular(root)
+    if why is not None:
+        raise _refuse(root, why)
+    for dirpath, dirnames, filenames in os.walk(root):  # does not follow links
+        for name in sorted(dirnames + filenames):
+            why = _not_regular(Path(dirpath) / name)
+            if why is not None:
+                raise _refuse(Path(dirpath) / name, why)
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in skip_subdirs]
+
+
+def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
     """The manifest if ``root``'s commit marker holds: it parses (of ``kind``) and every listed file
     exists with its listed size. Stat only, nothing is read but the manifest; else raise naming the file."""
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:
-        raw = reader.read_bytes(manifest_path)
+        _check_listed(root, MANIFEST_NAME)
+        raw = manifest_path.read_bytes()
     except FileNotFoundError:
         raise SnapshotStoreError(f"{manifest_path}: missing") from None
     try:
@@ -264,21 +202,28 @@ def trust_directory(root: str | Path, kind: str | None = None, reader: StorageRe
         path = root / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             raise SnapshotStoreError(f"{manifest_path}: file entry {rel!r} escapes the directory")
-        if not path.is_file():
-            raise SnapshotStoreError(f"{path}: listed in the manifest but missing")
+        try:
+            _check_listed(root, rel)
+        except FileNotFoundError:
+            raise SnapshotStoreError(f"{path}: listed in the manifest but missing") from None
         size = path.stat().st_size
         if size != entry.size:
             raise SnapshotStoreError(f"{path}: size {size}, manifest says {entry.size}")
     return manifest
 
 
-def verify_directory(root: str | Path, kind: str | None = None, reader: StorageReader = _FILES) -> DirectoryManifest:
-    """The manifest if ``root`` is intact: trusted (``trust_directory``) and every file's sha256
-    matches. Reads every byte: only for a directory about to be restored. Else raise naming the file."""
+def verify_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
+    """The manifest if ``root`` is intact: trusted (``trust_directory``), nothing in it a link or a
+    special file (its snapshots aside: each is verified on its own), and every file's sha256 matches.
+    Reads every byte: only for a directory about to be restored. Else raise naming the file."""
     root = Path(root)
-    manifest = trust_directory(root, kind, reader)
+    manifest = trust_directory(root, kind)
+    try:
+        _check_tree(root, () if manifest.kind == "rollout_snapshot" else (SNAPSHOTS_DIRNAME,))
+    except FileNotFoundError as exc:  # changed under us: as unusable as a torn one
+        raise SnapshotStoreError(f"{exc.filename}: vanished while being verified") from None
     for rel, entry in manifest.files.items():
-        if sha256_file(root / rel, reader) != entry.sha256:
+        if sha256_file(root / rel) != entry.sha256:
             raise SnapshotStoreError(f"{root / rel}: sha256 does not match the manifest")
     return manifest
 
@@ -312,7 +257,8 @@ def next_snapshot_path(anchor_dir: str | Path) -> Path:
     return snapshots_root(anchor_dir) / f"{SNAPSHOT_PREFIX}{next_snapshot_name(anchor_dir)}"
 
 
-def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = None) -> tuple[Path, Path]:
+def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = None,
+                           writer: StorageWriter = PLAIN_FILES) -> tuple[Path, Path]:
     """``(tmp_dir, final_dir)`` for a new snapshot; ``tmp_dir`` is created empty.
 
     ``snapshot_name`` is ``<sequence>[-tag]``; None picks the next sequence.
@@ -328,9 +274,8 @@ def prepare_snapshot_paths(anchor_dir: str | Path, snapshot_name: str | None = N
     tmp_dir = root / f"{TMP_PREFIX}{SNAPSHOT_PREFIX}{snapshot_name}"
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
+    writer.remove(tmp_dir)
+    writer.make_dirs(tmp_dir)
     return tmp_dir, final_dir
 
 
@@ -340,7 +285,7 @@ def commit_snapshot(
     keep_latest_k: int,
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
-    writer: StorageWriter | None = None,
+    writer: StorageWriter = PLAIN_FILES,
 ) -> DirectoryManifest:
     """Seal ``tmp_dir`` with a manifest (written through ``writer``), rename it to ``final_dir``, prune old ones.
 
@@ -357,25 +302,19 @@ def commit_snapshot(
     if final_dir.exists():
         raise SnapshotStoreError(f"{final_dir}: snapshot already exists")
     manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests, writer=writer)
-    moved = tmp_dir.parent != final_dir.parent
-    if moved:
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        fsync_dir(final_dir.parent.parent)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
-    if moved:
-        fsync_dir(tmp_dir.parent)
-    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k)
+    writer.make_dirs(final_dir.parent)
+    writer.commit(tmp_dir, final_dir)
+    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k, writer)
     return manifest
 
 
-def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
+def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int, writer: StorageWriter) -> None:
     newest_seq = snapshot_sequence(newest.name)
     for path in root.iterdir():
         if path.name.startswith(TMP_PREFIX) and path.is_dir():
             # stale: the run lock (nemo_rl/utils/run_lock.py) makes this run the only writer, and its
             # attempts never overlap (the pump awaits each publish), so no other .tmp- dir is being written
-            shutil.rmtree(path, ignore_errors=True)
+            writer.remove(path)
     older = sorted(
         (
             (snapshot_sequence(p.name), p)
@@ -391,8 +330,7 @@ def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int) -> None:
         if kept < keep_latest_k and _is_trusted(path, "rollout_snapshot"):
             kept += 1
             continue
-        shutil.rmtree(path, ignore_errors=True)
-    fsync_dir(root)
+        writer.remove(path)
 
 
 def _is_trusted(path: Path, kind: str) -> bool:
@@ -411,8 +349,7 @@ class SnapshotSelection(NamedTuple):
     manifest: DirectoryManifest | None = None
 
 
-def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = (),
-                            reader: StorageReader = _FILES) -> SnapshotSelection:
+def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = ()) -> SnapshotSelection:
     """Pick the newest valid snapshot by sequence number (never by mtime) that lists every ``required``
     file; newer ones are skipped with the reason, in one scan. Only the chosen one (and the corrupt
     ones tried before it) is hashed: a snapshot is only resolved to be restored."""
@@ -431,7 +368,7 @@ def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = 
             candidates.append((seq, path))
     for seq, path in sorted(candidates, reverse=True):
         try:
-            manifest = verify_directory(path, "rollout_snapshot", reader)
+            manifest = verify_directory(path, "rollout_snapshot")
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -459,31 +396,29 @@ def anchor_dir(checkpoint_dir: str | Path, step: int) -> Path:
 
 
 def ensure_bootstrap_anchor(checkpoint_dir: str | Path, metadata: dict[str, Any] | None = None,
-                            writer: StorageWriter | None = None) -> Path:
+                            writer: StorageWriter = PLAIN_FILES) -> Path:
     """Create the step-0 anchor once (atomically, its manifest through ``writer``); an existing valid one is kept."""
     final = anchor_dir(checkpoint_dir, 0)
     if final.exists():
         verify_directory(final, "bootstrap")
         return final
     tmp = Path(checkpoint_dir) / f"{TMP_PREFIX}{BOOTSTRAP_DIRNAME}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    writer.remove(tmp)
+    writer.make_dirs(tmp)
     _seal(tmp, "bootstrap", 0, metadata, writer=writer)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
+    writer.commit(tmp, final)
     return final
 
 
-def prepare_trainer_step(checkpoint_dir: str | Path, step: int) -> tuple[Path, Path]:
+def prepare_trainer_step(checkpoint_dir: str | Path, step: int,
+                         writer: StorageWriter = PLAIN_FILES) -> tuple[Path, Path]:
     """``(tmp_dir, final_dir)`` for trainer step ``step`` (>= 1); tmp is created empty."""
     if step < 1:
         raise SnapshotStoreError(f"trainer steps start at 1, got {step}")
     final = anchor_dir(checkpoint_dir, step)
     tmp = Path(checkpoint_dir) / f"{TMP_PREFIX}{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    writer.remove(tmp)
+    writer.make_dirs(tmp)
     return tmp, final
 
 
@@ -492,7 +427,7 @@ def publish_trainer_step(
     final_dir: str | Path,
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
-    writer: StorageWriter | None = None,
+    writer: StorageWriter = PLAIN_FILES,
 ) -> DirectoryManifest:
     """Seal and rename a trainer step; a torn or corrupt ``step_N`` (one a restore skipped) is replaced.
 
@@ -507,17 +442,16 @@ def publish_trainer_step(
         try:
             verify_directory(final_dir, "trainer_step")
         except SnapshotStoreError:
-            shutil.rmtree(final_dir)
+            writer.remove(final_dir)
         else:
             raise SnapshotStoreError(f"{final_dir}: a valid trainer step already exists")
     manifest = _seal(tmp_dir, "trainer_step", int(match["step"]), metadata, (SNAPSHOTS_DIRNAME,), digests, writer)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
+    writer.commit(tmp_dir, final_dir)
     return manifest
 
 
 def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None,
-                        spare: int | None = None) -> list[Path]:
+                        spare: int | None = None, writer: StorageWriter = PLAIN_FILES) -> list[Path]:
     """Delete all but the newest ``keep_top_k`` trusted trainer steps (``checkpointing.keep_top_k`` with
     no metric: the latest k), each with its rollout snapshots; ``bootstrap/`` counts as the oldest
     anchor, so it goes once k steps exist (until then its snapshots may still be restored with step 1:
@@ -542,11 +476,9 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
     removed = []
     for path in doomed:
         trash = path.parent / f"{TMP_PREFIX}deleted-{path.name}"
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.rename(path, trash)
-        fsync_dir(path.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        writer.remove(trash)
+        writer.commit(path, trash)
+        writer.remove(trash)
         removed.append(path)
     return removed
 
@@ -564,8 +496,8 @@ def _anchor_dirs(checkpoint_dir: Path) -> list[tuple[int, str, Path]]:
     return sorted(found, reverse=True)
 
 
-def _trusted_anchor(step: int, kind: str, path: Path, reader: StorageReader = _FILES) -> DirectoryManifest:
-    manifest = trust_directory(path, kind, reader)
+def _trusted_anchor(step: int, kind: str, path: Path) -> DirectoryManifest:
+    manifest = trust_directory(path, kind)
     if manifest.sequence != step:
         raise SnapshotStoreError(f"{path / MANIFEST_NAME}: sequence {manifest.sequence} does not match the name")
     return manifest
@@ -593,7 +525,6 @@ class RestorePoint(NamedTuple):
 
 def resolve_restore_point(
     checkpoint_dir: str | Path, required: tuple[str, ...] = (), *, read_snapshots: bool = True,
-    reader: StorageReader = _FILES,
 ) -> RestorePoint | None:
     """The newest intact trainer anchor and the newest valid snapshot listing ``required`` (may be none;
     none either with ``read_snapshots=False``: the snapshots then stay unread).
@@ -611,8 +542,8 @@ def resolve_restore_point(
     anchors = _anchor_dirs(Path(checkpoint_dir))
     for i, (step, kind, path) in enumerate(anchors):
         try:
-            _trusted_anchor(step, kind, path, reader)  # stat first: a torn step costs no read
-            verify_directory(path, kind, reader)
+            _trusted_anchor(step, kind, path)  # stat first: a torn step costs no read
+            verify_directory(path, kind)
         except SnapshotStoreError as exc:
             skipped.append((path, str(exc)))
             continue
@@ -620,7 +551,7 @@ def resolve_restore_point(
             return RestorePoint(step, path, SnapshotSelection(None, []), tuple(skipped))
         tried: list[tuple[Path, str]] = []
         for _, _, under in [(step, kind, path), *anchors[i + 1:]]:
-            snapshot = resolve_latest_snapshot(under, required, reader)
+            snapshot = resolve_latest_snapshot(under, required)
             tried += snapshot.skipped
             if snapshot.path is not None:
                 break
@@ -628,7 +559,63 @@ def resolve_restore_point(
     return None
 
 
-def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
+class Listed(NamedTuple):
+    """One directory of a checkpoint dir as the inspector shows it (``list_checkpoint_dir``)."""
+
+    path: Path
+    kind: Literal["bootstrap", "trainer_step", "rollout_snapshot", "temporary"]
+    step: int | None  # an anchor's step (0: bootstrap); None for a snapshot or a temporary anchor
+    manifest: DirectoryManifest | None  # its commit marker, when it holds (``trust_directory``)
+    reason: str | None  # why it is not valid (None: valid, or temporary)
+    size_bytes: int  # its own files (an anchor's snapshots not counted)
+    snapshots: tuple["Listed", ...] = ()
+
+
+def _tree_size(path: Path, skip: str | None = None) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        if skip and Path(dirpath) == path:
+            dirnames[:] = [d for d in dirnames if d != skip]
+        total += sum((Path(dirpath) / f).stat().st_size for f in filenames if (Path(dirpath) / f).is_file())
+    return total
+
+
+def _listed(path: Path, kind: str, step: int | None, skip: str | None = None) -> Listed:
+    size = _tree_size(path, skip)
+    if kind == "temporary":
+        return Listed(path, "temporary", step, None, None, size)
+    try:
+        return Listed(path, kind, step, trust_directory(path, kind), None, size)  # type: ignore[arg-type]
+    except SnapshotStoreError as exc:
+        return Listed(path, kind, step, None, str(exc), size)  # type: ignore[arg-type]
+
+
+def list_checkpoint_dir(checkpoint_dir: str | Path) -> list[Listed]:
+    """Every anchor (newest first) with its snapshots (newest first), and the temporary directories a crash
+    left (last). Stat only: each commit marker is trusted, nothing is hashed."""
+    root = Path(checkpoint_dir)
+    anchors = []
+    for path in root.iterdir() if root.is_dir() else []:
+        if path.name.startswith(TMP_PREFIX):
+            anchors.append(_listed(path, "temporary", None))
+            continue
+        if path.name == BOOTSTRAP_DIRNAME:
+            step, kind = 0, "bootstrap"
+        elif match := _STEP_DIR.match(path.name):
+            step, kind = int(match["step"]), "trainer_step"
+        else:
+            continue
+        snaps_root = snapshots_root(path)
+        snapshots = tuple(
+            _listed(snap, "temporary" if snap.name.startswith(TMP_PREFIX) else "rollout_snapshot", None)
+            for snap in sorted(snaps_root.iterdir() if snaps_root.is_dir() else [], reverse=True,
+                               key=lambda p: (snapshot_sequence(p.name) or -1, p.name))
+            if snap.name.startswith(TMP_PREFIX) or snapshot_sequence(snap.name) is not None)
+        anchors.append(_listed(path, kind, step, skip=SNAPSHOTS_DIRNAME)._replace(snapshots=snapshots))
+    return sorted(anchors, key=lambda a: (a.step is not None, a.step or 0), reverse=True)
+
+
+def remove_stale_tmp_dirs(checkpoint_dir: str | Path, writer: StorageWriter = PLAIN_FILES) -> list[Path]:
     """Delete ``.tmp-*`` dirs a crash left behind, each named in a warning.
 
     Only the holder of the run directory's lock may call it (``runner.run`` does, at every start, also
@@ -649,7 +636,7 @@ def remove_stale_tmp_dirs(checkpoint_dir: str | Path) -> list[Path]:
             continue
         for path in parent.iterdir():
             if path.name.startswith(TMP_PREFIX) and path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+                writer.remove(path)
                 removed.append(path)
                 logging.getLogger(__name__).warning(
                     "removed a half-written checkpoint directory left by a crash: %s", path)

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from nemo_rl.utils.snapshot_store import write_bytes_atomic
+from nemo_rl.utils.atomic_write import write_bytes_atomic
 
 PHASES = ("config", "ray", "gym", "model", "trainer_load", "restore", "first_dispatch")
 

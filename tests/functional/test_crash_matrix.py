@@ -169,6 +169,8 @@ def test_no_valid_snapshot_resumes_from_the_trainer_checkpoint_and_says_so(publi
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.algorithms.single_controller_utils.config import load_config
     from nemo_rl.data.dataloader import load_jsonl
+    from gym_patches.checkpoint.storage import FileSystemWriter
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
     from nemo_rl.environments.nemo_gym import NemoGymShardSet
 
     spec = _copy(publish_crash, tmp_path)
@@ -176,8 +178,10 @@ def test_no_valid_snapshot_resumes_from_the_trainer_checkpoint_and_says_so(publi
     (s2 / "gym_checkpoint.json").unlink()  # listed in its manifest, gone
     (s1 / "controller_state.json").write_text("{}")  # another size than the manifest says
     config = load_config(REPO / "examples/configs/grpo_mixed_turn.yaml", spec.args()[2:])
+    store = RunStore(config.checkpointing.checkpoint_dir, FileSystemWriter(),
+                     keep_latest_k=config.rollout_checkpointing.keep_latest_k)
     controller = SingleController(config, NemoGymShardSet(handles={}, instances={}), RecordingTrainer(spec.logs),
-                                  None, load_jsonl(REPO / config.data.train_data_path))
+                                  None, load_jsonl(REPO / config.data.train_data_path), store=store)
     with caplog.at_level("WARNING"):
         asyncio.run(controller.restore_if_any())
     step = 0 if anchor.name == "bootstrap" else int(anchor.name.removeprefix("step_"))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gym_patches.checkpoint.storage import FileSystemWriter
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.admission import InOrderAdmission
 from nemo_rl.algorithms.single_controller_utils.config import ConfigError, RolloutCheckpointConfig, load_config
 from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
@@ -173,8 +175,9 @@ def test_a_snapshot_under_an_older_anchor_restores_with_the_newer_step_minus_wha
     step = {"now": 1}  # the trainer took step 1's groups; step 1 is not durable yet
     inputs = SnapshotInputs(ledger, data_plane, dataloader, lambda: step["now"], lambda: 0,
                             lambda: anchor_dir(ckpt, 0))
+    store = RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k)
     snapshotter = RolloutSnapshotter(inputs, None, RunRecords(tmp_path / "logs"), RolloutCheckpointConfig(),
-                                     LedgerChanges())
+                                     LedgerChanges(), store)
     outcome = asyncio.run(snapshotter.attempt())
     assert outcome.committed and (outcome.step, outcome.anchor_step) == (1, 0)
 
@@ -189,7 +192,7 @@ def test_a_snapshot_under_an_older_anchor_restores_with_the_newer_step_minus_wha
         return bookkeeping
 
     restorer = RunRestorer(ckpt, read_snapshots=True, coordinator=None, max_attempts_per_sibling=3,
-                           load_trainer=load_trainer, hooks=RunHooks())
+                           load_trainer=load_trainer, hooks=RunHooks(), store=store)
     restored = asyncio.run(restorer.restore())
     assert restored.step == 1 and restored.record["snapshot"] == outcome.path
     assert restored.record["snapshot_anchor_step"] == 0 and restored.record["snapshot_step"] == 1

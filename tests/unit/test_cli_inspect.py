@@ -10,12 +10,8 @@ from pathlib import Path
 from nemo_rl.algorithms.recording_trainer import STATE_FILE
 from nemo_rl.cli.inspect import inspect, render
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
-from nemo_rl.utils.snapshot_store import (
-    ensure_bootstrap_anchor,
-    prepare_trainer_step,
-    publish_trainer_step,
-    write_json_atomic,
-)
+from nemo_rl.utils.atomic_write import write_json_atomic
+from nemo_rl.utils.snapshot_store import ensure_bootstrap_anchor, prepare_trainer_step, publish_trainer_step
 
 
 def _step(root: Path, step: int) -> None:

@@ -25,7 +25,7 @@ from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, JobFailed, Ta
 from gym_patches.checkpoint.errors import ERROR_STATUS, CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.storage import FileSystemWriter, use_process_writer
+from gym_patches.checkpoint.storage import FileSystemWriter
 from gym_patches.checkpoint.store import MANIFEST_NAME
 from gym_patches.checkpoint.wire import (
     CHECKPOINT_ID_PATTERN,
@@ -144,6 +144,7 @@ class Harness:
 
 async def start(participant: FakeParticipant, **kw: Any) -> Harness:
     kw.setdefault("instance", "agent_a")
+    kw.setdefault("writer", FileSystemWriter())
     plane = ParticipantControlPlane(participant, auth_token=TOKEN, **kw)
     app = web.Application()
     plane.install(app)
@@ -589,7 +590,7 @@ async def test_renew_and_status_answer_while_a_commit_writes(h, tmp_path):
     h.participant.save("r1")
     deadline = time.time() + 10
     await h.ok("prepare", checkpoint_id="c1", deadline_ts=deadline)
-    previous = use_process_writer(BlockedWriter())
+    h.plane.writer = BlockedWriter()  # the plane's own writer: what its commit writes through
     try:
         commit = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": deadline,
                                                        "checkpoint_dir": str(tmp_path)}))
@@ -604,7 +605,6 @@ async def test_renew_and_status_answer_while_a_commit_writes(h, tmp_path):
         assert status == 200 and reply["phase"] == "committed"
     finally:
         gate.set()
-        use_process_writer(previous)
 
 
 async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothing(h, tmp_path):
@@ -619,7 +619,7 @@ async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothi
 
     h.participant.save("r1")
     await h.ok("prepare", checkpoint_id="c1")
-    previous = use_process_writer(BlockedWriter())
+    h.plane.writer = BlockedWriter()
     try:
         commit = asyncio.create_task(h.call("commit", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
                                                        "checkpoint_dir": str(tmp_path)}))
@@ -634,7 +634,6 @@ async def test_a_resume_mid_write_waits_for_the_write_thread_and_publishes_nothi
         assert len(own_tasks()) == 1
     finally:
         gate.set()
-        use_process_writer(previous)
 
 
 # -- restore --------------------------------------------------------------------

@@ -16,6 +16,7 @@ from gym_patches.checkpoint import calls
 from gym_patches.checkpoint import coordination as co
 from gym_patches.checkpoint.control import ParticipantControlPlane
 from gym_patches.checkpoint.errors import CheckpointError
+from gym_patches.checkpoint.storage import FileSystemWriter
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant
 from gym_patches.checkpoint.wire import PrepareReport, RenewRequest
@@ -117,7 +118,7 @@ class Deployment:
         app = web.Application()
         if participant:
             fake = FakeParticipant(kind, self.log, name, restart_only=restart_only)
-            plane = ParticipantControlPlane(fake, instance=name, auth_token=TOKEN)
+            plane = ParticipantControlPlane(fake, instance=name, auth_token=TOKEN, writer=FileSystemWriter())
             plane.install(app)
             self.fakes[name], self.planes[name] = fake, plane
         server = TestServer(app, host="127.0.0.1")

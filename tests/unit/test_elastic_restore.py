@@ -10,6 +10,7 @@ import pytest
 
 from gym_patches.checkpoint import calls
 from gym_patches.checkpoint import coordination as co
+from gym_patches.checkpoint.storage import FileSystemWriter
 from gym_patches.checkpoint.store import write_participant_state
 from nemo_rl.algorithms.single_controller_utils.config import load_config
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import (
@@ -28,6 +29,8 @@ from tests.unit.test_rollout_recovery import _dispatch_all, _reserve, _triple
 
 REPO = Path(__file__).resolve().parents[2]
 R0, R1, R2 = "nemo_gym/replica-0", "nemo_gym/replica-1", "nemo_gym/replica-2"
+
+PLAIN = FileSystemWriter()  # what a Gym server writes through when the writer is not under test
 
 
 # -- the plan ---------------------------------------------------------------------------------
@@ -102,7 +105,7 @@ async def _committed(dep, parts, root: Path) -> tuple[Path, Path]:  # noqa: F811
     kinds = {"policy": "model", "a_agent": "agent", "b_agent": "agent", "tools": "resources"}
     for name, kind in kinds.items():
         records = [{"episode_id": ep("r3").model_dump(), "by": name}] if name != "a_agent" else []
-        write_participant_state(other, kind, name, "c1", records)
+        write_participant_state(other, kind, name, "c1", records, writer=PLAIN)
     return own, other
 
 
@@ -128,7 +131,7 @@ async def test_a_record_in_two_replica_directories_is_refused(dep, tmp_path):  #
     own, other = await _committed(dep, parts, tmp_path)
     third = GymCheckpointInstance("shard", 2).checkpoint_dir(tmp_path)
     for name, kind in {"policy": "model", "a_agent": "agent", "b_agent": "agent", "tools": "resources"}.items():
-        write_participant_state(third, kind, name, "c1", [{"episode_id": ep("r1").model_dump()}])
+        write_participant_state(third, kind, name, "c1", [{"episode_id": ep("r1").model_dump()}], writer=PLAIN)
     with pytest.raises(co.CoordinationError, match=f"r1 has a record in {own} and in {third}.*holds it twice"):
         await co.call(parts, calls.RestoreCall(
             checkpoint_id="c2", deadline_ts=deadline(), checkpoint_dir=str(own), source_dirs=[str(other), str(third)],

@@ -15,6 +15,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import 
     gym_checkpoint_keys,
     plan_snapshot,
 )
+from testkit.snapshot_checks import check_ownership_now, count_snapshot_now
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 
 IID = "nemo_gym/replica-0"
@@ -41,9 +42,9 @@ class Run:
         """One attempt: restart-only agent ``plain``'s rollouts are unsaved, the rest exported."""
         plan = plan_snapshot(self.ledger, [IID], {}, unsavable_agents={IID: {"plain"}})
         exported = {IID: set(plan.scope[IID])}
-        owned = check_ownership(self.ledger, plan, exported)
+        owned = check_ownership_now(self.ledger, plan, exported)
         outcome = SnapshotOutcome("rollout-test", "staged", 1)
-        outcome.count(count_snapshot(self.ledger, plan, exported, owned=owned, first=self.first))
+        outcome.count(count_snapshot_now(self.ledger, plan, exported, owned=owned, first=self.first))
         if fails is None:
             outcome.committed, outcome.reason = True, "committed"
         else:
@@ -118,14 +119,14 @@ def test_checks_after_resume_use_what_the_pause_held_not_the_ledger_as_it_moved_
     held = gym_checkpoint_keys(run.ledger, plan.topology)  # the pause's copy
     refused = len(run.ledger.refused_waiting())
     run.ledger.mark_sealed(lost, 1.0)  # after resume the rollout finishes
-    check_ownership(run.ledger, plan, exported)  # the ledger as it stands no longer expects it: missed
+    check_ownership_now(run.ledger, plan, exported)  # the ledger as it stands no longer expects it: missed
     with pytest.raises(GymOwnershipError, match=lost):
-        check_ownership(None, plan, exported, held=held)
+        check_ownership(plan, exported, held=held)
     exported[IID].add(lost)
-    owned = check_ownership(None, plan, exported, held=held)
-    counts = count_snapshot(None, plan, exported, owned=owned, refused_waiting=refused)
+    owned = check_ownership(plan, exported, held=held)
+    counts = count_snapshot(plan, exported, owned=owned, refused_waiting=refused)
     assert (counts.saved, counts.unsaved, counts.not_admitted) == (3, 0, 0)
-    with pytest.raises(TypeError, match="held="):
-        check_ownership(None, plan, exported)
-    with pytest.raises(TypeError, match="refused_waiting="):
-        count_snapshot(None, plan, exported, owned=owned)
+    with pytest.raises(TypeError, match="held"):
+        check_ownership(plan, exported)  # type: ignore[call-arg]: the product has no ledger-as-it-stands mode
+    with pytest.raises(TypeError, match="refused_waiting"):
+        count_snapshot(plan, exported, owned=owned)  # type: ignore[call-arg]

@@ -73,6 +73,19 @@ async def test_full_collections_run_on_their_timer_skip_while_held_and_stop():
     assert gc.isenabled()
 
 
+async def test_stopping_never_swallows_the_callers_cancellation():
+    collections = FullCollections(interval_s=3600)
+    collections.start()
+    await asyncio.sleep(0)  # the loop sleeps until its first round
+    stopper = asyncio.create_task(collections.stop())
+    await asyncio.sleep(0)  # the stopper has cancelled the loop and waits for it to end
+    stopper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopper
+    assert stopper.cancelled() and collections.runs == 0
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "full gc collections" and not t.done()]
+
+
 @pytest.mark.parametrize("bad", [0, -1.0])
 def test_the_interval_must_be_positive(bad):
     with pytest.raises(ValueError, match="interval_s"):

@@ -6,12 +6,22 @@
   imports as it loads (its top level, ``if TYPE_CHECKING:`` blocks and class bodies included); an import
   inside a function is allowed, and the ones that would close a cycle are listed in the output;
 * RL reaches Gym through its client surface (docs/design.md §3): no module under ``nemo_rl/`` imports a
-  Gym server implementation, except the few named in ``SERVER_IMPORTS_ALLOWED`` with why.
+  Gym server implementation, except the few named in ``SERVER_IMPORTS_ALLOWED`` with why; a call to
+  ``importlib.import_module`` / ``__import__`` counts as an import of the name it is given, and a name
+  computed at run time is refused under ``nemo_rl/`` (it could name anything);
+* and, since a static read cannot see every path, a subprocess imports the driver's modules and runs its
+  Gym config checks (``check_gym_configs``, ``--check``'s rows) on every example config, then finds no
+  Gym server module loaded.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +43,17 @@ class Import:
     target: str
     line: int
     at_load: bool  # run as the module loads (not inside a function)
+    dynamic: bool = False  # importlib.import_module / __import__ (target: the name, or COMPUTED)
+
+
+COMPUTED = "<a name computed at run time>"
+_DYNAMIC_IMPORTERS = {"import_module", "__import__"}
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    return name in _DYNAMIC_IMPORTERS
 
 
 def _module_name(path: Path) -> str:
@@ -63,8 +84,11 @@ def _resolve(importer: str, is_package: bool, module: str | None, level: int) ->
 
 
 def _imports(name: str, path: Path) -> list[Import]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    is_package = path.name == "__init__.py"
+    return _imports_of(name, path.read_text(), path.name == "__init__.py", str(path))
+
+
+def _imports_of(name: str, source: str, is_package: bool, filename: str = "<source>") -> list[Import]:
+    tree = ast.parse(source, filename=filename)
     out: list[Import] = []
 
     def visit(node: ast.AST, at_load: bool) -> None:
@@ -76,6 +100,10 @@ def _imports(name: str, path: Path) -> list[Import]:
                 for alias in child.names:
                     sub = f"{source}.{alias.name}"
                     out.append(Import(name, sub if sub in MODULES else source, child.lineno, at_load))
+            elif isinstance(child, ast.Call) and _dynamic_import(child):
+                arg = child.args[0] if child.args else None
+                target = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else COMPUTED
+                out.append(Import(name, target, child.lineno, at_load, dynamic=True))
             visit(child, at_load and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(tree, True)
@@ -185,6 +213,42 @@ def test_rl_never_imports_a_gym_server_implementation_but_the_listed_few():
     assert stale == [], f"allowed but no longer imported (drop them from SERVER_IMPORTS_ALLOWED): {stale}"
 
 
+def test_rl_imports_no_module_by_a_name_computed_at_run_time():
+    computed = [f"{i.importer}:{i.line}" for i in IMPORTS if _within(i.importer, "nemo_rl") and i.target == COMPUTED]
+    assert computed == [], ("a module under nemo_rl/ imports a module whose name is computed at run time (it could "
+                            "be a Gym server implementation):\n" + "\n".join(computed))
+
+
+# Run in a fresh interpreter: import what the driver imports, run every Gym config check it makes.
+_DRIVER_CHECKS = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from types import SimpleNamespace
+    import nemo_rl.cli.run_grpo, nemo_rl.cli.check, nemo_rl.cli.inspect
+    from nemo_rl.algorithms.single_controller_utils.config import load_config
+    from nemo_rl.algorithms.single_controller_utils.setup import check_gym_configs
+    from nemo_rl.cli.check import server_rows
+    checked = []
+    for path in sorted(Path("examples/configs").glob("*.yaml")):
+        config = load_config(path, [])
+        check_gym_configs(config)
+        rows = server_rows(config, SimpleNamespace(agent_servers={}, restart_only_servers={}), [])
+        checked.append((path.name, sorted({row.checkpoint for row in rows})))
+    print(json.dumps({"checked": checked, "modules": sorted(sys.modules)}))
+""")
+
+
+def test_the_driver_loads_no_gym_server_module_while_it_checks_every_example_config():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _DRIVER_CHECKS], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report["checked"]) >= 5 and all(modes for _, modes in report["checked"]), report["checked"]
+    loaded = [m for m in report["modules"] if any(_within(m, p) for p in SERVER_PACKAGES)]
+    assert loaded == [], f"the driver loaded Gym server modules: {loaded}"
+
+
 def test_the_checks_see_what_they_check():
     """The parse finds the imports it judges (a broken walk would pass every check above)."""
     assert len(MODULES) > 100 and "nemo_rl.models.generation.worker" in MODULES
@@ -193,3 +257,14 @@ def test_the_checks_see_what_they_check():
     assert any(i.importer == "nemo_rl.algorithms.single_controller_utils.components" and not i.at_load
                and i.target == "gym_patches.fakes.scripted_backend" for i in IMPORTS)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    dynamic = _imports_of("nemo_rl.x", textwrap.dedent("""
+        import importlib
+        from importlib import import_module
+        def f(kind):
+            importlib.import_module("gym_patches.resources_servers.workplace_assistant.app")
+            __import__("gym_patches.responses_api_agents.simple_agent.app")
+            import_module(f"gym_patches.{kind}.vllm_model.app")
+    """), is_package=False)
+    assert [(i.target, i.dynamic) for i in dynamic if i.dynamic] == [
+        ("gym_patches.resources_servers.workplace_assistant.app", True),
+        ("gym_patches.responses_api_agents.simple_agent.app", True), (COMPUTED, True)]

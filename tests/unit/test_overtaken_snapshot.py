@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from gym_patches.checkpoint.storage import FileSystemWriter
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
@@ -20,6 +22,7 @@ from nemo_rl.data.dataloader import PromptDataloader
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.run_hooks import RunHooks
+from nemo_rl.utils.atomic_write import write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     anchor_dir,
     commit_snapshot,
@@ -31,7 +34,6 @@ from nemo_rl.utils.snapshot_store import (
     publish_trainer_step,
     resolve_restore_point,
     verify_directory,
-    write_json_atomic,
 )
 
 ROWS = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
@@ -65,6 +67,7 @@ def test_a_snapshot_cut_before_the_publish_stays_under_its_anchor_which_prune_sp
                             lambda: anchor["now"], lambda: anchor_dir(ckpt, anchor["now"]))
     records = RunRecords(tmp_path / "logs")
     snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(),
+                                     RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k),
                                      hooks=PublishAt(ckpt, anchor, "persist"))  # after the cut, before the publish
     outcome = asyncio.run(snapshotter.attempt())
     assert outcome.committed and outcome.reason == "committed"
@@ -87,7 +90,8 @@ def test_an_attempt_not_overtaken_has_no_overtaken_by(tmp_path):
     inputs = SnapshotInputs(RolloutRecoveryLedger(), DataPlaneStore(), PromptDataloader(ROWS, seed=0), lambda: 0,
                             lambda: 0, lambda: anchor_dir(ckpt, 0))
     records = RunRecords(tmp_path / "logs")
-    snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges())
+    snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(),
+                                     RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k))
     outcome = asyncio.run(snapshotter.attempt())
     assert outcome.committed and outcome.overtaken_by is None and snapshotter.newest_anchor == 0
     assert "overtaken_by" not in records.read("snapshots.jsonl")[0]

@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gym_patches.checkpoint.storage import FileSystemWriter
 from gym_patches.checkpoint.calls import PersistCall, PrepareCall
 from gym_patches.checkpoint.coordination import ControlClient, Participant, Participants, call
 from gym_patches.checkpoint.cuts import (
@@ -151,7 +152,7 @@ async def test_an_agent_overridden_to_turn_under_a_prefix_target_is_never_cut(tm
         changes = LedgerChanges()
         inputs = SnapshotInputs(ledger, DataPlaneStore(), PromptDataloader([{"id": 0}], seed=0), lambda: 0,
                                 lambda: 0, lambda: tmp_path, generation_cuts=True)
-        stager = StagedStager(inputs, RunHooks(), coordinator, DispatchGate(changes), changes, RunStore(tmp_path))
+        stager = StagedStager(inputs, RunHooks(), coordinator, DispatchGate(changes), changes, RunStore(tmp_path, FileSystemWriter(), keep_latest_k=1))
 
         async with stager.hold("c1") as prepared:
             cut = prepared.results[IID].replies["policy_model"].cut

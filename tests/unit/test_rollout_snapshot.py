@@ -5,10 +5,13 @@ snapshots; the Gym stagers run against real servers in tests/functional)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
 
+from gym_patches.checkpoint.storage import FileSystemWriter
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
@@ -27,11 +30,17 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import 
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.data.dataloader import PromptDataloader
-from nemo_rl.experience.data_plane import DataPlaneStore
+from nemo_rl.experience.data_plane import DATA_PLANE_FILE, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import SnapshotStoreError, anchor_dir, ensure_bootstrap_anchor, resolve_latest_snapshot
+from nemo_rl.utils.snapshot_store import (
+    SnapshotStoreError,
+    anchor_dir,
+    ensure_bootstrap_anchor,
+    resolve_latest_snapshot,
+    verify_directory,
+)
 
 ROWS = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
 
@@ -73,14 +82,18 @@ class Run:
 
     def snapshotter(self, hooks: RunHooks | None = None, **settings) -> RolloutSnapshotter:
         return RolloutSnapshotter(self.inputs(), None, self.records, RolloutCheckpointConfig(**settings),
-                                  LedgerChanges(), hooks=hooks)
+                                  LedgerChanges(), self.store(RolloutCheckpointConfig(**settings).keep_latest_k), hooks=hooks)
+
+    def store(self, keep_latest_k: int = 1) -> RunStore:
+        return RunStore(self.checkpoint_dir, FileSystemWriter(), keep_latest_k=keep_latest_k)
 
     def restorer(self, *, read_snapshots: bool = True) -> RunRestorer:
         async def no_trainer(anchor: Path) -> dict:
             raise AssertionError("step 0 has no trainer state to load")
 
         return RunRestorer(self.checkpoint_dir, read_snapshots=read_snapshots, coordinator=None,
-                           max_attempts_per_sibling=3, load_trainer=no_trainer, hooks=RunHooks())
+                           max_attempts_per_sibling=3, load_trainer=no_trainer, hooks=RunHooks(),
+                           store=self.store())
 
     def rows(self) -> list[dict]:
         return self.records.read("snapshots.jsonl")
@@ -91,7 +104,7 @@ def test_one_stager_per_mode_is_chosen_once():
                             lambda: 0, lambda: 0, lambda: Path("/nonexistent"))
     changes = LedgerChanges()
     gate = DispatchGate(changes)
-    store = RunStore(Path("/nonexistent"))  # never written: only the choice is under test
+    store = RunStore(Path("/nonexistent"), FileSystemWriter(), keep_latest_k=1)  # never written: only the choice is under test
     assert isinstance(make_stager("staged", inputs, RunHooks(), None, gate, changes, store), LedgerOnlyStager)
     coordinator = object()  # never called: only the choice is under test
     assert isinstance(make_stager("staged", inputs, RunHooks(), coordinator, gate, changes, store), StagedStager)
@@ -140,6 +153,45 @@ async def test_a_failure_at_the_publish_leaves_the_previous_snapshot_the_newest(
     assert [p.name for p in snapshots.iterdir()] == [Path(first.path).name]  # no tmp dir left
     assert resolve_latest_snapshot(anchor_dir(run.checkpoint_dir, 0)).path == Path(first.path)
     assert [r["reason"] for r in run.rows()] == ["committed", "io_error"]
+
+
+async def test_a_restore_skips_a_snapshot_whose_samples_file_is_a_symlink_naming_it(tmp_path):
+    """The checkpoint dir is untrusted input: a samples file replaced by a link to the same bytes outside it
+    (size and digest still match the manifest) makes its snapshot unusable; the previous one is restored."""
+    run = Run(tmp_path)
+    first = await run.snapshotter(keep_latest_k=2).attempt()
+    second = await run.snapshotter(keep_latest_k=2).attempt()
+    assert first.committed and second.committed
+    samples = Path(second.path) / DATA_PLANE_FILE
+    outside = tmp_path / "elsewhere" / DATA_PLANE_FILE
+    outside.parent.mkdir()
+    outside.write_bytes(samples.read_bytes())
+    samples.unlink()
+    samples.symlink_to(outside)
+    restored = await run.restorer().restore()
+    assert restored.record["snapshot"] == first.path
+    reasons = {s["path"]: s["reason"] for s in restored.record["skipped_snapshots"]}
+    assert reasons == {second.path: f"{samples}: a symbolic link; a sealed directory holds only regular files "
+                                     "and directories"}
+
+
+@pytest.mark.parametrize("plant", ["linked_directory", "fifo"])
+async def test_verify_refuses_a_link_or_a_special_file_anywhere_in_a_sealed_directory(tmp_path, plant):
+    run = Run(tmp_path)
+    path = Path((await run.snapshotter().attempt()).path)
+    if plant == "linked_directory":  # a directory of real files moved out and linked back: every file still matches
+        (path / "sub").mkdir()
+        (path / "sub" / "x").write_text("x")
+        verify_directory(path, "rollout_snapshot")  # an unlisted real directory is no harm
+        (path / "sub").rename(tmp_path / "sub")
+        (path / "sub").symlink_to(tmp_path / "sub")
+        why = "a symbolic link"
+    else:
+        os.mkfifo(path / "pipe")
+        why = "not a regular file"
+    named = path / ("sub" if plant == "linked_directory" else "pipe")
+    with pytest.raises(SnapshotStoreError, match=re.escape(f"{named}: {why}")):
+        verify_directory(path, "rollout_snapshot")
 
 
 async def test_an_invariant_error_stops_the_run_and_is_recorded(tmp_path):

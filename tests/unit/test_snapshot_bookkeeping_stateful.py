@@ -27,12 +27,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import (
-    check_ownership,
-    count_snapshot,
     gym_checkpoint_inventory,
     gym_checkpoint_keys,
     plan_snapshot,
 )
+from testkit.snapshot_checks import check_ownership_now, count_snapshot_now
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import (
     PromptGroupStatus,
@@ -186,8 +185,8 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
             if self.gym.saving[iid] else set()
             for iid in self.iids
         }
-        check_ownership(self.ledger, plan, exported)
-        counts = count_snapshot(self.ledger, plan, exported)
+        check_ownership_now(self.ledger, plan, exported)
+        counts = count_snapshot_now(self.ledger, plan, exported)
         inventory = gym_checkpoint_inventory(self.ledger, self.iids)
         assert counts.saved + counts.unsaved == sum(len(v) for v in inventory.values())
         assert counts.not_admitted == len(self.ledger.refused_waiting())

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from nemo_rl.utils.atomic_write import write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     MANIFEST_NAME,
     SnapshotStoreError,
@@ -24,7 +25,6 @@ from nemo_rl.utils.snapshot_store import (
     resolve_restore_point,
     sha256_file,
     verify_directory,
-    write_json_atomic,
 )
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.storage import FileSystemWriter, StorageWriter, use_process_writer
+from gym_patches.checkpoint.storage import FileSystemWriter, StorageWriter
 from gym_patches.checkpoint.store import read_participant_state
 from tests.unit.test_control_plane import FakeParticipant, ep, own_tasks, start
 
@@ -280,16 +280,14 @@ class BlockedWriter(FileSystemWriter):
 
 
 @pytest.fixture
-def writer():
-    installed: list[StorageWriter] = []
+def writer(h):
+    """Gives the harness's control plane ``w`` as its writer (what its persist writes through)."""
 
-    def install(w: StorageWriter) -> StorageWriter:
-        installed.append(use_process_writer(w))
+    def use(w: StorageWriter) -> StorageWriter:
+        h.plane.writer = w
         return w
 
-    yield install
-    if installed:
-        use_process_writer(installed[0])
+    return use
 
 
 async def test_a_failed_persist_answers_its_error_to_every_retry_names_the_file_and_is_logged_once(
@@ -353,12 +351,12 @@ async def test_a_newer_capture_stops_an_older_persist_before_it_publishes(h, tmp
                        episode_ids=[ep("r1")]))["episode_ids"] == ["r1"]
 
 
-async def test_stop_waits_for_a_persist_still_writing_and_leaves_nothing_running(tmp_path, writer):
-    harness = await start(FakeParticipant())
+async def test_stop_waits_for_a_persist_still_writing_and_leaves_nothing_running(tmp_path):
+    slow = BlockedWriter()
+    harness = await start(FakeParticipant(), writer=slow)
     harness.participant.save("r1", turn=1)
     await harness.ok("prepare", checkpoint_id="c1", capture=True)
     await harness.ok("resume", checkpoint_id="c1")
-    slow = writer(BlockedWriter())
     call = asyncio.create_task(harness.call("persist", {"checkpoint_id": "c1", "deadline_ts": time.time() + 10,
                                                         "checkpoint_dir": str(tmp_path),
                                                         "episode_ids": [ep("r1")]}))

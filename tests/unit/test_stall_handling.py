@@ -16,7 +16,8 @@ from gym_patches.checkpoint.calls import ProbeCall, ResumeCall
 from gym_patches.checkpoint.wire import StatusReply
 from gym_patches.wire_models import AgentActivity, RunActivity
 from nemo_rl.algorithms.single_controller_utils.config import ConfigError, StallWatchdogConfig, load_config
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import check_ownership, count_snapshot, plan_snapshot
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import plan_snapshot
+from testkit.snapshot_checks import check_ownership_now, count_snapshot_now
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import (
     RolloutStallError,
     StallWatchdog,
@@ -178,9 +179,9 @@ def test_a_left_out_replica_gets_no_scope_and_its_rollouts_are_counted_apart():
     assert plan.instance_ids == ("g/replica-0",) and plan.left_out == ("g/replica-1",)
     assert len(plan.scope["g/replica-0"]) == 2 and "g/replica-1" not in plan.scope
     exported = {"g/replica-0": set(plan.scope["g/replica-0"])}
-    owned = check_ownership(ledger, plan, exported)  # rollouts of the left-out replica are not strays
+    owned = check_ownership_now(ledger, plan, exported)  # rollouts of the left-out replica are not strays
     assert len(owned["g/replica-1"]) == 2
-    counts = count_snapshot(ledger, plan, exported, owned=owned)
+    counts = count_snapshot_now(ledger, plan, exported, owned=owned)
     assert (counts.saved, counts.unsaved) == (2, 0)
     with pytest.raises(Exception, match="not in the live topology"):
         plan_snapshot(ledger, ["g/replica-0"], {})  # without saying it left, a replica's rollouts are an error

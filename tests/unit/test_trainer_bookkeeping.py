@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.utils import snapshot_store
+from nemo_rl.utils.atomic_write import recording_digests, write_bytes_atomic, write_json_atomic
 from nemo_rl.utils.snapshot_store import (
     MANIFEST_NAME,
     SnapshotStoreError,
@@ -25,16 +26,13 @@ from nemo_rl.utils.snapshot_store import (
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    recording_digests,
     resolve_latest_snapshot,
     resolve_restore_point,
     trust_directory,
     verify_directory,
-    write_bytes_atomic,
-    write_json_atomic,
 )
 from nemo_rl.utils.write_errors import RunWriteError
-from gym_patches.checkpoint.storage import FileSystemWriter, use_process_writer
+from gym_patches.checkpoint.storage import FileSystemWriter
 
 MB = 1 << 20
 
@@ -45,9 +43,9 @@ def hashed(monkeypatch) -> list[Path]:
     seen: list[Path] = []
     real = snapshot_store.sha256_file
 
-    def counting_sha256_file(path, *reader):
+    def counting_sha256_file(path):
         seen.append(Path(path))
-        return real(path, *reader)
+        return real(path)
 
     monkeypatch.setattr(snapshot_store, "sha256_file", counting_sha256_file)
     return seen
@@ -338,21 +336,6 @@ def test_a_manifest_that_cannot_be_written_publishes_nothing(tmp_path):
     assert [p.name.split(".")[1] for p in writer.paths] == ["optimizer", "manifest"]  # every file went through it
 
 
-def test_a_write_given_no_writer_goes_through_the_process_default(tmp_path):
-    """What a caller that passes none down (a trainer's save) writes through: the process's default."""
-    writer = HalfThenFullDisk("optimizer.pt")
-    previous = use_process_writer(writer)
-    try:
-        with pytest.raises(RunWriteError, match="optimizer.pt"):
-            write_bytes_atomic(tmp_path / "optimizer.pt", b"x" * 64)
-    finally:
-        assert use_process_writer(previous) is writer
-    write_bytes_atomic(tmp_path / "optimizer.pt", b"x" * 64)  # the default back
-    assert len(writer.paths) == 1 and (tmp_path / "optimizer.pt").read_bytes() == b"x" * 64
-    with pytest.raises(TypeError, match="StorageWriter"):
-        use_process_writer(lambda path, data: None)  # type: ignore[arg-type]
-
-
 def test_snapshot_store_reads_no_test_environment_and_imports_no_testing_module():
     source = Path(snapshot_store.__file__).read_text()
     assert "testing" not in source and "os.environ" not in source and "getenv" not in source
@@ -397,13 +380,14 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
 
     ckpt = tmp_path / "ckpt"
     controller = SimpleNamespace(
-        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt), snapshotter=None,
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter(), keep_latest_k=1), snapshotter=None,
         trainer=RecordingTrainer(tmp_path / "logs"),
         dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
         hooks=RunHooks(),
         coverage=SnapshotCoverage(None),
-        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), to_yaml=lambda: "grpo:\n  seed: 7\n"),
+        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), grpo=SimpleNamespace(max_num_steps=10),
+                               to_yaml=lambda: "grpo:\n  seed: 7\n"),
     )
     seconds = []
     for step in (1, 2, 3):
@@ -415,3 +399,61 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
     manifest = verify_directory(ckpt / "step_3", "trainer_step")
     assert set(manifest.files) == {STATE_FILE, "config.yaml"}  # the config the step was trained with, sealed
     assert (ckpt / "step_3" / "config.yaml").read_text() == "grpo:\n  seed: 7\n"
+
+
+# ----- retention: the spare anchor goes once no restore can need it ------------------------------
+def _stand_in(tmp_path, max_num_steps: int, newest_snapshot_under: int):
+    """A stand-in controller (the recording trainer, the real store, keep_top_k=2) with a stand-in snapshotter
+    that says its newest snapshot is under ``newest_snapshot_under`` (pruning reads only that number)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nemo_rl.algorithms.recording_trainer import RecordingTrainer
+    from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
+    from nemo_rl.experience.data_plane import DataPlaneStore
+    from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+    from nemo_rl.utils.run_hooks import RunHooks
+
+    ckpt = tmp_path / "ckpt"
+    return SimpleNamespace(
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter(), keep_latest_k=1),
+        snapshotter=SimpleNamespace(busy=asyncio.Lock(), newest_anchor=newest_snapshot_under),
+        trainer=RecordingTrainer(tmp_path / "logs"), dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
+        ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
+        hooks=RunHooks(), coverage=SnapshotCoverage(None), _spared=None,
+        config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2),
+                               grpo=SimpleNamespace(max_num_steps=max_num_steps), to_yaml=lambda: "a: 1\n"),
+    )
+
+
+def _save_steps(controller, steps) -> None:
+    import asyncio
+
+    from nemo_rl.algorithms.single_controller import SingleController
+
+    for step in steps:
+        controller.step = step
+        asyncio.run(SingleController.save_trainer_checkpoint(controller))
+
+
+def test_the_spare_anchor_stays_while_a_restore_needs_it_and_goes_once_a_newer_step_holds_a_snapshot(tmp_path):
+    import asyncio
+
+    from nemo_rl.algorithms.single_controller import SingleController
+
+    controller = _stand_in(tmp_path, max_num_steps=10, newest_snapshot_under=1)
+    _save_steps(controller, (1, 2, 3))
+    ckpt = controller.checkpoint_dir
+    assert list_trainer_steps(ckpt) == [1, 2, 3] and controller._spared == 1  # step 1 holds the newest snapshot
+    controller.snapshotter.newest_anchor = 3  # a snapshot published under step 3: a restore takes that one
+    asyncio.run(SingleController._prune_spared(controller))
+    assert list_trainer_steps(ckpt) == [2, 3] and controller._spared == 3
+
+
+def test_a_complete_run_keeps_only_keep_top_k_steps(tmp_path):
+    controller = _stand_in(tmp_path, max_num_steps=3, newest_snapshot_under=1)
+    _save_steps(controller, (1, 2))
+    assert list_trainer_steps(controller.checkpoint_dir) == [1, 2]
+    _save_steps(controller, (3,))  # the last step: the run is complete, no restore needs step 1
+    assert list_trainer_steps(controller.checkpoint_dir) == [2, 3] and controller._spared is None

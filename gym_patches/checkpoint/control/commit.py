@@ -7,12 +7,13 @@ from gym_patches.checkpoint.control.scope import Job
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.records import record_key
+from gym_patches.checkpoint.storage import StorageWriter
 from gym_patches.checkpoint.store import WriteStopped, write_participant_state
 from gym_patches.checkpoint.wire import CommitRequest, ParticipantManifest, PrepareReport
 
 
 async def export_and_write(job: Job, participant: CheckpointParticipant, instance: str, req: CommitRequest,
-                           reported_unsaved: frozenset[str] = frozenset()
+                           writer: StorageWriter, reported_unsaved: frozenset[str] = frozenset()
                            ) -> tuple[ParticipantManifest, list[str], dict[str, int]]:
     """Export the scope and write it (in a thread the job owns); the manifest, the keys and the
     generation cuts written (capture key -> tokens).
@@ -32,7 +33,7 @@ async def export_and_write(job: Job, participant: CheckpointParticipant, instanc
     try:
         manifest = await job.in_thread(
             write_participant_state, req.checkpoint_dir, participant.kind, instance, req.checkpoint_id, records,
-            should_stop=job.stop.is_set,
+            writer=writer, should_stop=job.stop.is_set,
         )
     except WriteStopped:
         raise CheckpointError(f"commit for {req.checkpoint_id!r} was aborted", code="stale_checkpoint") from None

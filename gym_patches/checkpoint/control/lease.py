@@ -13,7 +13,8 @@ import logging
 import math
 from typing import Awaitable, Callable
 
-from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX, outlast_cancellation
+from gym_patches.checkpoint.control.scope import TASK_NAME_PREFIX
+from gym_patches.utils.cancellation import outlast_cancellation
 
 logger = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from gym_patches.checkpoint.control.staging import NewestCapture, StagedCapture,
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.participant import CheckpointParticipant
+from gym_patches.checkpoint.storage import StorageWriter
 from gym_patches.checkpoint.wire import (
     CommitReply,
     CommitRequest,
@@ -78,6 +79,7 @@ class ParticipantControlPlane:
         *,
         instance: str,
         auth_token: str,
+        writer: StorageWriter,
         lease_grace_seconds: float = 600.0,
         clock: Callable[[], float] = time.time,
         max_body_bytes: int = MAX_CONTROL_BODY_BYTES,
@@ -89,6 +91,7 @@ class ParticipantControlPlane:
             raise ValueError("instance must be a non-empty string")
         self.participant = participant
         self.instance = instance
+        self.writer = writer  # every file a commit or a persist writes (docs/design.md §4.7)
         self._http = ControlHttp(instance=instance, auth_token=auth_token, max_body_bytes=max_body_bytes,
                                  clock=clock)
         self._lease = Lease(lease_grace_seconds, clock)
@@ -292,7 +295,7 @@ class ParticipantControlPlane:
     async def _run_commit(self, job: Job[dict[str, Any]], req: CommitRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
         manifest, keys, cut_tokens = await export_and_write(job, self.participant, self.instance, req,
-                                                            self._reported_unsaved)
+                                                            self.writer, self._reported_unsaved)
         async with self._lock:
             if job.stop.is_set() or not self._phases.is_at(cid, "prepared"):
                 raise _aborted("commit", cid)
@@ -313,7 +316,7 @@ class ParticipantControlPlane:
         scope = _keys(req.episode_ids) or ()
         async with self._lock:
             staged = self._captures.of(req.checkpoint_id)
-            job = staged.persist(self.participant.kind, self.instance, req.checkpoint_dir, scope)
+            job = staged.persist(self.participant.kind, self.instance, req.checkpoint_dir, scope, self.writer)
         return await job.result()
 
     async def _forget(self, req: ForgetRequest) -> dict[str, Any]:

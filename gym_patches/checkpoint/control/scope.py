@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Generic, Hashable, TypeVar
 
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.store import WriteStopped
+from gym_patches.utils.cancellation import outlast_cancellation
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +83,6 @@ class Job(Generic[T]):
                     logger.warning("checkpoint control %s: %s was aborted, and its thread then failed: %s: %s",
                                    self.scope.instance, self.name, type(error).__name__, error)
             raise
-
-
-async def outlast_cancellation(future: asyncio.Future[Any]) -> None:
-    """Wait for ``future`` however often the waiter is cancelled, then raise the cancellation."""
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.wait({future})
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 class TaskScope:

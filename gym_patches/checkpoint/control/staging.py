@@ -16,6 +16,7 @@ from gym_patches.checkpoint.errors import CheckpointError, CheckpointStoreError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
 from gym_patches.checkpoint.records import CapturedRecord, RecordEncodeError, encode_record, frozen_copy, record_key
+from gym_patches.checkpoint.storage import StorageWriter
 from gym_patches.checkpoint.store import EncodedRecords, WriteStopped, write_participant_state
 from gym_patches.checkpoint.wire import ParticipantManifest, PersistReply, dump
 
@@ -44,8 +45,9 @@ class StagedCapture:
         self._fill = fill
         self._complete = complete  # fields some records gain after resume (the model's cuts)
 
-    def persist(self, kind: str, instance: str, checkpoint_dir: str, scope: tuple[str, ...]) -> Job[dict[str, Any]]:
-        """The write of ``scope`` to ``checkpoint_dir``: started by the first call (which fixes the
+    def persist(self, kind: str, instance: str, checkpoint_dir: str, scope: tuple[str, ...],
+                writer: StorageWriter) -> Job[dict[str, Any]]:
+        """The write of ``scope`` to ``checkpoint_dir`` through ``writer``: started by the first call (which fixes the
         arguments), shared by every retry. Caller holds the control plane's lock."""
         args = (checkpoint_dir, scope)
         job = self.tasks.get("persist")
@@ -67,7 +69,7 @@ class StagedCapture:
             late, cut_failed, cut_error = await self._complete() if self._complete is not None else ({}, 0, None)
             try:
                 keys, manifest, cut_tokens = await job.in_thread(self._write, checkpoint_dir, kind, instance,
-                                                                 scope, job.stop.is_set, late)
+                                                                 scope, writer, job.stop.is_set, late)
             except WriteStopped:
                 raise CheckpointError(f"persist for {self.checkpoint_id!r} was aborted",
                                       code="stale_checkpoint") from None
@@ -110,13 +112,13 @@ class StagedCapture:
                     raise CheckpointStoreError(f"the record of {key} is not JSON-serialisable: {exc}") from None
         return keys, EncodedRecords(lines), cut_tokens
 
-    def _write(self, checkpoint_dir: str, kind: str, instance: str, scope: tuple[str, ...],
+    def _write(self, checkpoint_dir: str, kind: str, instance: str, scope: tuple[str, ...], writer: StorageWriter,
                should_stop: Callable[[], bool], late: dict[str, Record] | None = None,
                ) -> tuple[list[str], ParticipantManifest, dict[str, int]]:
         """Select and write the scope (blocking: runs in the job's thread), then free the copy."""
         keys, encoded, cut_tokens = self.select(scope, late)
         manifest = write_participant_state(checkpoint_dir, kind, instance, self.checkpoint_id, encoded,
-                                           should_stop=should_stop)
+                                           writer=writer, should_stop=should_stop)
         self._entries = None  # written: retries get the stored reply
         return keys, manifest, cut_tokens
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field
-
 from gym_patches.checkpoint.wire import ResourcesCheckpointMode
-from gym_patches.resources_servers.base import ResourcesServerConfig, SimpleResourcesServer
+from gym_patches.resources_servers.base import SimpleResourcesServer
+from gym_patches.server_configs import PythonSandboxConfig
 from gym_patches.resources_servers.python_sandbox.interpreter import (
-    DEFAULT_TIMEOUT_S,
     TOOL_SCHEMAS,
     InterpreterSession,
     SandboxError,
@@ -22,10 +20,6 @@ from gym_patches.resources_servers.python_sandbox.interpreter import (
     seed_sandbox,
     verify_sandbox,
 )
-
-
-class PythonSandboxConfig(ResourcesServerConfig):
-    exec_timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, le=600)
 
 
 class PythonSandboxServer(SimpleResourcesServer):

@@ -19,10 +19,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gym_patches.server_configs import SANDBOX_EXEC_TIMEOUT_S
+
 from .. import ToolError, check_arguments, function_tool
 
 DRIVER_PATH = Path(__file__).with_name("repl_driver.py")
-DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_TIMEOUT_S = SANDBOX_EXEC_TIMEOUT_S
 START_TIMEOUT_S = 15.0
 INTERRUPT_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1

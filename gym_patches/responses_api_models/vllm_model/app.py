@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from gym_patches.checkpoint.cuts import (
     CALL_ID_HEADER,
@@ -58,7 +58,8 @@ from gym_patches.responses_api_models.vllm_model.converter import (
     chat_to_responses,
     responses_to_chat,
 )
-from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES, GymServer, ServerConfigBase, new_client_session
+from gym_patches.server_configs import VLLMModelConfig
+from gym_patches.server_utils import MAX_REQUEST_BODY_BYTES, GymServer, new_client_session
 from gym_patches.wire_models import ROLLOUT_PREFIX, ResponsesRequest
 
 logger = logging.getLogger(__name__)
@@ -69,11 +70,6 @@ BACKEND_SETTINGS_STATUSES = frozenset({401, 403, 404, 407})
 RETRYABLE_4XX = frozenset({408, 429})
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
-
-
-class VLLMModelConfig(ServerConfigBase):
-    return_token_id_information: bool = True  # ask for and pass through token ids + logprobs
-    request_timeout_s: float = Field(default=600.0, gt=0)  # per backend call
 
 
 class BackendError(RuntimeError):

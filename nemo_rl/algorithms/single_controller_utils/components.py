@@ -19,9 +19,10 @@ from typing import Any
 
 import ray
 
+from gym_patches.checkpoint.storage import StorageWriter
 from gym_patches.utils.processes import free_port
 from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, ConfigError, MasterConfig
-from nemo_rl.utils.snapshot_store import RestorePoint
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RestorePoint
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,8 @@ class GRPOTrainerAdapter:
     def state_dict_bytes(self) -> bytes:
         return self.inner.state_dict_bytes()
 
-    def save(self, directory: Path, extra_state: dict[str, Any]) -> None:
-        self.inner.save(directory, dataloader_state=extra_state)
+    def save(self, directory: Path, extra_state: dict[str, Any], writer: StorageWriter) -> None:
+        self.inner.save(directory, dataloader_state=extra_state, writer=writer)
 
     def load(self, directory: Path) -> dict[str, Any]:
         return self.inner.load(directory)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from gym_patches.checkpoint.storage import StorageWriter
 from nemo_rl.experience.sample import RolloutSample
 
 
@@ -42,7 +43,9 @@ class Trainer(Protocol):
 
     def train_step(self, samples: list[RolloutSample]) -> dict[str, float]: ...
 
-    def save(self, directory: Path, extra_state: dict[str, Any]) -> None: ...
+    def save(self, directory: Path, extra_state: dict[str, Any], writer: StorageWriter) -> None:
+        """Every file into ``directory`` through ``writer`` (the run store's)."""
+        ...
 
     def load(self, directory: Path) -> dict[str, Any]:
         """Restore from ``directory``; return the ``extra_state`` given to ``save``."""

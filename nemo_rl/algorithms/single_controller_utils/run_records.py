@@ -14,7 +14,7 @@ from typing import Any
 
 from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.utils.loggers.names import SnapshotSeries, restore_metrics, step_metrics
-from nemo_rl.utils.snapshot_store import write_json_atomic
+from nemo_rl.utils.atomic_write import write_json_atomic
 from nemo_rl.utils.write_errors import naming_write
 
 

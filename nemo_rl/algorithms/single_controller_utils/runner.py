@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from gym_patches.checkpoint.storage import install_writer
+from gym_patches.checkpoint.storage import build_writer
 from gym_patches.utils.collector import freeze_startup_objects
 from nemo_rl.algorithms.single_controller_utils.components import (
     SCRIPTED_TEST_BACKEND,
@@ -30,13 +30,13 @@ from nemo_rl.algorithms.single_controller_utils.components import (
 )
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.restore import RestoreLookup, find_restore_point
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.setup import _spinup_gym, check_gym_configs, init_ray
 from nemo_rl.data.dataloader import load_jsonl
 from nemo_rl.utils.loggers import MetricLoggers, open_loggers
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.algorithms.single_controller_utils.run_identity_check import check_run_identity
 from nemo_rl.utils.run_lock import hold_run_dirs
-from nemo_rl.utils.snapshot_store import remove_stale_tmp_dirs
 from nemo_rl.utils.startup_clock import StartupClock
 from nemo_rl.utils.stop_signals import (
     RunStopped,
@@ -149,7 +149,6 @@ def run(config: MasterConfig, *, launched_at: float | None = None, hooks: RunHoo
     launched_at = launched_at or time.monotonic()
     hooks = hooks or RunHooks()
     check_gym_configs(config)  # a bad Gym key fails in a second, before anything is written or started
-    install_writer(config.checkpointing.storage_writer)  # this process's checkpoint files (Gym's: at spinup)
     ckpt = config.checkpointing
     # Entered before any child starts: each inherits the blocked stop signals (docs/design.md §5.11).
     with StopSignals(config.rollout_checkpointing.stop_grace_s) as stops:
@@ -170,11 +169,14 @@ def run(config: MasterConfig, *, launched_at: float | None = None, hooks: RunHoo
 def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks, stops: StopSignals) -> int:
     check_run_identity(config)  # another run's checkpoint_dir is refused before anything starts
     lookup = RestoreLookup(None)
+    # The one owner of checkpoint_dir, with this process's writer (each Gym server builds its own).
+    store = RunStore(config.checkpointing.checkpoint_dir, build_writer(config.checkpointing.storage_writer),
+                     keep_latest_k=config.rollout_checkpointing.keep_latest_k)
     if config.checkpointing.enabled:
-        remove_stale_tmp_dirs(config.checkpointing.checkpoint_dir)  # only this process writes here now
+        store.remove_stale_tmp_dirs()  # only this process writes here now
         # The one lookup of what this start restores (the chosen trainer step is hashed once, here).
         lookup = find_restore_point(
-            Path(config.checkpointing.checkpoint_dir),
+            store.checkpoint_dir,
             turn_level=config.rollout_recovery.turn_checkpointing_enabled,
             read_snapshots=config.rollout_checkpointing.restore_mode != "trainer_checkpoint")
     finished = preflight(config, lookup.point)  # an unfetchable policy.model_name fails here too, in seconds
@@ -200,7 +202,7 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks, stops
         # Closed on every way out, so the last rows reach the backends when the run fails too.
         with open_loggers(config.logger, config.to_dict()) as loggers:
             summary = _run(config, launched_at, log_dir, rows, val_rows, scripted, hooks, startup, loggers, lookup,
-                           stops)
+                           store, stops)
     finally:
         reaper.stop()
     _report(config, summary, launched_at)
@@ -209,7 +211,7 @@ def _run_locked(config: MasterConfig, launched_at: float, hooks: RunHooks, stops
 
 def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dict[str, Any]],
          val_rows: list[dict[str, Any]], scripted: bool, hooks: RunHooks,
-         startup: StartupClock, loggers: MetricLoggers, lookup: RestoreLookup,
+         startup: StartupClock, loggers: MetricLoggers, lookup: RestoreLookup, store: RunStore,
          stops: StopSignals) -> dict[str, Any]:
     init_ray(config)
     startup.mark("ray")
@@ -239,7 +241,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
         startup.mark("model")
         freeze_startup_objects()  # imports, config and the model stay out of every later full collection
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                                              loggers, hooks, lookup, stops))
+                                              loggers, hooks, lookup, store, stops))
     finally:
         stops.interruptible = False  # a stop from here on waits for the teardown (within the grace)
         if shard_set is not None:
@@ -251,14 +253,14 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
 
 
 async def _run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
-                          loggers, hooks, lookup, stops: StopSignals) -> dict[str, Any]:
+                          loggers, hooks, lookup, store: RunStore, stops: StopSignals) -> dict[str, Any]:
     from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.utils.progress import StepProgress
 
     with StepProgress(total=config.grpo.max_num_steps, enabled=config.logger.progress_bar) as progress:
         controller = SingleController(config, shard_set, trainer, generation, rows, val_rows=val_rows,
                                       on_progress=progress.update, startup=startup, loggers=loggers,
-                                      hooks=hooks, restore_lookup=lookup)
+                                      hooks=hooks, restore_lookup=lookup, store=store)
         # The final snapshot gets the grace less what tearing the run down takes.
         controller.stop_budget_s = lambda: max(1.0, stops.remaining_s() - TEARDOWN_RESERVE_S)
         stops.attach(asyncio.get_running_loop(), controller.request_stop, controller.request_snapshot)

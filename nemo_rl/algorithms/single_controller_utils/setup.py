@@ -30,7 +30,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.nemo_gym import NemoGym, NemoGymShardSet, build_gym_actor_config
 from nemo_rl.utils.run_hooks import RunHooks
-from nemo_rl.utils.snapshot_store import write_json_atomic
+from nemo_rl.utils.atomic_write import write_json_atomic
 
 logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]

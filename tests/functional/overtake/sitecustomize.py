@@ -96,9 +96,9 @@ def _install(spec: str) -> None:
     def trainer(module) -> None:
         save = module.RecordingTrainer.save
 
-        def slow_save(self, directory, extra_state):
+        def slow_save(self, directory, extra_state, *writer):
             rv.before_save(int(extra_state["step"]))
-            return save(self, directory, extra_state)
+            return save(self, directory, extra_state, *writer)
 
         module.RecordingTrainer.save = slow_save
 

@@ -252,27 +252,22 @@ def episode_scopes(scopes: Mapping[str, Mapping[str, list[str]]]) -> dict[str, d
 
 
 def check_ownership(
-    ledger: RolloutRecoveryLedger | None,
     plan: SnapshotPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
     *,
-    held: Mapping[str, Iterable[str]] | None = None,
+    held: Mapping[str, Iterable[str]],
 ) -> dict[str, set[str]]:
     """On every instance: nothing exported outside the scope; owned minus exported is unsaved.
     Returns what the ledger owns per instance (``count_snapshot`` takes it).
 
-    ``held``: instead of reading the ledger as it stands now, what it held per instance when the
-    snapshot's state was captured (``gym_checkpoint_keys`` then, over ``plan.topology``): a snapshotter
-    checks after resume, on the references its pause kept (persistent views, unchanged since).
-    ``not_started``: in-scope rollouts Gym holds but has not
-    started (a ``/run`` that reached a saving agent after it closed, or one the drain did not see
-    finish): they restart from the prompt after a crash, like unsaved ones, having lost nothing."""
+    ``held``: what the ledger held per instance when the snapshot's state was captured
+    (``gym_checkpoint_keys`` then, over ``plan.topology``): the snapshotter checks after resume, on the
+    references its pause kept (persistent views, unchanged since), never on the ledger as it moved on.
+    ``not_started``: in-scope rollouts Gym holds but has not started (a ``/run`` that reached a saving
+    agent after it closed, or one the drain did not see finish): they restart from the prompt after a
+    crash, like unsaved ones, having lost nothing."""
     problems = []
-    if held is None:
-        if ledger is None:
-            raise TypeError("check_ownership needs the ledger or what it held (held=)")
-        held = gym_checkpoint_keys(ledger, plan.topology)
     owned_by = held_sets(held)
     for iid in plan.instance_ids:
         done = set(exported.get(iid, ()))
@@ -291,25 +286,20 @@ def check_ownership(
 
 
 def count_snapshot(
-    ledger: RolloutRecoveryLedger | None,
     plan: SnapshotPlan,
     exported: Mapping[str, Iterable[str]],
     not_started: Mapping[str, Iterable[str]] | None = None,
-    owned: Mapping[str, set[str]] | None = None,
     first: FirstCounts | None = None,
     *,
-    refused_waiting: int | None = None,
+    owned: Mapping[str, set[str]],
+    refused_waiting: int,
 ) -> SnapshotCounts:
-    """A snapshot's counts, where ``check_ownership`` passed and returned ``owned``: on the ledger as it
-    stands, or after resume on what the pause fixed (``ledger`` None; ``owned`` and ``refused_waiting``,
-    the refused rollouts waiting at the capture, given).
+    """A snapshot's counts after resume, on what the pause fixed: ``owned`` (what ``check_ownership``
+    passed and returned) and ``refused_waiting`` (the refused rollouts waiting at the capture).
 
     ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted.
     ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this snapshot counts first."""
-    if ledger is None and (owned is None or refused_waiting is None):
-        raise TypeError("count_snapshot without the ledger needs owned= and refused_waiting=")
-    inventory = owned if owned is not None else held_sets(gym_checkpoint_keys(ledger, plan.topology))
-    refused = refused_waiting if refused_waiting is not None else len(ledger.refused_waiting())
+    inventory, refused = owned, refused_waiting
     saved: list[str] = []
     unsaved: list[str] = []
     waiting = 0

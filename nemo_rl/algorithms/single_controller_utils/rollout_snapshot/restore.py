@@ -26,15 +26,17 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import 
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
+    RestorePoint,
     RunStore,
     SnapshotContents,
+    select_restore_point,
 )
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.experience.rollout_recovery.restart import RestartSummary, RestoredEpisode
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_replicas, replica_changes
-from nemo_rl.utils.snapshot_store import RestorePoint, SnapshotStoreError
+from nemo_rl.utils.snapshot_store import SnapshotStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ def find_restore_point(checkpoint_dir: Path, *, turn_level: bool, read_snapshots
     """The newest intact trainer step (only it is hashed) and its newest snapshot that verifies and
     holds every file this run needs; ``read_snapshots=False`` (restore_mode=trainer_checkpoint)
     leaves the snapshots unread (``RunStore.select``)."""
-    return RestoreLookup(RunStore(checkpoint_dir).select(turn_level=turn_level, read_snapshots=read_snapshots))
+    return RestoreLookup(select_restore_point(checkpoint_dir, turn_level=turn_level, read_snapshots=read_snapshots))
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,10 @@ class RunRestorer:
         max_attempts_per_sibling: int,
         load_trainer: Callable[[Path], Awaitable[dict[str, Any]]],
         hooks: RunHooks,
-        store: RunStore | None = None,  # None: the run store of ``checkpoint_dir`` (plain files)
+        store: RunStore,  # the run's, with its writer
     ):
         self.checkpoint_dir = checkpoint_dir
-        self.store = store or RunStore(checkpoint_dir)
+        self.store = store
         self.read_snapshots = read_snapshots
         self.coordinator = coordinator
         self.max_attempts = max_attempts_per_sibling

@@ -41,15 +41,14 @@ class RolloutSnapshotter:
         records: RunRecords,
         settings: RolloutCheckpointConfig,
         changes: LedgerChanges,
+        store: RunStore,
         hooks: RunHooks | None = None,
-        store: RunStore | None = None,
     ):
         self.inputs = inputs
         self.records = records
         self.settings = settings
         self.hooks = hooks or RunHooks()
-        # None: the run store of the directory the anchors live in (plain files, the process's writer)
-        self.store = store or RunStore(inputs.anchor_dir().parent, keep_latest_k=settings.keep_latest_k)
+        self.store = store  # the run's, with its writer
         self.gate = DispatchGate(changes)  # owned here; the controller reads it
         self.stager = make_stager(settings.commit_mode, inputs, self.hooks, coordinator, self.gate, changes,
                                   self.store)

@@ -286,11 +286,11 @@ class _GymStager(Stager):
         """After resume, on what the pause fixed: the ownership check (a bug if it fails: the snapshot
         is not published) and the snapshot's counts."""
         plan = facts.plan
-        owned = check_ownership(None, plan, exported, not_started, held=facts.held)
+        owned = check_ownership(plan, exported, not_started, held=facts.held)
         if plan.left_out:
             outcome.left_out = dict(facts.prepared.left_out)
             outcome.left_out_rollouts = sum(len(owned[iid]) for iid in plan.left_out)
-        outcome.count(count_snapshot(None, plan, exported, not_started, owned, self.first_counts,
+        outcome.count(count_snapshot(plan, exported, not_started, self.first_counts, owned=owned,
                                      refused_waiting=facts.refused_waiting))
 
     async def write(self, staged: StagedSnapshot, outcome: SnapshotOutcome) -> GymCheckpointIndex:

@@ -2,7 +2,7 @@
 
 ``RunStore`` owns the layout of ``checkpointing.checkpoint_dir`` for snapshots
 (docs/design.md §5.4): a snapshot's temporary directory is made, published and
-removed only here; its writer and reader are the ones it was built with.
+removed only here; every file, rename and directory goes through the writer it was built with.
 
 A snapshot directory (``<anchor>/rollout_snapshots/snapshot_<seq>``) holds:
 
@@ -22,7 +22,6 @@ in ``step_N``.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -32,27 +31,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.experience.data_plane import DataPlaneCapture, DataPlaneStore
 from nemo_rl.experience.rollout_recovery import LedgerJsonParts, RolloutRecoveryLedger
-from gym_patches.checkpoint.storage import FileSystemReader, StorageReader, StorageWriter, process_writer
+from gym_patches.checkpoint.storage import StorageWriter
+from nemo_rl.utils.atomic_write import recording_digests, write_bytes_atomic, write_json_atomic
+# Listed, list_checkpoint_dir and RestorePoint are the run store's read side too: the inspector and the
+# runner's components take them from here, not from the layout module.
 from nemo_rl.utils.snapshot_store import (
     DirectoryManifest,
+    Listed,
     RestorePoint,
     SnapshotStoreError,
+    anchor_dir,
     commit_snapshot,
+    ensure_bootstrap_anchor,
+    list_checkpoint_dir,
     next_snapshot_path,
     prepare_snapshot_paths,
     prepare_trainer_step,
     prune_trainer_steps,
     publish_trainer_step,
-    recording_digests,
+    remove_stale_tmp_dirs,
     resolve_restore_point,
-    write_bytes_atomic,
-    write_json_atomic,
 )
 
 GYM_CHECKPOINT_SCHEMA_VERSION = 3
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
-_FILES = FileSystemReader()
 
 
 def _invalid(path: Path, exc: ValidationError) -> SnapshotStoreError:
@@ -61,9 +64,9 @@ def _invalid(path: Path, exc: ValidationError) -> SnapshotStoreError:
     return SnapshotStoreError(f"{path}: {where}: {first['msg']}")
 
 
-def _read_json(path: Path, reader: StorageReader | None = None) -> Any:
+def _read_json(path: Path) -> Any:
     try:
-        return json.loads((reader or _FILES).read_bytes(path))
+        return json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
         raise SnapshotStoreError(f"{path}: cannot read ({exc})") from None
 
@@ -106,14 +109,14 @@ class GymCheckpointIndex(BaseModel):
         """Instances that saved anything, and what (what restore sends back to each)."""
         return {iid: by_server for iid, by_server in self.instances.items() if any(by_server.values())}
 
-    def write(self, directory: Path, writer: StorageWriter | None = None) -> None:
+    def write(self, directory: Path, writer: StorageWriter) -> None:
         write_json_atomic(directory / GYM_CHECKPOINT_FILE, self.model_dump(mode="json"), writer)
 
     @classmethod
-    def read(cls, directory: Path, reader: StorageReader | None = None) -> "GymCheckpointIndex":
+    def read(cls, directory: Path) -> "GymCheckpointIndex":
         """Parse and check the schema version; errors name the file."""
         path = directory / GYM_CHECKPOINT_FILE
-        data = _read_json(path, reader)
+        data = _read_json(path)
         version = data.get("schema_version") if isinstance(data, dict) else None
         if version != GYM_CHECKPOINT_SCHEMA_VERSION:
             raise SnapshotStoreError(
@@ -152,10 +155,10 @@ class ControllerState(BaseModel):
         return self.step if self.anchor_step is None else self.anchor_step
 
     @classmethod
-    def read(cls, directory: Path, reader: StorageReader | None = None) -> "ControllerState":
+    def read(cls, directory: Path) -> "ControllerState":
         path = directory / CONTROLLER_STATE_FILE
         try:
-            return cls.model_validate(_read_json(path, reader))
+            return cls.model_validate(_read_json(path))
         except ValidationError as exc:
             raise _invalid(path, exc) from None
 
@@ -180,14 +183,14 @@ class ControllerStateCapture:
              data_plane: DataPlaneStore) -> "ControllerStateCapture":
         return cls(step, anchor_step, ledger.state_json_parts(), dataloader, data_plane.capture())
 
-    def write(self, directory: Path, writer: StorageWriter | None = None) -> None:
+    def write(self, directory: Path, writer: StorageWriter) -> None:
         # The ledger was serialised unvalidated in the pause (and joined only now); it is checked here,
         # after resume and before anything is sealed: an inconsistent ledger (a bug) fails the attempt,
         # publishes nothing.
         ledger_json = self.ledger_json.encode()
         RolloutRecoveryLedger.check_state_json(ledger_json)
         data, meta = self.data_plane.encode()
-        DataPlaneStore.write_dump(directory, data)
+        DataPlaneStore.write_dump(directory, data, writer)
         state = {"step": self.step, "anchor_step": self.anchor_step, "ledger": msgspec.Raw(ledger_json),
                  "dataloader": self.dataloader, "data_plane": meta}
         encoded = msgspec.json.encode(state, order="sorted")
@@ -209,23 +212,27 @@ class SnapshotContents:
     gym: GymCheckpointIndex | None  # None: a ledger-only snapshot (sibling / prompt_group levels)
 
 
-def read_snapshot(path: Path, turn_level: bool, reader: StorageReader | None = None) -> SnapshotContents:
+def read_snapshot(path: Path, turn_level: bool) -> SnapshotContents:
     """Every file of a selected snapshot, validated; errors name the file. (The sealed samples are read
-    by their owner, ``DataPlaneStore.load``, from plain files.)"""
-    state = ControllerState.read(path, reader)
+    by their owner, ``DataPlaneStore.load``.)"""
+    state = ControllerState.read(path)
     data_plane = DataPlaneStore.load(path, state.data_plane.sha256, state.data_plane.count)
-    return SnapshotContents(path, state, data_plane, GymCheckpointIndex.read(path, reader) if turn_level else None)
+    return SnapshotContents(path, state, data_plane, GymCheckpointIndex.read(path) if turn_level else None)
+
+
+def select_restore_point(checkpoint_dir: Path, *, turn_level: bool, read_snapshots: bool) -> RestorePoint | None:
+    """``RunStore.select`` for a reader that writes nothing (the start's lookup, the inspector)."""
+    return resolve_restore_point(checkpoint_dir, required_snapshot_files(turn_level), read_snapshots=read_snapshots)
 
 
 def publish_snapshot(
     tmp: Path, final: Path, capture: ControllerStateCapture, gym: GymCheckpointIndex | None, checkpoint_id: str,
-    keep_latest_k: int, before_seal: Callable[[], None] = lambda: None, writer: StorageWriter | None = None,
+    keep_latest_k: int, writer: StorageWriter, before_seal: Callable[[], None] = lambda: None,
 ) -> None:
     """Write the controller's files (and Gym's index) into ``tmp``, then seal and rename it to
     ``final``: only a complete directory becomes a snapshot. Runs off the event loop. The seal takes
     the digests of the controller's files as they were written; Gym's records (written by its
-    servers) are hashed once, by the seal. ``writer``: every file written here (None: the process's
-    default; the sealed samples are written by their owner, ``DataPlaneStore.write_dump``, through it)."""
+    servers) are hashed once, by the seal. ``writer``: every file written here, the seal and the rename."""
     with recording_digests(tmp) as digests:
         if gym is not None:
             gym.write(tmp, writer)
@@ -269,12 +276,14 @@ class SnapshotDir:
 
 
 class RunStore:
-    """The snapshots and trainer steps of one ``checkpointing.checkpoint_dir``, written through one
-    ``StorageWriter`` and read through one ``StorageReader`` (``gym_patches.checkpoint.storage``; None:
-    the process's default writer, plain files). Layout: ``nemo_rl.utils.snapshot_store``.
+    """The snapshots and trainer steps of one ``checkpointing.checkpoint_dir``: every file, rename and
+    directory goes through the ``StorageWriter`` it is built with (``gym_patches.checkpoint.storage``),
+    which its builder was handed (the driver builds one from ``checkpointing.storage_writer``).
+    Layout: ``nemo_rl.utils.snapshot_store``.
 
     The order of calls (docs/design.md §5.4):
 
+    - at start, under the run lock: ``remove_stale_tmp_dirs()``, then ``ensure_bootstrap()``;
     - a snapshot (the snapshotter, one attempt at a time; ``busy`` serialises it with pruning):
       ``begin(anchor) -> SnapshotDir`` in the pause, before the capture (an empty temporary directory
       under the anchor: Gym's blocking commit and staged persist write into ``snap.tmp``);
@@ -287,22 +296,32 @@ class RunStore:
       ``read_step(anchor, saved)`` for the trainer's bookkeeping and ``read(snapshot, turn_level)``.
     """
 
-    def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 1, writer: StorageWriter | None = None,
-                 reader: StorageReader | None = None):
+    def __init__(self, checkpoint_dir: str | Path, writer: StorageWriter, *, keep_latest_k: int):
+        if not isinstance(writer, StorageWriter):
+            raise TypeError(f"writer must be a StorageWriter, got {type(writer).__name__}")
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.keep_latest_k = keep_latest_k
         self.writer = writer
-        self.reader = reader or _FILES
+        self.keep_latest_k = keep_latest_k
 
-    def _writer(self) -> StorageWriter:
-        return process_writer() if self.writer is None else self.writer
+    def anchor(self, step: int) -> Path:
+        """The directory of trainer step ``step`` (``bootstrap/`` for 0): where its snapshots go."""
+        return anchor_dir(self.checkpoint_dir, step)
+
+    # -- at start
+    def remove_stale_tmp_dirs(self) -> list[Path]:
+        """The ``.tmp-`` directories a crash left (only the run lock's holder may call it)."""
+        return remove_stale_tmp_dirs(self.checkpoint_dir, self.writer)
+
+    def ensure_bootstrap(self, metadata: dict[str, Any] | None = None) -> Path:
+        """The step-0 anchor, made once."""
+        return ensure_bootstrap_anchor(self.checkpoint_dir, metadata, self.writer)
 
     # -- a snapshot
     def begin(self, anchor: Path) -> SnapshotDir:
         """An empty temporary directory for the next snapshot under ``anchor`` (no await: in the pause)."""
         if Path(anchor).parent != self.checkpoint_dir:
             raise SnapshotStoreError(f"{anchor}: not an anchor of {self.checkpoint_dir}")
-        tmp, final = prepare_snapshot_paths(anchor)
+        tmp, final = prepare_snapshot_paths(anchor, writer=self.writer)
         return SnapshotDir(tmp, final)
 
     def reanchor(self, snap: SnapshotDir, anchor: Path) -> SnapshotDir:
@@ -315,40 +334,40 @@ class RunStore:
                 checkpoint_id: str, before_seal: Callable[[], None] = lambda: None) -> None:
         """Write the controller's files (and Gym's index), seal and rename (``publish_snapshot``); off the
         event loop. On a failure the caller calls ``abort(snap)``."""
-        publish_snapshot(snap.tmp, snap.final, capture, gym, checkpoint_id, self.keep_latest_k, before_seal,
-                         self._writer())
+        publish_snapshot(snap.tmp, snap.final, capture, gym, checkpoint_id, self.keep_latest_k, self.writer,
+                         before_seal)
 
     def abort(self, snap: SnapshotDir) -> None:
         """The snapshot will not be published: its temporary directory goes (idempotent)."""
-        shutil.rmtree(snap.tmp, ignore_errors=True)
+        self.writer.remove(snap.tmp)
 
     # -- a trainer step
-    def save_step(self, step: int, bookkeeping: TrainerBookkeeping, save_trainer: Callable[[Path, dict], None],
+    def save_step(self, step: int, bookkeeping: TrainerBookkeeping,
+                  save_trainer: Callable[[Path, dict, StorageWriter], None],
                   files: dict[str, bytes] | None = None) -> DirectoryManifest:
-        """Trainer step ``step``: ``save_trainer(tmp, bookkeeping.as_saved())`` and ``files`` (name -> bytes)
-        into a temporary directory, sealed with the digests taken as they were written, renamed to
-        ``step_N``. A failure removes the temporary directory and raises."""
-        tmp, final = prepare_trainer_step(self.checkpoint_dir, step)
+        """Trainer step ``step``: ``save_trainer(tmp, bookkeeping.as_saved(), writer)`` (every file through
+        ``writer``) and ``files`` (name -> bytes) into a temporary directory, sealed with the digests taken
+        as they were written, renamed to ``step_N``. A failure removes the temporary directory and raises."""
+        tmp, final = prepare_trainer_step(self.checkpoint_dir, step, self.writer)
         try:
             with recording_digests(tmp) as digests:
-                save_trainer(tmp, bookkeeping.as_saved())
+                save_trainer(tmp, bookkeeping.as_saved(), self.writer)
                 for name, data in (files or {}).items():
-                    write_bytes_atomic(tmp / name, data, self._writer())
-            return publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests, writer=self._writer())
+                    write_bytes_atomic(tmp / name, data, self.writer)
+            return publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests, writer=self.writer)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (startup would remove it too)
+            self.writer.remove(tmp)  # nothing half-written stays (startup would remove it too)
             raise
 
     def prune_steps(self, keep_top_k: int | None, newest: int | None = None, spare: int | None = None) -> list[Path]:
         """``snapshot_store.prune_trainer_steps`` on this directory."""
-        return prune_trainer_steps(self.checkpoint_dir, keep_top_k, newest, spare)
+        return prune_trainer_steps(self.checkpoint_dir, keep_top_k, newest, spare, self.writer)
 
     # -- a restore
     def select(self, *, turn_level: bool, read_snapshots: bool) -> RestorePoint | None:
         """The newest intact trainer step (only it is hashed) and its newest snapshot that verifies and holds
         every file this run needs (``required_snapshot_files``); ``read_snapshots=False`` leaves them unread."""
-        return resolve_restore_point(self.checkpoint_dir, required_snapshot_files(turn_level),
-                                     read_snapshots=read_snapshots, reader=self.reader)
+        return select_restore_point(self.checkpoint_dir, turn_level=turn_level, read_snapshots=read_snapshots)
 
     def read_step(self, anchor: Path, saved: Any) -> TrainerBookkeeping:
         """The bookkeeping the trainer's ``load(anchor)`` gave back (``saved``), checked; errors name the step."""
@@ -361,4 +380,4 @@ class RunStore:
 
     def read(self, snapshot: Path, turn_level: bool) -> SnapshotContents:
         """Every file of the selected ``snapshot``, validated (``read_snapshot``)."""
-        return read_snapshot(snapshot, turn_level, self.reader)
+        return read_snapshot(snapshot, turn_level)

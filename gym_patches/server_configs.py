@@ -2,7 +2,8 @@
 
 Each model here is what one implementation accepts under ``<name>.<server_type>.<implementation>``. They
 live outside the server packages so that a process that only checks a config (the RL driver, the
-launcher) reads them without importing a server (docs/design.md §3); the servers import them from here.
+launcher) reads them without importing a server (what imports what: docs/design.md §3); the servers import
+them from here.
 """
 
 from __future__ import annotations

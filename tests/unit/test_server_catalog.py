@@ -1,4 +1,4 @@
-"""The catalog a config check reads instead of importing the servers (docs/design.md §3): it covers every
+"""The catalog a config check reads instead of importing the servers (what imports what: docs/design.md §3): it covers every
 implementation in the tree and agrees with each one's ``SERVER`` class, so the driver's check and a Gym
 server judge a config the same way."""
 

@@ -173,19 +173,17 @@ def _newest_cut_on(dirs: RunDirs, replica: str) -> bool:
 def test_prefix_two_shards_of_two_replicas_to_one_each_continues_moved_cuts(llama, tmp_path):
     """``target_level: prefix`` on the torch worker (the scripted backend has no cuts): a rollout whose model
     call was cut on a vanished replica continues on the survivor from the cut's tokens, exactly once."""
-    from tests.functional.test_prefix_recovery import PROMPTS, _args, _previous_key, _saved_cuts
+    from tests.functional.test_prefix_recovery import PROMPTS, _args, _previous_key, _saved_cuts, held_env
 
     dirs = RunDirs(tmp_path)
-    # A step's model calls are in flight for about 0.5 s (the rows cap them at 96 tokens), so at a 0.3 s
-    # interval only one or two snapshots a step could hold a cut, and under load a two-step run, then a
-    # three-step one (seen in CI), ended before a newest snapshot held one on replica-1. Six steps and a
-    # 0.1 s interval give the condition many chances; the kill comes at the first, so a passing run is no
-    # longer, and only the relaunch runs the extra steps.
-    steps = 6
+    # The killed run's generation worker holds each batch mid-decode until two snapshots' cuts pinned it
+    # (held_env): the newest committed snapshot holds a cut on replica-1 on any machine, and the kill comes
+    # at the first; the relaunch runs without the hold.
+    steps = 2
     overrides = {"grpo.max_num_steps": steps, "rollout_checkpointing.snapshot_attempt_interval_s": 0.1}
     wide = [f"{a.split('=')[0]}={overrides[a.split('=')[0]]}" if a.split("=")[0] in overrides else a
             for a in _args(dirs, llama)]
-    run_until_then_kill(wide, env=env_for(), until=lambda: _newest_cut_on(dirs, "saving/replica-1"), timeout_s=400)
+    run_until_then_kill(wide, env=held_env(), until=lambda: _newest_cut_on(dirs, "saving/replica-1"), timeout_s=400)
     # the cuts of every published snapshot, read now: the relaunch prunes the one it restores once newer
     # trainer steps are published
     saved = {row["path"]: _saved_cuts(Path(row["path"])) for row in dirs.records("snapshots.jsonl")

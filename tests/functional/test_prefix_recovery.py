@@ -23,14 +23,17 @@ import pytest
 
 from gym_patches.checkpoint.cuts import GenerationCut
 from tests.functional.rl_run import RunDirs, env_for, replies, run_grpo, run_until_then_kill
+from testkit.run_harness import run_env
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(900)]
 
 MAX_NEW = 96  # the data rows' max_output_tokens: every call decodes exactly this many (ignore_eos)
-# Four steps at a 0.1 s interval: a step's calls are in flight for well under a second, so a two-step run at
-# 0.3 s held a cut in only 2 of its 3 snapshots and, under CI load, could end before one committed; four
-# steps at 0.1 s held cuts in 8 of 15. The kill comes at the first chance, so a passing run is no longer.
-STEPS, PROMPTS, GENERATIONS = 4, 4, 2
+STEPS, PROMPTS, GENERATIONS = 2, 4, 2
+# The killed run's generation worker holds each batch at HOLD_TOKENS tokens until two snapshots' cuts have
+# pinned it (tests/functional/decode_hold/sitecustomize.py): a committed snapshot with cuts is certain on any
+# machine, and the kill comes at the first one (the relaunch runs without the hold).
+HOLD_TOKENS = 24
+HOLD_DIR = Path(__file__).resolve().parent / "decode_hold"
 TWO_SHARDS = "examples/configs/grpo_mixed_two_shards_turn.yaml"
 
 
@@ -43,6 +46,11 @@ def _args(dirs: RunDirs, model: Path) -> list[str]:
         f"grpo.num_generations_per_prompt={GENERATIONS}", "grpo.val_period=0", "grpo.val_at_start=false",
         "rollout_checkpointing.snapshot_attempt_interval_s=0.1", "rollout_checkpointing.keep_latest_k=50",
     ]
+
+
+def held_env() -> dict[str, str]:
+    """A run's environment with the decode hold (``decode_hold/sitecustomize.py``) at ``HOLD_TOKENS``."""
+    return run_env(pythonpath=[HOLD_DIR], extra={"NEMO_RL_TEST_ONLY_DECODE_HOLD": str(HOLD_TOKENS)})
 
 
 def _snapshot_with_cuts(dirs: RunDirs) -> bool:
@@ -81,7 +89,7 @@ def model(tmp_path_factory) -> Path:
 def test_a_crash_after_a_snapshot_with_cuts_continues_each_cut_once(model, tmp_path):
     dirs = RunDirs(tmp_path)
     args = _args(dirs, model)
-    run_until_then_kill(args, env=env_for(), until=lambda: _snapshot_with_cuts(dirs), timeout_s=400)
+    run_until_then_kill(args, env=held_env(), until=lambda: _snapshot_with_cuts(dirs), timeout_s=400)
     killed_rows = dirs.records("snapshots.jsonl")
     # the cuts of every published snapshot, read now: the relaunch prunes the one it restores once its
     # newer trainer steps are published

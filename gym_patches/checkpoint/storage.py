@@ -5,7 +5,7 @@ a store decides *what* goes where (names, temp files, manifests); the writer
 moves the bytes and owns the commit. Files are written (``write``,
 ``open_write``, ``put`` for a file a library wrote itself), then committed
 (``commit``: renamed into place, durably); directories are made and removed
-through it too. So a writer for another medium (an object store) needs no
+through it too. So a writer for another medium (none is shipped) needs no
 change to the stores, and a test hands a store one that fails like a full
 disk. There is no process-wide default: whoever builds a store passes the
 writer it was given (the driver and each Gym server build theirs from the run's config,

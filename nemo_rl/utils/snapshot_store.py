@@ -8,9 +8,11 @@ last, fsynced: the commit marker), and renamed into place.
 Reading costs what it must and no more (a trainer step can be gigabytes):
 
 - listing and pruning *trust* the commit marker: the manifest parses and every
-  listed file exists with its listed size (stat only, no file is read);
-- a restore *verifies* only the directory it restores (every sha256), and
-  skips a corrupt one, naming the bad file, for the next older one;
+  listed file is a regular file with its listed size, reached through no
+  symbolic link (lstat and stat only, no file is read);
+- a restore *verifies* only the directory it restores (every sha256, and
+  nothing in it a symbolic link or a special file: a checkpoint dir is
+  untrusted input), and skips a bad one, naming the entry, for the next older one;
 - sealing reads nothing back that ``atomic_write`` wrote inside
   ``recording_digests``: the digest is taken from the bytes as they are
   written. Other files (a library's ``save_pretrained``) are hashed once.
@@ -182,7 +184,8 @@ def _check_tree(root: Path, skip_subdirs: tuple[str, ...]) -> None:
 
 def trust_directory(root: str | Path, kind: str | None = None) -> DirectoryManifest:
     """The manifest if ``root``'s commit marker holds: it parses (of ``kind``) and every listed file
-    exists with its listed size. Stat only, nothing is read but the manifest; else raise naming the file."""
+    is a regular file with its listed size, reached through no symbolic link. Stat only, nothing is read
+    but the manifest; else raise naming the file."""
     root = Path(root)
     manifest_path = root / MANIFEST_NAME
     try:

@@ -45,10 +45,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _machine_share(request):
-    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it (``tests/machine_lock.py``)."""
-    with machine(alone=request.node.get_closest_marker(ALONE) is not None):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it (``tests/machine_lock.py``).
+    The lock is taken around the whole test, outside its setup, call and teardown: a wait for the machine is
+    not the test's own time (the time budget measures that)."""
+    with machine(alone=item.get_closest_marker(ALONE) is not None):
         yield
 
 

@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import os
 
-BUDGET_S = 90.0
+# A test's own time (setup, call, teardown; not the wait for the machine) under three xdist workers on two
+# cores, where most functional tests take up to twice their time alone.
+BUDGET_S = 120.0
 
 # node id -> (its budget in seconds, why it needs more than BUDGET_S)
 OVER_BUDGET: dict[str, tuple[float, str]] = {
+    "tests/functional/test_bench_smoke.py::test_async_throughput_runs_and_keeps_its_invariants": (
+        240.0, "measurement 9 compares six real runs of the main job (sync and async, snapshots off and every "
+               "1 s, and two learning runs), each with the real trainer and generation worker; 75 s alone"),
+    "tests/functional/test_vllm_generation.py::test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step": (
+        300.0, "two launches of the Workplace job on the vLLM CPU engine (a warm start, an engine start and a "
+               "refit check each); about 200 s alone in CI's vLLM venv, run after the suite"),
 }
 
 

@@ -331,6 +331,7 @@ def test_prompt_ids_are_the_chat_templates(tmp_path):
     assert models["data"][0]["id"] == "tiny"
 
 
+@pytest.mark.timeout(900)  # two launches, each allowed 600 s by run_grpo; its time budget is tests/time_budget.py
 @needs_vllm
 def test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step(tmp_path):
     from tests.functional.rl_run import RunDirs, env_for, run_grpo, run_until_then_kill, wait_for_no_processes

@@ -56,7 +56,8 @@ def test_within_the_budget_the_run_passes(tmp_path: Path) -> None:
 
 def test_a_listed_test_has_its_own_budget(monkeypatch) -> None:
     monkeypatch.setitem(OVER_BUDGET, "tests/x.py::test_listed", (BUDGET_S * 2, "a reason long enough to read"))
-    durations = {"tests/x.py::test_listed": BUDGET_S * 1.5, "tests/y.py::test_new": BUDGET_S + 1}
+    durations = {"tests/x.py::test_listed": BUDGET_S * 1.5, "tests/y.py::test_new": BUDGET_S + 1,
+                 "tests/z.py::test_quick": BUDGET_S - 1}
     assert over_budget(durations, BUDGET_S) == [
         f"tests/y.py::test_new took {BUDGET_S + 1:.1f} s, over the budget of {BUDGET_S:g} s"]
     durations["tests/x.py::test_listed"] = BUDGET_S * 3

@@ -52,8 +52,11 @@ from bench.common import (
     summary,
 )
 from gym_patches.checkpoint.calls import CommitCall, PrepareCall, ResumeCall, RetireCall
+from gym_patches.checkpoint.storage import FileSystemWriter
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import GymCheckpointIndex
 from nemo_rl.utils.snapshot_store import commit_snapshot, prepare_snapshot_paths
+
+WRITER = FileSystemWriter()  # the baseline writes its snapshots as plain files, as the product does by default
 
 NAME = "alternative"
 TITLE = "4. Rejected alternative (resume, retire blockers, prepare again) versus best effort"
@@ -259,8 +262,8 @@ async def _retire_and_retry(parts: co.Participants, load: ClosedLoop, cid: str, 
                 checkpoint_id=current, instances={BASELINE_INSTANCE: exported},
                 turn_level={BASELINE_INSTANCE: sorted({k for n, keys in exported.items() if n in agents for k in keys})},
                 unsaved={BASELINE_INSTANCE: sorted(prep.unsaved_keys())},
-            ).write(tmp)
-            commit_snapshot(tmp, final, 2, metadata={"checkpoint_id": current})
+            ).write(tmp, WRITER)
+            commit_snapshot(tmp, final, 2, metadata={"checkpoint_id": current}, writer=WRITER)
             committed = True
     finally:
         await co.call(parts, ResumeCall(checkpoint_id=current, deadline_ts=time.time() + 30))

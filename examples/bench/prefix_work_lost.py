@@ -192,7 +192,7 @@ async def _crash_once(worker: "_Worker", calls: int, max_tokens: int, interval_s
             pins.append(await _Cuts(s, base_url, owner=f"snap-{k}").pin("s", ids))
             await worker.call("close_gate")  # what the last interval did not decode is not carried over
         # the crash: somewhere inside the next interval
-        await interval(max(1, rng.randrange(1, step + 1)), rng.uniform(0.0, interval_s))
+        await interval(rng.randrange(1, step + 1), rng.uniform(0.0, interval_s))
         at_crash = await crash_read.pin("crash", ids)  # what each call had decoded when the crash hit
         crashed_s = time.monotonic() - started
         await worker.call("open")  # the crashed run's calls run to their end: their replies are lost with it

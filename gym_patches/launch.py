@@ -182,6 +182,10 @@ class GymDeployment:
         proc.kill()
         proc.wait(timeout=10)
 
+    def exit_code(self, name: str) -> int | None:
+        """The server's exit code once it has exited (reaped here), else None."""
+        return self._procs[name].poll()
+
     def alive(self) -> dict[str, bool]:
         return {name: p.poll() is None for name, p in self._procs.items()}
 

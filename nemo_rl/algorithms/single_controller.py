@@ -38,6 +38,7 @@ from nemo_rl.algorithms.single_controller_utils.admission import InOrderAdmissio
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
+from nemo_rl.algorithms.single_controller_utils.gym_recovery import GymReplicaRecovery
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointCoordinator,
     GymCheckpointOperationError,
@@ -164,6 +165,7 @@ class SingleController:
         self._trained_pending: dict[int, list[str]] = {}
         self.changes = LedgerChanges()
         self._rollouts: dict[str, asyncio.Task] = {}
+        self._rollout_on: dict[str, str] = {}  # rollout in flight -> the replica running it
         self.coverage = SnapshotCoverage(config.rollout_checkpointing.snapshot_attempt_interval_s)
         self.snapshot_counts = {"committed": 0, "failed": 0}
         self._spared: int | None = None  # the anchor the last prune kept for the newest snapshot (§5.4)
@@ -174,6 +176,7 @@ class SingleController:
                 recovery.gym_prepare_timeout_s,
                 "best_effort" if recovery.allow_restart_only_gym_servers else "block",
                 park_grace_s=recovery.gym_park_grace_s,
+                recovers_lost=recovery.in_run.enabled,
             )
             if recovery.turn_checkpointing_enabled and config.checkpointing.enabled
             else None
@@ -185,6 +188,7 @@ class SingleController:
         self._snapshot_request = asyncio.Event()
         self._requested_by: str | None = None
         self.stop_budget_s: Callable[[], float] = lambda: config.rollout_checkpointing.stop_grace_s
+        self.recovery: GymReplicaRecovery | None = None  # built in ``run`` (docs/design.md §5.12)
         self.watchdog = StallWatchdog(
             config.async_rl.stall_watchdog, in_flight=lambda: len(self._rollouts),
             transitions=lambda: self.changes.count, activity=self._gym_activity,
@@ -213,17 +217,28 @@ class SingleController:
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
                 store=self.store,
             )
+        if self.config.rollout_recovery.in_run.enabled:
+            self.recovery = GymReplicaRecovery(
+                self.config.rollout_recovery.in_run, self.shard_set, self.coordinator, self.store, self.records,
+                ledger=lambda: self.ledger, stop_rollouts=self._stop_rollouts_on, notify=self.changes.notify,
+                request_snapshot=self.request_snapshot,
+                busy=self.snapshotter.busy if self.snapshotter is not None else None,
+            )
         try:
             async with asyncio.TaskGroup() as tasks:
                 pump = tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
                 watchdog = tasks.create_task(self.watchdog.run(), name="stall-watchdog")
                 stopper = tasks.create_task(self._stop_when_asked(), name="stop-on-signal")
+                recovery = (tasks.create_task(self.recovery.run(), name="gym-recovery")
+                            if self.recovery is not None else None)
                 try:
                     await self._train(tasks)
                 finally:
                     pump.cancel()
                     watchdog.cancel()
                     stopper.cancel()
+                    if recovery is not None:
+                        recovery.cancel()
                     for rollout in list(self._rollouts.values()):
                         rollout.cancel()
         except BaseExceptionGroup as group:
@@ -233,7 +248,8 @@ class SingleController:
                 await self.coordinator.aclose()
         return {"step": self.step, "trained_groups": self.ledger.trained_count,
                 "trained_positions": [list(r) for r in self.ledger.trained_positions],
-                "snapshot_coverage": self.coverage.share()}
+                "snapshot_coverage": self.coverage.share(),
+                "gym_recoveries": self.recovery.count if self.recovery is not None else 0}
 
     async def _train(self, tasks: asyncio.TaskGroup) -> None:
         grpo = self.config.grpo
@@ -371,12 +387,20 @@ class SingleController:
 
         async def one(i: int, row: dict[str, Any]) -> float | None:
             instance = self.shard_set.pick_instance((row.get("agent_ref") or {}).get("name") or "")
+            if instance is None:
+                logger.warning("validation rollout %d skipped: every replica of its shard is being recovered", i)
+                return None
             try:
                 reply = await self.shard_set.run_rollout(instance, row, rollout_ids[i])
             except GymRolloutError as exc:
                 if not exc.infra:
                     raise
                 logger.warning("validation rollout %d failed on %s: %s", i, instance, exc)
+                return None
+            except ray.exceptions.RayActorError as exc:
+                if self.recovery is None:
+                    raise GymReplicaLost(instance, exc, self.shard_set.placement.get(instance)) from None
+                logger.warning("validation rollout %d failed on %s: its replica was lost", i, instance)
                 return None
             self.hooks.reached("validate", self.step)
             return float(reply["reward"])
@@ -411,13 +435,26 @@ class SingleController:
     def _dispatchable(self) -> list:
         groups, step = self.ledger.groups, self.step
         return [req for req in self.ledger.reserved_attempts()
-                if self.admission.may_generate(groups[req.group_id], step)]
+                if self.admission.may_generate(groups[req.group_id], step) and self._placeable(req)]
+
+    def _placeable(self, req) -> bool:
+        """A replica can take it now: the one it is pinned to is not being recovered, or its shard has
+        one that is not (docs/design.md §5.12)."""
+        recovering = self.shard_set.recovering
+        if not recovering:
+            return True
+        if req.gym_instance_id is not None:
+            return req.gym_instance_id not in recovering
+        shard = self.shard_set.agent_shards.get(self.ledger.groups[req.group_id].agent_name or "")
+        return shard is None or any(self.shard_set.instances[iid].shard_name == shard and iid not in recovering
+                                    for iid in self.shard_set.checkpoint_handles)
 
     def _dispatch_work(self) -> bool:
         """Whether the dispatcher has something to do (checked at every ledger change: no lists built)."""
         if self.dispatch_open:
             groups, step = self.ledger.groups, self.step
-            if any(self.admission.may_generate(groups[r.group_id], step) for r in self.ledger.reserved_attempts()):
+            if any(self.admission.may_generate(groups[r.group_id], step) and self._placeable(r)
+                   for r in self.ledger.reserved_attempts()):
                 return True
         return bool(self.admission.reservations(self.ledger, self.step, self._consumed()))
 
@@ -452,9 +489,14 @@ class SingleController:
         group = self.ledger.groups[req.group_id]
         row = self.rows[group.prompt_index]
         instance = req.gym_instance_id or self.shard_set.pick_instance(group.agent_name or "")
+        if instance is None:
+            return  # every replica of its shard is being recovered (``_placeable`` normally holds it back)
         self.ledger.mark_dispatched(req.rollout_id, instance, weight_version=self.step)
         self.startup.mark("first_dispatch")
+        if self.recovery is not None:
+            self.recovery.dispatched(req.rollout_id)
         self.coverage.in_flight(len(self._rollouts) + 1)
+        self._rollout_on[req.rollout_id] = instance
         self._rollouts[req.rollout_id] = tasks.create_task(
             self._run_rollout(req.rollout_id, req.group_id, req.generation_index, instance, row),
             name=f"rollout:{req.rollout_id}",
@@ -467,11 +509,16 @@ class SingleController:
         (Gym closed for a checkpoint) puts the attempt back for dispatch after
         resume (bounded here); anything else is raised and stops the run.
         """
+        handle = self.shard_set.handle_for(instance)
         try:
             try:
                 reply = await self.shard_set.run_rollout(instance, row, rollout_id)
             except ray.exceptions.RayActorError as lost:
-                raise GymReplicaLost(instance, lost, self.shard_set.placement.get(instance)) from None
+                if self.recovery is None:
+                    raise GymReplicaLost(instance, lost, self.shard_set.placement.get(instance)) from None
+                # The recovery takes its attempt over, with every other one on that replica (§5.12).
+                self.recovery.report(instance, handle, "replica", "its Ray actor died")
+                return
             except GymCheckpointParked:
                 refusals = self.ledger.mark_refused(rollout_id, MAX_REFUSALS_PER_ATTEMPT)
                 logger.warning("Gym instance %s refused rollout %s while closed for a checkpoint (%d/%d); "
@@ -482,6 +529,10 @@ class SingleController:
                     return
                 if not exc.infra:
                     raise
+                if self.recovery is not None and (exc.code == "server_dead" or self.recovery.owns(instance)):
+                    # A server of the replica died: a recovery, not a failure of this rollout (§5.12).
+                    self.recovery.report(instance, handle, exc.server, "died")
+                    return
                 reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
                 logger.warning("rollout %s failed on %s of %s (%s); retrying from the prompt", rollout_id,
                                exc.server, instance, reason)
@@ -506,6 +557,7 @@ class SingleController:
                 self.ledger.mark_sealed(rollout_id, sample.reward)
         finally:
             self._rollouts.pop(rollout_id, None)
+            self._rollout_on.pop(rollout_id, None)
             self.coverage.in_flight(len(self._rollouts))
         await self.changes.notify()
 
@@ -524,8 +576,12 @@ class SingleController:
             if requested is None and not any(
                     g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()):
                 continue
+            if self.recovery is not None:
+                await self.recovery.wait_idle()  # never a snapshot that leaves a recovering replica out
             outcome = await self.snapshotter.attempt(requested=requested)
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
+            if outcome.committed and self.recovery is not None:
+                self.recovery.snapshot_committed(outcome.path, outcome.saved_on)
             if outcome.committed:
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
                 if self._spared is not None and outcome.anchor_step != self._spared:
@@ -594,6 +650,14 @@ class SingleController:
 
     def anchor_dir(self) -> Path:
         return self.store.anchor(self.anchor_step)
+
+    async def _stop_rollouts_on(self, instance: str) -> None:
+        """Cancel and await the rollout tasks running on ``instance`` (a recovery takes their attempts
+        over; a cancelled rollout task leaves the ledger as it was)."""
+        tasks = [task for rid, task in list(self._rollouts.items()) if self._rollout_on.get(rid) == instance]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _gym_activity(self) -> dict[str, dict[str, Any]]:
         """Every replica's agents: what each run in flight is doing (the stall watchdog reads it)."""

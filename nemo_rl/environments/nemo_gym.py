@@ -10,6 +10,7 @@ the controller's handle on all of them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -31,6 +32,7 @@ from gym_patches.server_catalog import check_servers
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
+from nemo_rl.environments.gym_watch import watch_servers
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.gym_control import NemoGymControl, ServerProcesses
 
@@ -206,6 +208,7 @@ class NemoGym:
                     return None
                 raise
         except ServerCallError as exc:
+            await self._settle_exits()
             raise self._infra_error(str(exc), rollout_id, agent) from None
         except TimeoutError:
             raise self._infra_error(
@@ -220,9 +223,17 @@ class NemoGym:
         if code == "admission_closed":
             raise GymCheckpointParked(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
         if resp.status >= 500:
+            await self._settle_exits()
             # The server that failed is the one the agent names (its resources or model server), not the agent.
             raise self._infra_error(message, rollout_id, (error.server if error is not None else None) or agent, code)
         raise GymRolloutError(message, rollout_id=rollout_id, server=agent, infra=False, code=code)
+
+    async def _settle_exits(self, within_s: float = 0.5) -> None:
+        """A call that lost its connection may beat its server's exit by a moment (the socket closes
+        before the process is reaped): wait that moment, so the error names the dead server."""
+        deadline = time.monotonic() + within_s
+        while not self.dead_servers() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _infra_error(self, message: str, rollout_id: str, server: str, code: str | None = None) -> GymRolloutError:
         """A failed ``/run``, blaming ``server``; if a server process of this deployment has exited or
@@ -267,6 +278,18 @@ class NemoGym:
         assert self.deployment is not None
         return {name: self.deployment.pid(name) for name in ["head_server", *self.deployment.config.instances]}
 
+    async def watch(self, hung_after_s: float) -> dict[str, Any]:
+        """Return when one of this replica's servers is lost (exited, stopped or silent for
+        ``hung_after_s``; ``gym_watch.watch_servers``), saying which and why. The controller awaits one
+        per replica (docs/design.md §5.12)."""
+        assert self.deployment is not None, "spinup() first"
+        deployment = self.deployment
+        pids = self._pids()
+        urls = {name: deployment.url(name) for name in pids}
+        loss = await watch_servers(pids, lambda name: deployment.exit_code(name), urls, hung_after_s)
+        return {**loss.as_dict(), "log": str(self.log_dir / f"{loss.server}.log"),
+                "log_tail": deployment.log_tail(loss.server, 20)}
+
     # -- lifecycle ---------------------------------------------------------------
     async def server_pids(self) -> dict[str, int]:
         return self._pids()
@@ -294,6 +317,30 @@ class NemoGym:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
 
 
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What starting one replica of a shard takes, kept so a lost one can be started again
+    (docs/design.md §5.12)."""
+
+    gym_config: dict[str, Any]
+    ray_resources: dict[str, float]
+    control_auth_token: str
+    log_dir: str
+    rollout_timeout_s: float
+    spinup_timeout_s: float
+    with_control: bool  # turn-level checkpointing: start its NemoGymControl
+
+    def new_actor(self, instance: GymCheckpointInstance) -> Any:
+        return NemoGym.options(name=None, resources=dict(self.ray_resources) or None).remote(
+            instance, self.gym_config, control_auth_token=self.control_auth_token, log_dir=self.log_dir,
+            rollout_timeout_s=self.rollout_timeout_s,
+        )
+
+
+class ReplicaNotPlaced(RuntimeError):
+    """Ray did not place a new replica in time (its node, or the resources it asks for, are gone)."""
+
+
 @dataclass
 class NemoGymShardSet:
     """All replicas of all shards; ``restart_only_servers`` is filled by setup."""
@@ -313,14 +360,71 @@ class NemoGymShardSet:
     _cycle: dict[str, int] = field(default_factory=dict, repr=False)  # shard -> next replica index
     # instance id -> its NemoGymControl (checkpoint calls), once setup started it (``NemoGym.start_control``)
     control_handles: dict[str, Any] = field(default_factory=dict)
+    specs: dict[str, ReplicaSpec] = field(default_factory=dict)  # shard -> how its replicas start (§5.12)
+    recovering: set[str] = field(default_factory=set)  # replicas being recovered: no new rollout goes there
 
     @property
     def checkpoint_handles(self) -> dict[str, Any]:
+        """Every running replica (a replica given up, its slot None, is left out)."""
         return {
             GymCheckpointInstance(shard, i).instance_id: h
             for shard, hs in self.handles.items()
             for i, h in enumerate(hs)
+            if h is not None
         }
+
+    def shard_of(self, instance_id: str) -> str:
+        return self.instances[instance_id].shard_name
+
+    def survivors(self, instance_id: str) -> list[str]:
+        """The other running replicas of ``instance_id``'s shard."""
+        shard = self.shard_of(instance_id)
+        return [iid for iid in self.checkpoint_handles
+                if iid != instance_id and self.instances[iid].shard_name == shard]
+
+    async def start_replacement(self, instance_id: str, placement_timeout_s: float) -> dict[str, Any]:
+        """Stop the replica's actor (its servers die with it) and start a new one under the same name,
+        servers on ports of their own, control actor included; it takes the old one's slot. Returns where
+        it runs. ``ReplicaNotPlaced`` when Ray cannot place it within ``placement_timeout_s``."""
+        inst = self.instances[instance_id]
+        spec = self.specs[inst.shard_name]
+        old, control = self.handles[inst.shard_name][inst.replica_index], self.control_handles.pop(instance_id, None)
+        for actor in (control, old):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        new = spec.new_actor(inst)
+        try:
+            try:
+                await asyncio.wait_for(new.ping.remote(), placement_timeout_s)
+            except TimeoutError:
+                raise ReplicaNotPlaced(
+                    f"Ray did not place a new {instance_id} within {placement_timeout_s:g} s "
+                    f"(rollout_recovery.in_run.placement_timeout_s; resources {spec.ray_resources or 'none'})"
+                ) from None
+            await new.spinup.remote(spec.spinup_timeout_s)
+            where = await new.where.remote()
+            restart_only, new_control = ([], None)
+            if spec.with_control:
+                restart_only, new_control = await new.start_control.remote()
+        except BaseException:
+            ray.kill(new, no_restart=True)
+            raise
+        self.handles[inst.shard_name][inst.replica_index] = new
+        if new_control is not None:
+            self.control_handles[instance_id] = new_control
+            self.restart_only_servers[instance_id] = sorted(restart_only)
+        self.placement[instance_id] = where
+        return where
+
+    def drop(self, instance_id: str) -> None:
+        """Give a replica up: its actor is stopped and its slot left empty (no rollout goes there again)."""
+        inst = self.instances[instance_id]
+        old, control = self.handles[inst.shard_name][inst.replica_index], self.control_handles.pop(instance_id, None)
+        for actor in (control, old):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.handles[inst.shard_name][inst.replica_index] = None
+        self.recovering.discard(instance_id)
 
     def handle_for(self, instance_id: str) -> Any:
         try:
@@ -352,20 +456,24 @@ class NemoGymShardSet:
         except KeyError:
             raise KeyError(f"no Gym instance {instance_id!r}; have {sorted(self.instances)}") from None
 
-    def pick_instance(self, agent_name: str) -> str:
-        """Round-robin over the replicas of the shard serving ``agent_name``, skipping replicas that
-        recently failed to answer while the shard has a healthy one."""
+    def pick_instance(self, agent_name: str) -> str | None:
+        """Round-robin over the running replicas of the shard serving ``agent_name``, skipping replicas
+        that recently failed to answer while the shard has a healthy one. None: every replica of the
+        shard is being recovered (the rollout waits for one)."""
         shard = self.agent_shards.get(agent_name)
         if shard is None:
             raise KeyError(f"no Gym shard serves agent {agent_name!r}; agents: {sorted(self.agent_shards)}")
         count = len(self.handles[shard])
         start = self._cycle.get(shard, 0)
         self._cycle[shard] = (start + 1) % count
-        for offset in range(count):
-            iid = GymCheckpointInstance(shard, (start + offset) % count).instance_id
+        usable = [iid for offset in range(count)
+                  if self.handles[shard][(start + offset) % count] is not None
+                  and (iid := GymCheckpointInstance(shard, (start + offset) % count).instance_id)
+                  not in self.recovering]
+        for iid in usable:
             if not self.is_unhealthy(iid):
                 return iid
-        return GymCheckpointInstance(shard, start).instance_id  # every replica is unhealthy: keep spreading
+        return usable[0] if usable else None  # every replica is unhealthy: keep spreading
 
     def mark_unhealthy(self, instance_id: str, why: str) -> None:
         self.unhealthy[instance_id] = (time.monotonic(), why)
@@ -379,11 +487,11 @@ class NemoGymShardSet:
         return mark is not None and time.monotonic() - mark[0] < UNHEALTHY_FOR_S
 
     def shutdown(self) -> None:
-        refs = [h.shutdown.remote() for hs in self.handles.values() for h in hs]
+        running = list(self.checkpoint_handles.values())
+        refs = [h.shutdown.remote() for h in running]
         try:
             ray.get(refs, timeout=30)
         except Exception:  # noqa: BLE001 - best effort on the way out; the kill below is certain
             pass
-        for hs in self.handles.values():
-            for h in hs:
-                ray.kill(h, no_restart=True)
+        for h in running:
+            ray.kill(h, no_restart=True)

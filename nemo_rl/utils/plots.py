@@ -70,6 +70,14 @@ def _distinct(committed: list[dict[str, Any]], key: str) -> str:
     return total if not older else f"{total} (+ {older} older snapshot(s) that did not record it)"
 
 
+def _recovery_rows(recoveries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The table's row for in-run recoveries (none: no row), with the last three."""
+    if not recoveries:
+        return []
+    last = ", ".join(f"{r.get('instance')} {r.get('part')} {r.get('action')}" for r in recoveries[-3:])
+    return [("in-run recoveries (recoveries.jsonl)", f"{len(recoveries)}: {last}")]
+
+
 def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s: float | None = None,
                   checkpoint_dir: str | Path | None = None) -> str:
     """The end-of-run table: steps, reward, snapshots, coverage, time and where the run wrote."""
@@ -82,6 +90,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
     first = sum(m.get("reward_mean", 0.0) for m in metrics[:fifth]) / fifth if n else 0.0
     last = sum(m.get("reward_mean", 0.0) for m in metrics[-fifth:]) / fifth if n else 0.0
     committed = [s for s in snaps if s.get("committed")]
+    recoveries = _rows(log_dir / "recoveries.jsonl")
     rows = [
         ("steps trained", str(n)),
         ("reward, first fifth of steps", f"{first:.3f}"),
@@ -90,6 +99,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
         ("rollouts saved at turn level (distinct)", _distinct(committed, "new_saved")),
         ("rollouts unsaved on restart-only servers (distinct)", _distinct(committed, "new_unsaved")),
         ("rollout saves, all snapshots (one per rollout per snapshot)", str(sum(s.get("saved", 0) for s in committed))),
+        *_recovery_rows(recoveries),
         *([("validation reward, first -> last", f"{validation[0]['val_reward_mean']:.3f} (step "
             f"{validation[0]['step']}) -> {validation[-1]['val_reward_mean']:.3f} (step {validation[-1]['step']})")]
           if validation else []),

@@ -272,6 +272,21 @@ class ClusterConfig(_Section):
     gpus_per_node: int = Field(default=0, ge=0)
 
 
+class InRunRecoveryConfig(_Section):
+    """A Gym server or replica lost mid-run is recovered inside the run (docs/design.md §5.12)."""
+
+    enabled: bool = True  # false: its rollouts fail as infrastructure errors and a lost replica stops the run
+    # A replica recovered this many times within ``window_s`` is given up at its next loss: its rollouts
+    # move to the shard's other replicas, or, with none left, the run stops naming the server and its log.
+    max_recoveries: int = Field(default=3, ge=1)
+    window_s: float = Field(default=600.0, gt=0)
+    # A server stopped (SIGSTOP) or not answering /health for this long is recovered like a dead one.
+    hung_after_s: float = Field(default=30.0, gt=0)
+    # A new replica not placed by Ray within this (its node is gone): its rollouts move to the survivors.
+    placement_timeout_s: float = Field(default=30.0, gt=0)
+    timeout_s: float = Field(default=180.0, gt=0)  # a recovery not done within this gives the replica up
+
+
 class RolloutRecoveryConfig(_Section):
     target_level: RecoveryTargetLevel = RecoveryTargetLevel.SIBLING
     task_source_target_level_overrides: dict[str, RecoveryTargetLevel] = Field(default_factory=dict)
@@ -282,6 +297,7 @@ class RolloutRecoveryConfig(_Section):
     # also how long a status probe waits before a server counts as not answering (docs/design.md §5.8).
     gym_park_grace_s: float = Field(default=1.5, gt=0)
     allow_restart_only_gym_servers: bool = False
+    in_run: InRunRecoveryConfig = Field(default_factory=InRunRecoveryConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -131,7 +131,8 @@ def is_transient_gym_checkpoint_failure(exc: BaseException) -> bool:
         return True
     if isinstance(exc, GymCheckpointOperationError):
         # A replica that did not answer in time is as transient as one whose server did not.
-        return all(isinstance(e, (CoordinationError, TimeoutError)) for e in exc.failures.values())
+        return all(isinstance(e, (CoordinationError, TimeoutError, ray.exceptions.RayActorError))
+                   for e in exc.failures.values())
     return False
 
 
@@ -174,8 +175,9 @@ class PrepareAsk:
 
 class GymCheckpointCoordinator:
     def __init__(self, shard_set: NemoGymShardSet, prepare_timeout_s: float, restart_only_policy: RestartOnlyPolicy,
-                 park_grace_s: float = 1.5):
+                 park_grace_s: float = 1.5, recovers_lost: bool = False):
         self.shard_set = shard_set
+        self.recovers_lost = recovers_lost  # the in-run recovery replaces a lost replica (§5.12)
         self.prepare_timeout_s = prepare_timeout_s
         self.policy = restart_only_policy
         self.park_grace_s = park_grace_s
@@ -224,8 +226,16 @@ class GymCheckpointCoordinator:
         self._raise_if_lost(failures)
         return out, failures
 
+    def forget_instance(self, instance_id: str) -> None:
+        """A replica was replaced or given up (docs/design.md §5.12): nothing is owed to its old servers."""
+        self._unresumed.pop(instance_id, None)
+        self._unforgotten.pop(instance_id, None)
+
     def _raise_if_lost(self, failures: dict[str, BaseException]) -> None:
-        """A replica whose actor died is lost (the run restarts it), not a failed operation."""
+        """A replica whose actor died is lost: the run stops naming it, unless the in-run recovery
+        replaces it (``recovers_lost``), for which it is one more replica that did not answer."""
+        if self.recovers_lost:
+            return
         for iid, exc in sorted(failures.items()):
             if isinstance(exc, ray.exceptions.RayActorError):
                 raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None

@@ -1,4 +1,5 @@
-"""Run records a user (or a test) reads: ``snapshots.jsonl``, ``restore.json``, ``metrics.jsonl``.
+"""Run records a user (or a test) reads: ``snapshots.jsonl``, ``restore.json``, ``metrics.jsonl``,
+``recoveries.jsonl``.
 
 Each row, once on disk, also goes to the metric backends (``logger.*_enabled``) under upstream's
 series names (``nemo_rl.utils.loggers.names``): one place, so the views never disagree with the files."""
@@ -84,6 +85,10 @@ class RunRecords:
     def _flush_snapshots(self) -> None:
         for step, metrics in self._snapshots.flush():
             self.loggers.log_metrics(metrics, step)
+
+    def recovery(self, row: dict[str, Any]) -> None:
+        """One in-run recovery (docs/design.md §5.12), a line of ``recoveries.jsonl``."""
+        self._append("recoveries.jsonl", row)
 
     def metrics(self, record: dict[str, Any]) -> None:
         self._append(self.metrics_file, record)

@@ -28,7 +28,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
     turn_level_users,
 )
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
-from nemo_rl.environments.nemo_gym import NemoGym, NemoGymShardSet, build_gym_actor_config
+from nemo_rl.environments.nemo_gym import NemoGymShardSet, ReplicaSpec, build_gym_actor_config
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.atomic_write import write_json_atomic
 
@@ -348,16 +348,18 @@ def _start_replicas(config: MasterConfig, shard: ShardConfig, gym_cfg: dict[str,
                     *, token: str, log_dir: str | Path) -> None:
     """Create one ``NemoGym`` actor per replica of ``shard`` (not yet spun up: ``_gather`` does that
     for all shards under one deadline). Split out of ``_spinup_gym``."""
+    spec = ReplicaSpec(
+        gym_config=gym_cfg, ray_resources=dict(shard.ray_resources), control_auth_token=token,
+        log_dir=str(log_dir), rollout_timeout_s=config.async_rl.rollout_failure.nemo_gym.rollout_timeout_s,
+        spinup_timeout_s=config.env.nemo_gym.spinup_timeout_s,
+        with_control=config.rollout_recovery.turn_checkpointing_enabled,
+    )
+    shard_set.specs[shard.name] = spec  # a lost replica starts again from it (docs/design.md §5.12)
     shard_set.handles[shard.name] = []
     for i in range(shard.replicas):
         inst_id = GymCheckpointInstance(shard.name, i)
         shard_set.instances[inst_id.instance_id] = inst_id
-        shard_set.handles[shard.name].append(
-            NemoGym.options(name=None, resources=dict(shard.ray_resources) or None).remote(
-                inst_id, gym_cfg, control_auth_token=token, log_dir=str(log_dir),
-                rollout_timeout_s=config.async_rl.rollout_failure.nemo_gym.rollout_timeout_s,
-            )
-        )
+        shard_set.handles[shard.name].append(spec.new_actor(inst_id))
 
 
 def _discover_and_check(config: MasterConfig, shard_set: NemoGymShardSet, server_types: dict[str, str],

@@ -18,7 +18,12 @@ from pydantic import ValidationError
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.experience.rollout_recovery.levels import RecoveryTargetLevel
-from nemo_rl.experience.rollout_recovery.restart import RestartSummary, RestoredEpisode, apply_restart_rules
+from nemo_rl.experience.rollout_recovery.restart import (
+    RestartSummary,
+    RestoredEpisode,
+    apply_recovery_rules,
+    apply_restart_rules,
+)
 from nemo_rl.experience.rollout_recovery.schema import (
     LIVE_STATUSES,
     LedgerError,
@@ -376,6 +381,34 @@ class RolloutRecoveryLedger:
         self.groups = staged.groups
         self._reindex()
         return summary
+
+    # ----- in-run recovery (docs/design.md §5.12) ----------------------------
+    def live_on(self, gym_instance_id: str) -> list[str]:
+        """Capture keys of the current attempts Gym holds on one replica: dispatched there, or restored
+        there and waiting for dispatch. What a recovery of that replica takes over."""
+        out = []
+        for group in self.groups.values():
+            if group.status is not PromptGroupStatus.GENERATING:
+                continue
+            for sibling in group.siblings:
+                attempt = sibling.attempts[-1]
+                if attempt.gym_instance_id != gym_instance_id:
+                    continue
+                if attempt.status is RolloutAttemptStatus.DISPATCHED or (
+                        attempt.status is RolloutAttemptStatus.RESERVED and attempt.gym_attempt > 0):
+                    out.append(attempt.rollout_id(group.group_id, sibling.generation_index))
+        return out
+
+    def recover_rollouts(self, rollout_ids: list[str], restored: set[RestoredEpisode],
+                         relocated: dict[str, str] | None = None) -> RestartSummary:
+        """The rollouts of a lost replica (``live_on``) continue: those Gym restored from a snapshot at
+        the next attempt (pinned to where it installed them), the rest from their prompt; no failure is
+        counted (``restart.apply_recovery_rules``)."""
+        siblings = []
+        for rollout_id in rollout_ids:
+            group, sibling, _ = self._current(rollout_id)
+            siblings.append((group, sibling))
+        return apply_recovery_rules(self, siblings, restored, relocated)
 
     # ----- persistence -----------------------------------------------------
     def _state(self) -> LedgerState:

@@ -83,6 +83,33 @@ def apply_restart_rules(
     return summary
 
 
+def apply_recovery_rules(
+    ledger: RestartTarget, siblings: list[tuple[PromptGroupRecoveryRecord, RolloutSiblingRecord]],
+    restored: set[RestoredEpisode], relocated: dict[str, str] | None = None,
+) -> RestartSummary:
+    """In-run recovery (docs/design.md §5.12): only ``siblings``, whose live attempts ran on a lost replica,
+    change; every other rollout keeps running. A sibling Gym restored continues from its snapshot at the
+    next attempt; any other restarts from its prompt as a new attempt (not a failure: a recovery). A
+    ``prompt_group`` group is not redone: its other siblings run on, as after an infrastructure retry.
+    Every restored triple must belong to one of ``siblings``; otherwise ValueError, before any change."""
+    expected = set()
+    for group, sibling in siblings:
+        attempt = sibling.current_attempt
+        expected.add((attempt.gym_instance_id, attempt.base_rollout_id(group.group_id, sibling.generation_index),
+                      attempt.gym_attempt + 1))
+    stray = set(restored) - expected
+    if stray:
+        raise ValueError("Gym restored episodes that no recovered rollout consumes "
+                         "(instance_id, rollout_id, attempt): " + ", ".join(map(str, sorted(stray))))
+    pending, summary = set(restored), RestartSummary()
+    for group, sibling in siblings:
+        level = group.restore_level
+        if level is RecoveryTargetLevel.PROMPT_GROUP:
+            level = RecoveryTargetLevel.SIBLING
+        _restart_sibling(ledger, group, sibling, level, pending, summary, relocated or {})
+    return summary
+
+
 def _restart_sibling(
     ledger: RestartTarget,
     group: PromptGroupRecoveryRecord,

@@ -58,6 +58,7 @@ class SnapshotOutcome:
     cut_failed: int = 0  # calls in flight that got no cut (regenerate at turn level)
     cut_error: str | None = None  # why a model server's cut failed, naming the server
     path: str | None = None
+    saved_on: list[str] = field(default_factory=list)  # replicas whose rollouts it saved (§5.12)
     blockers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     # replicas that could not be parked in time and left this snapshot -> why (names the server)
     left_out: dict[str, str] = field(default_factory=dict)

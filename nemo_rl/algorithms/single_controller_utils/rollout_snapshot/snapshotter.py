@@ -104,6 +104,7 @@ class RolloutSnapshotter:
             self.store.abort(staged.snapshot)
             raise
         outcome.committed, outcome.path = True, str(staged.snapshot.final)
+        outcome.saved_on = sorted(index.exported()) if index is not None else []
         self.newest_anchor = outcome.anchor_step
         outcome.mark("publish")
         outcome.persist_s = outcome.elapsed() - outcome.pause_s

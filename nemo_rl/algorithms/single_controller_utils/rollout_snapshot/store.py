@@ -381,3 +381,11 @@ class RunStore:
     def read(self, snapshot: Path, turn_level: bool) -> SnapshotContents:
         """Every file of the selected ``snapshot``, validated (``read_snapshot``)."""
         return read_snapshot(snapshot, turn_level)
+
+    def read_gym_index(self, snapshot: Path) -> GymCheckpointIndex:
+        """Only Gym's index of a published snapshot (what each replica saved): an in-run recovery
+        installs a lost replica's episodes from it (docs/design.md §5.12); the records themselves are
+        read and checked by the Gym servers that install them."""
+        if Path(snapshot).parent.parent.parent != self.checkpoint_dir:
+            raise SnapshotStoreError(f"{snapshot}: not a snapshot of {self.checkpoint_dir}")
+        return GymCheckpointIndex.read(Path(snapshot))

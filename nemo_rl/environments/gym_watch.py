@@ -1,0 +1,105 @@
+"""Watching one replica's Gym server processes for the in-run recovery (docs/design.md §5.12).
+
+``watch_servers`` returns when a server is lost: its process exited (told at once by a pidfd, the
+kernel's own wait on a pid, not a poll), it has been stopped (``T``: SIGSTOP, a debugger) for
+``hung_after_s``, or its ``/health`` has gone unanswered for ``hung_after_s`` (a deadlock). It runs in
+the replica's ``NemoGym`` actor, whose children the servers are; the controller awaits it per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import aiohttp
+
+from gym_patches.utils.processes import process_state
+
+HEALTH_TIMEOUT_S = 2.0  # one /health probe; a server silent past ``hung_after_s`` of these is hung
+TICK_S = 1.0  # how often a stopped state and /health are looked at (an exit is told at once)
+
+
+@dataclass(frozen=True)
+class ServerLoss:
+    """Why the watch returned: ``cause`` is the short phrase the recovery line and row carry."""
+
+    server: str
+    cause: str  # "died (exit -9)", "stopped for 30 s", "did not answer /health for 30 s"
+    kind: str  # "died" | "stopped" | "silent"
+    exit_code: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"server": self.server, "cause": self.cause, "kind": self.kind, "exit_code": self.exit_code}
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit -9`` (a signal, as ``subprocess`` reports it) or ``exit 1``; the signal named when known."""
+    if code is None:
+        return "exit unknown"
+    if code < 0:
+        try:
+            return f"exit {code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exit {code}"
+    return f"exit {code}"
+
+
+async def watch_servers(pids: dict[str, int], exit_code: Callable[[str], int | None], urls: dict[str, str],
+                        hung_after_s: float) -> ServerLoss:
+    """Wait until one of ``pids`` is lost (see the module docstring). ``exit_code(name)`` reaps the exited
+    process (``Popen.poll``) and gives its code; ``urls`` are the servers' base URLs for ``/health``."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Queue[str] = asyncio.Queue()
+    fds: dict[int, str] = {}
+    try:
+        for name, pid in pids.items():
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                exited.put_nowait(name)  # gone already
+                continue
+            fds[fd] = name
+            loop.add_reader(fd, exited.put_nowait, name)
+        stopped_since: dict[str, float] = {}
+        silent_since: dict[str, float] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as session:
+            while True:
+                try:
+                    name = await asyncio.wait_for(exited.get(), TICK_S)
+                    return ServerLoss(name, f"died ({describe_exit(exit_code(name))})", "died", exit_code(name))
+                except TimeoutError:
+                    pass
+                now = time.monotonic()
+                for name, pid in pids.items():
+                    state = process_state(pid)
+                    if state is not None and state[0] in ("T", "t"):
+                        since = stopped_since.setdefault(name, now)
+                        if now - since >= hung_after_s:
+                            return ServerLoss(name, f"stopped for {now - since:.0f} s", "stopped")
+                    else:
+                        stopped_since.pop(name, None)
+                answers = await asyncio.gather(*(_healthy(session, url) for url in urls.values()))
+                now = time.monotonic()
+                for name, ok in zip(urls, answers):
+                    if ok or name in stopped_since:
+                        silent_since.pop(name, None)
+                        continue
+                    since = silent_since.setdefault(name, now)
+                    if now - since >= hung_after_s:
+                        return ServerLoss(name, f"did not answer /health for {now - since:.0f} s", "silent")
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url + "/health") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False

@@ -409,6 +409,8 @@ class NemoGymShardSet:
         except BaseException:
             ray.kill(new, no_restart=True)
             raise
+        finally:
+            self.handles[inst.shard_name][inst.replica_index] = None  # until the new one is in: no dead slot
         self.handles[inst.shard_name][inst.replica_index] = new
         if new_control is not None:
             self.control_handles[instance_id] = new_control

@@ -76,6 +76,8 @@ class Fault:
             if not held:
                 return False
             self.snapshot = held[-1]["path"]
+        if len(read_jsonl(self.spec.logs / "recoveries.jsonl")) < len(self.sent):
+            return False  # the last loss is not recovered yet
         pids = server_pids(self.spec.logs, self.replica)
         if self.sent and set(pids.values()) & {p for _, hit in self.sent for p in hit.values()}:
             return False  # the last loss is not recovered yet
@@ -162,3 +164,81 @@ def test_a_killed_replica_actor_is_replaced_and_its_rollouts_continue(tmp_path):
     spec, fault, result = run_with_fault(tmp_path, dict(target="replica"))
     rows = check_recovery_rows(spec, fault, result, part="replica", action="replaced")
     assert "Ray actor died" in rows[0]["cause"], rows[0]
+
+
+def test_two_shards_with_restart_only_servers_only_their_rollouts_restart_from_the_prompt(tmp_path):
+    """Two shards of two replicas; one server lost on a replica of each shard at once. The saving shard's
+    rollouts continue at their turn; only the restart-only shard's go back to their prompt."""
+    spec = cm.RunSpec(tmp_path / "run", config=TWO_SHARDS, keep_latest_k=100, prompts=4, generations=2,
+                      extra=["checkpointing.keep_top_k=100"])
+    saving = Fault(spec, "workplace_assistant", replica="saving/replica-1")
+    mixed = Fault(spec, "python_sandbox", replica="mixed/replica-1")
+
+    def tick(elapsed: float) -> bool:
+        if not saving.sent:
+            saving.tick(elapsed)
+            if saving.sent and server_pids(spec.logs, "mixed/replica-1"):
+                mixed.snapshot = saving.snapshot
+                mixed.sent.append((time.time(), {"python_sandbox": server_pids(spec.logs, "mixed/replica-1")
+                                                 ["python_sandbox"]}))
+                os.kill(mixed.sent[0][1]["python_sandbox"], signal.SIGKILL)
+        return False
+
+    result = cm.Runner(spec).run(kill_when=tick, timeout_s=360)
+    assert saving.sent and mixed.sent, "no committed snapshot held rollouts on saving/replica-1"
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.restore is None and cm.check_lineage(spec) == [] and not result.leftover
+    rows = {r["instance"]: r for r in read_jsonl(spec.logs / "recoveries.jsonl")}
+    assert set(rows) == {"saving/replica-1", "mixed/replica-1"}, rows
+    kept = rows["saving/replica-1"]
+    held = set(turn_level(kept["snapshot"])["saving/replica-1"])
+    assert kept["continued_turn"] and set(kept["continued_turn"]) <= held, kept
+    assert not set(kept["restarted_from_prompt"]) & held, kept
+    lost = rows["mixed/replica-1"]  # restart-only servers: nothing of theirs is ever saved
+    assert lost["part"] == "python_sandbox" and lost["action"] == "restarted", lost
+    assert lost["continued_turn"] == [] and lost["continued_prefix"] == [], lost
+
+
+def test_a_server_stopped_for_good_is_recovered_after_the_bound_not_the_call_timeout(tmp_path):
+    spec, fault, result = run_with_fault(
+        tmp_path, dict(target="workplace_assistant", sig=signal.SIGSTOP),
+        extra=["rollout_recovery.in_run.hung_after_s=3"])
+    rows = check_recovery_rows(spec, fault, result, part="workplace_assistant", action="restarted")
+    assert rows[0]["cause"].startswith("stopped for "), rows[0]
+    steps = read_jsonl(spec.logs / "metrics.jsonl")
+    assert max(m["step_s"] for m in steps) < 60, [m["step_s"] for m in steps]  # not the 300 s call timeout
+
+
+def test_a_crash_loop_gives_the_replica_up_and_moves_its_rollouts_to_the_other(tmp_path):
+    """Recovered once; lost again within the window: given up, its saved rollouts continue on replica-0."""
+    spec, fault, result = run_with_fault(
+        tmp_path, dict(target="workplace_assistant", times=2), steps=4,
+        extra=["rollout_recovery.in_run.max_recoveries=1"])
+    assert len(fault.sent) == 2, fault.sent
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.restore is None and cm.check_lineage(spec) == [] and not result.leftover
+    rows = read_jsonl(spec.logs / "recoveries.jsonl")
+    assert [r["action"] for r in rows] == ["restarted", "moved"], rows
+    assert "max_recoveries=1" in rows[1]["given_up"], rows[1]
+    assert not server_pids(spec.logs, REPLICA), "the given-up replica's servers still run"
+
+
+def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_its_log(tmp_path):
+    spec, fault, result = run_with_fault(
+        tmp_path, dict(target="workplace_assistant", replica="nemo_gym/replica-0", times=3), steps=6,
+        config="examples/configs/grpo_workplace_turn.yaml", extra=["rollout_recovery.in_run.max_recoveries=2"])
+    assert len(fault.sent) == 3, (fault.sent, result.stderr[-3000:])
+    assert result.returncode == 1, result.stderr[-5000:]
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-5000:]
+    assert "'workplace_assistant' of nemo_gym/replica-0" in errors[0] and "max_recoveries=2" in errors[0], errors
+    log = spec.logs / "gym-instances" / "nemo_gym" / "replica-0" / "workplace_assistant.log"
+    assert str(log) in errors[0] or str(log.resolve()) in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not result.leftover
+    assert len(read_jsonl(spec.logs / "recoveries.jsonl")) == 2
+
+
+def test_async_lookahead_one_a_killed_server_is_recovered(tmp_path):
+    spec, fault, result = run_with_fault(tmp_path, dict(target="workplace_assistant"), lookahead=1, shuffle=False)
+    check_recovery_rows(spec, fault, result, part="workplace_assistant", action="restarted")

@@ -140,6 +140,11 @@ class GymReplicaRecovery:
         """A recovery of ``instance`` is queued or running: its rollouts' failures are the recovery's."""
         return instance in self._pending
 
+    @property
+    def busy_now(self) -> bool:
+        """A loss is queued or being recovered."""
+        return bool(self._pending)
+
     async def wait_idle(self) -> None:
         """Until no recovery is queued or running (a snapshot waits for it: §5.12)."""
         await self._idle.wait()
@@ -152,12 +157,10 @@ class GymReplicaRecovery:
                 self._watch(iid)
             while True:
                 loss = await self._queue.get()
-                try:
-                    await self._recover(loss)
-                finally:
-                    self._pending.discard(loss.instance)
-                    if not self._pending:
-                        self._idle.set()
+                await self._recover(loss)  # an error stops the run: nothing waiting is let go
+                self._pending.discard(loss.instance)
+                if not self._pending:
+                    self._idle.set()
         finally:
             for task in self._watches.values():
                 task.cancel()
@@ -206,14 +209,7 @@ class GymReplicaRecovery:
         async with self.busy if self.busy is not None else contextlib.nullcontext():
             await self.stop_rollouts(iid)
             affected = self.ledger().live_on(iid)
-            action, why = "moved", give_up
-            if give_up is None:
-                try:
-                    async with asyncio.timeout(self.settings.timeout_s):
-                        await self.shard_set.start_replacement(iid, self.settings.placement_timeout_s)
-                    action = "restarted" if loss.part != "replica" else "replaced"
-                except (ReplicaNotPlaced, TimeoutError, ray.exceptions.RayError) as exc:
-                    why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            action, why = ("moved", give_up) if give_up is not None else await self._start_again(loss)
             if action == "moved":
                 self._give_up(loss, why)
             if self.coordinator is not None:
@@ -243,6 +239,26 @@ class GymReplicaRecovery:
         self.records.recovery(row)
         self._say(loss, row)
         self.request_snapshot(f"recovery of {iid}")
+
+    async def _start_again(self, loss: Loss) -> tuple[str, str | None]:
+        """A new actor in the replica's slot: ``restarted`` (a server was lost) or ``replaced`` (the actor).
+        A start that fails (a server dies while starting) counts as one more recovery and is tried again
+        until the bound; one Ray cannot place gives the replica up at once (``moved``, and why)."""
+        iid = loss.instance
+        while True:
+            try:
+                async with asyncio.timeout(self.settings.timeout_s):
+                    await self.shard_set.start_replacement(iid, self.settings.placement_timeout_s)
+                return ("restarted" if loss.part != "replica" else "replaced"), None
+            except ReplicaNotPlaced as exc:
+                return "moved", str(exc)
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+                logger.warning("Gym %s did not start again (%s)", iid, failed)
+                self._history.setdefault(iid, collections.deque()).append(time.monotonic())
+                too_often = self._too_often(iid)
+                if too_often is not None:
+                    return "moved", f"{too_often}; its last start failed: {failed}"
 
     async def _with_details(self, loss: Loss, wait_s: float = 2.0) -> Loss:
         """A loss a rollout reported, with what the replica's watch says of it (the server, its exit code

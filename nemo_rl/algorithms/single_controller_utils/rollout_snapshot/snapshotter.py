@@ -17,18 +17,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+import time
+from typing import Callable
 
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome, survives_publish
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import (
+    SnapshotOutcome,
+    classify_failure,
+    survives_publish,
+)
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedSnapshot, make_stager
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.utils.run_hooks import RunHooks
 
 logger = logging.getLogger(__name__)
+LOSS_NOTICE_S = 1.0  # how long a failed prepare waits for the in-run recovery to hear of a lost replica
 
 
 class RolloutSnapshotter:
@@ -43,6 +50,7 @@ class RolloutSnapshotter:
         changes: LedgerChanges,
         store: RunStore,
         hooks: RunHooks | None = None,
+        recovering: Callable[[], bool] | None = None,  # a Gym replica is being recovered (§5.12); None: never
     ):
         self.inputs = inputs
         self.records = records
@@ -59,6 +67,7 @@ class RolloutSnapshotter:
         # waited on ``busy`` reads it and spares that anchor (a restore needs it until a newer one has a snapshot).
         self.newest_anchor: int | None = None
         self.consecutive_failures = 0
+        self.recovering = recovering
 
     async def attempt(self, requested: str | None = None, *, final: bool = False) -> "SnapshotOutcome":
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
@@ -84,6 +93,7 @@ class RolloutSnapshotter:
                 self.consecutive_failures = 0
                 self._note_overtaken(begun_under, outcome)
             except BaseException as exc:
+                await self._notice_a_loss(exc)
                 self._failed(outcome, exc, final)
             finally:
                 if not outcome.pause_s:
@@ -108,6 +118,16 @@ class RolloutSnapshotter:
         self.newest_anchor = outcome.anchor_step
         outcome.mark("publish")
         outcome.persist_s = outcome.elapsed() - outcome.pause_s
+
+    async def _notice_a_loss(self, exc: BaseException) -> None:
+        """A prepare that failed because a replica lost a server may end a moment before the in-run
+        recovery hears of the loss (its watch and the rollouts report it within milliseconds): give it
+        that moment, so the failure is not counted as one in a row (docs/design.md §5.12)."""
+        if self.recovering is None or not isinstance(exc, Exception) or classify_failure(exc) != "gym_unavailable":
+            return
+        deadline = time.monotonic() + LOSS_NOTICE_S
+        while not self.recovering() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _note_overtaken(self, begun_under: int, outcome: SnapshotOutcome) -> None:
         """A trainer step published since the attempt began: say so in the row (the snapshot stands)."""
@@ -136,6 +156,8 @@ class RolloutSnapshotter:
         logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
         if outcome.reason == "superseded":  # not a failure: the next step's snapshots follow
             return
+        if outcome.reason == "gym_unavailable" and self.recovering is not None and self.recovering():
+            return  # a replica was lost under it and is being recovered: not a failure in a row (§5.12)
         self.consecutive_failures += 1
         limit = self.settings.max_consecutive_failures
         if self.consecutive_failures >= limit and not final:

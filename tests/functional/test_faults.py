@@ -181,8 +181,8 @@ async def test_sigkilled_controller_leaves_gym_prepared_until_the_lease_reopens_
 
 
 # =============================================================================== 2. a Gym server dies
-def test_a_dead_gym_server_stops_the_run_naming_it(tmp_path):
-    spec = cm.RunSpec(tmp_path, steps=3)
+def test_with_in_run_recovery_off_a_dead_gym_server_stops_the_run_naming_it(tmp_path):
+    spec = cm.RunSpec(tmp_path, steps=3, extra=["rollout_recovery.in_run.enabled=false"])
     marker = uuid.uuid4().hex
     env = dict(os.environ, NEMO_RL_TEST_RUN_ID=marker)  # the product's command; the backend's delay is in args
     env.setdefault("RAY_AUTH_MODE", "disabled")

@@ -13,10 +13,12 @@ replicas, each replica's ``NemoGym`` actor asking for one ``gym_slot``, with
 ``allow_restart_only_gym_servers=true``), scripted test backend and recording
 trainer, so the checks are about placement and recovery, not learning.
 
-What a node loss does (docs/faults.md, "A Ray node dies"): the run stops with an
-error naming the lost replica (``GymReplicaLost``), in bounded time; once the
-node is back the same command resumes from the newest committed snapshot and
-finishes; every prompt group is trained exactly once.
+What a node loss does (docs/faults.md, "A Ray node dies"): with the in-run recovery (the default,
+docs/design.md §5.12) the run goes on by itself: the lost replica cannot be placed again (its
+``gym_slot`` went with the node), so its saved rollouts move to the survivor and continue at their
+turn. With it off (``rollout_recovery.in_run.enabled=false``) the run stops with an error naming the
+lost replica (``GymReplicaLost``), in bounded time; once the node is back the same command resumes
+from the newest committed snapshot and finishes. Either way every prompt group is trained exactly once.
 """
 
 from __future__ import annotations
@@ -343,11 +345,12 @@ def cluster(tmp_path):
 
 
 def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_stops_then_resumes(tmp_path, cluster):
+    """In-run recovery off: the relaunch path."""
     dirs = RunDirs(tmp_path / "run")
     marker = uuid.uuid4().hex
     env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker, **LOOPBACK_ENV})
     args = (ARGS_BASE + replies(REPLY_DELAY_S) + [f"cluster.ray_address={cluster.address}", f"grpo.max_num_steps={STEPS}"]
-            + dirs.overrides())
+            + ["rollout_recovery.in_run.enabled=false"] + dirs.overrides())
     seen: dict = {}
     out1 = tmp_path / "run1.txt"
 
@@ -460,3 +463,56 @@ def test_existing_two_node_cluster_places_a_replica_per_node_and_a_lost_node_sto
     assert set(restore["restarted_rollout_ids"]) <= trained
     assert set(restore["kept_rollout_ids"]) <= trained
     assert lost in set(restored.values()) | {ran_on[k] for k in restore["restarted_rollout_ids"]}
+
+
+def test_a_lost_worker_node_moves_its_replicas_rollouts_to_the_survivor_and_the_run_goes_on(tmp_path, cluster):
+    """In-run recovery (the default): the worker node is SIGKILLed right after a snapshot saved rollouts on its
+    replica; no new replica can be placed (the ``gym_slot`` went with the node), so after
+    ``placement_timeout_s`` the replica is given up and its saved rollouts continue on the head's replica."""
+    dirs = RunDirs(tmp_path / "run")
+    marker = uuid.uuid4().hex
+    env = env_for(extra={"NEMO_RL_TEST_RUN_ID": marker, **LOOPBACK_ENV})
+    args = (ARGS_BASE + replies(REPLY_DELAY_S) + [f"cluster.ray_address={cluster.address}", f"grpo.max_num_steps={STEPS}",
+                                                  "rollout_recovery.in_run.placement_timeout_s=5",
+                                                  "rollout_checkpointing.keep_latest_k=100", "checkpointing.keep_top_k=100"]
+            + dirs.overrides())
+    seen: dict = {}
+    out = tmp_path / "run.txt"
+
+    def place_then_kill_the_worker() -> None:
+        if "placement" not in seen:
+            if "Gym ready in" in out.read_text(errors="replace"):
+                seen["placement"] = cluster.gym_placement(dirs.logs)
+            return
+        if "killed_at" in seen:
+            return
+        on_worker = [r for r, p in seen["placement"].items() if p["node"] == "worker"]
+        for s in dirs.records("snapshots.jsonl"):
+            turn = _turn_level(s["path"]) if s.get("committed") and s.get("saved") else None
+            if turn and on_worker and turn.get(on_worker[0]):
+                cluster.worker.kill()
+                seen["killed_at"] = time.monotonic()
+                return
+
+    returncode, hung = _run_watching(args, env, out, place_then_kill_the_worker, timeout_s=240)
+    text = out.read_text(errors="replace")
+    assert "killed_at" in seen, f"no snapshot saved rollouts on the worker's replica:\n{text[-3000:]}"
+    assert not hung and returncode == 0, text[-3000:]
+    assert wait_for_no_processes(marker) == []
+    lost = next(r for r, p in seen["placement"].items() if p["node"] == "worker")
+    survivor = next(r for r in REPLICAS if r != lost)
+    rows = [json.loads(line) for line in (dirs.logs / "recoveries.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["instance"] == lost and rows[0]["action"] == "moved", rows
+    assert "did not place" in rows[0]["given_up"], rows[0]
+    held = set((_turn_level(rows[0]["snapshot"]) or {}).get(lost, []))
+    assert rows[0]["continued_turn"] and set(rows[0]["continued_turn"]) <= held, rows[0]
+    assert not set(rows[0]["restarted_from_prompt"]) & held, rows[0]
+    batches = json.loads((dirs.ckpt / f"step_{STEPS}" / "recording_trainer.json").read_text())["batches"]
+    trained = _check_exactly_once(batches)
+    ran_on = {rid: iid for b in batches for rid, iid in b["gym_instances"].items()}
+    for key in rows[0]["continued_turn"]:  # each continued on the survivor at its next attempt
+        base, attempt = key.rsplit("-a", 1) if "-a" in key else (key, "0")
+        nxt = f"{base}-a{int(attempt) + 1}"
+        if nxt in trained:
+            assert ran_on[nxt] == survivor, (nxt, ran_on[nxt])
+    assert f"recovered {lost}: " in text

@@ -139,7 +139,9 @@ def test_two_replicas_a_stopped_resources_server_leaves_snapshots_and_the_run_fi
 
 
 def test_one_replica_a_stopped_resources_server_stops_the_run_naming_it(tmp_path):
-    args = ["--config", "examples/configs/grpo_workplace_turn.yaml", *COMMON, "grpo.max_num_steps=20"]
+    """In-run recovery off (on, the server is recovered after ``hung_after_s``: tests/functional/test_gym_recovery.py)."""
+    args = ["--config", "examples/configs/grpo_workplace_turn.yaml", *COMMON, "grpo.max_num_steps=20",
+            "rollout_recovery.in_run.enabled=false"]
     dirs, stopper, outcome, stderr = run_with_stop(
         tmp_path, args, dict(server="workplace_assistant", replica="nemo_gym/replica-0", stop_for_s=None))
     assert stopper.stopped_at is not None
@@ -160,6 +162,7 @@ def test_one_replica_a_stopped_resources_server_stops_the_run_naming_it(tmp_path
 
 def test_the_watchdog_aborts_a_stall_naming_the_stuck_calls(tmp_path):
     args = ["--config", "examples/configs/grpo_workplace_turn.yaml", *COMMON, "grpo.max_num_steps=20",
+            "rollout_recovery.in_run.enabled=false",  # else the stopped server is recovered after hung_after_s
             f"++{AGENT_KEY}.resources_call_timeout_s=600",  # the calls themselves never time out here
             "rollout_checkpointing.max_consecutive_failures=1000",
             "async_rl.stall_watchdog.stall_timeout_s=4", "async_rl.stall_watchdog.stall_action=abort"]

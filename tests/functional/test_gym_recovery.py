@@ -242,3 +242,90 @@ def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_it
 def test_async_lookahead_one_a_killed_server_is_recovered(tmp_path):
     spec, fault, result = run_with_fault(tmp_path, dict(target="workplace_assistant"), lookahead=1, shuffle=False)
     check_recovery_rows(spec, fault, result, part="workplace_assistant", action="restarted")
+
+
+def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens(tmp_path):
+    """``target_level: prefix`` with a Llama from a directory on the torch worker (the decode hold keeps calls
+    in flight across snapshots): once a committed snapshot holds generation cuts on saving/replica-1, its
+    model server is SIGKILLed. The recovery installs the cuts on the restarted replica and each continues
+    from its tokens (same call id and token count), in the same run."""
+    from tests.functional.rl_run import RunDirs
+    from tests.functional.test_prefix_recovery import PROMPTS, STEPS, _args, held_env
+    from tests.model_fixtures import llama_dir
+    from testkit.run_harness import run_once
+
+    dirs = RunDirs(tmp_path / "run")
+    model = llama_dir(tmp_path / "my-llama")
+    replica = "saving/replica-1"
+    seen: dict = {}
+
+    def kill_after_cuts(_elapsed: float) -> bool:
+        if seen:
+            return False
+        committed = [r for r in read_jsonl(dirs.logs / "snapshots.jsonl") if r.get("committed") and r.get("cuts")]
+        for row in reversed(committed):
+            index = json.loads((Path(row["path"]) / "gym_checkpoint.json").read_text())
+            if index.get("cut_tokens", {}).get(replica):
+                pid = server_pids(dirs.logs, replica).get("policy_model")
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    seen["cuts"] = index["cut_tokens"][replica]
+                return False
+        return False
+
+    outcome = run_once(_args(dirs, model), env=held_env(), kill_when=kill_after_cuts, timeout_s=600,
+                       stdout_path=tmp_path / "out.txt", stderr_path=tmp_path / "err.txt")
+    stderr = (tmp_path / "err.txt").read_text(errors="replace")
+    assert seen, "no committed snapshot held a generation cut on the replica"
+    assert outcome.returncode == 0, stderr[-5000:]
+    assert not (dirs.logs / "restore.json").exists()  # no relaunch
+    rows = read_jsonl(dirs.logs / "recoveries.jsonl")
+    assert rows and rows[0]["part"] == "policy_model" and rows[0]["action"] == "restarted", rows
+    index = json.loads((Path(rows[0]["snapshot"]) / "gym_checkpoint.json").read_text())
+    cut_tokens = index["cut_tokens"].get(replica, {})
+    assert rows[0]["continued_prefix"], rows[0]
+    assert set(rows[0]["continued_prefix"]) <= set(cut_tokens), rows[0]
+    metrics = read_jsonl(dirs.logs / "metrics.jsonl")
+    continued = {c["rollout_id"]: c for r in metrics for c in r.get("prefix_continuations", [])}
+    for key in rows[0]["continued_prefix"]:
+        base, _, attempt = key.rpartition("-a") if "-a" in key else (key, "", "0")
+        use = continued.get(f"{base}-a{int(attempt) + 1}")
+        assert use is not None, (key, sorted(continued))
+        assert use["token_count"] == cut_tokens[key] and use["discarded"] is None, use
+    groups = [g for r in metrics for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == STEPS * PROMPTS
+    assert not outcome.leftover
+
+
+def test_a_sigkill_of_the_whole_run_during_a_recovery_then_the_same_command_loses_nothing_saved(tmp_path):
+    """The run is SIGKILLed while a recovery of replica-1 is under way (its stderr says it began, not that it
+    ended); the same command restores from the newest snapshot, which still holds replica-1's rollouts (no
+    snapshot is taken during a recovery): every group trained once, none of them restarted from its prompt."""
+    spec = cm.RunSpec(tmp_path / "run", config=TWO_REPLICAS, keep_latest_k=100, steps=3,
+                      extra=["checkpointing.keep_top_k=100"])
+    fault = Fault(spec, "workplace_assistant")
+    runner = cm.Runner(spec)
+
+    def kill_mid_recovery(elapsed: float) -> bool:
+        fault.tick(elapsed)
+        if not fault.sent:
+            return False
+        err = (spec.root / f"run-{runner.count}.err").read_text(errors="replace")
+        return f"Gym {REPLICA} lost workplace_assistant" in err and f"recovered {REPLICA}" not in err
+
+    first = runner.run(kill_when=kill_mid_recovery, timeout_s=360)
+    assert first.killed_by == "group", first.stderr[-3000:]
+    assert not first.leftover
+    snaps = [s for s in read_jsonl(spec.logs / "snapshots.jsonl") if s.get("committed")]
+    newest = snaps[-1]["path"]
+    assert Path(newest) == Path(fault.snapshot) or turn_level(newest).get(REPLICA), (newest, fault.snapshot)
+    held = set(turn_level(newest)[REPLICA])
+    second = runner.run(timeout_s=360)
+    assert second.returncode == 0, second.stderr[-5000:]
+    assert cm.check_lineage(spec) == []
+    restore = second.restore
+    assert restore is not None and restore["snapshot"] == newest, restore
+    continued = {k.rsplit("-a", 1)[0] for k in restore["restored_rollout_ids"]}
+    trained = cm.trained_rollout_ids(spec)
+    for key in held:  # each saved rollout continued at its next attempt, or had sealed before the snapshot
+        assert key.rsplit("-a", 1)[0] in continued or key in trained, key

@@ -208,6 +208,10 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  {Path(snap['path']).name:<18} {_human_size(snap['size_bytes']):>9}  "
                          f"{_age(snap['age_s']):>11}  {state}{mark}")
     lines.append("")
+    for row in report.get("recoveries", []):
+        lines.append(f"in-run recovery: {row.get('instance')} {row.get('part')} {row.get('cause')}: {row.get('action')}, "
+                     f"{len(row.get('continued_turn', [])) + len(row.get('continued_prefix', []))} continued, "
+                     f"{len(row.get('restarted_from_prompt', []))} from the prompt")
     if report.get("complete"):
         lines.append(report["complete"])
         return "\n".join(lines)
@@ -297,7 +301,22 @@ def inspect(checkpoint_dir: str | None, config_path: str | None = None, override
         for snap in entry["snapshots"]:
             snap.pop("files", None)
     return {"checkpoint_dir": str(root.absolute()), "settings": settings, "turn_level": turn_level,
-            "anchors": anchors, "restore_anchor": anchor, "restore": record, "complete": complete}
+            "anchors": anchors, "restore_anchor": anchor, "restore": record, "complete": complete,
+            "recoveries": _last_recoveries(config)}
+
+
+def _last_recoveries(config: Any, count: int = 5) -> list[dict[str, Any]]:
+    """The run's newest in-run recoveries (``recoveries.jsonl`` in its log dir, docs/design.md §5.12)."""
+    if config is None:
+        return []
+    path = Path(config.logger.log_dir) / "recoveries.jsonl"
+    rows = []
+    for line in (path.read_text(errors="replace").splitlines() if path.is_file() else ()):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line a kill tore
+    return rows[-count:]
 
 
 if __name__ == "__main__":

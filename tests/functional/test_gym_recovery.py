@@ -158,6 +158,12 @@ def test_a_killed_server_is_restarted_and_its_rollouts_continue_at_their_turn(tm
     rows = check_recovery_rows(spec, fault, result, part=server, action="restarted")
     assert "died (exit -9, SIGKILL)" in rows[0]["cause"], rows[0]
     assert f"recovered {REPLICA}: {server} died" in result.stderr
+    from nemo_rl.cli.inspect import inspect, render
+
+    args = spec.args()
+    report = inspect(str(spec.ckpt), args[1], args[2:])  # the inspector shows the last recoveries
+    assert report["recoveries"] == rows
+    assert f"in-run recovery: {REPLICA} {server} " in render(report)
 
 
 def test_a_killed_replica_actor_is_replaced_and_its_rollouts_continue(tmp_path):

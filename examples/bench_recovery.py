@@ -35,6 +35,9 @@ Measurements (see docs/benchmarks.md for the method behind each):
   preemption     11. finished turns regenerated per preemption, final snapshot (SIGTERM) against a SIGKILL
                  (restore from the newest periodic snapshot), and seconds from SIGTERM to exit at N in
                  flight (preset ``preemption``; ``preemption_smoke`` checks it works in 2-3 minutes)
+  gym_recovery   12. in-run recovery of a Gym server and of a replica: loss to the first continued rollout,
+                 turns regenerated against a restart from the prompt, the other replica's throughput
+                 (preset ``gym_recovery``, about 5 minutes; ``gym_recovery_smoke``)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -66,6 +69,7 @@ from bench import (  # noqa: E402
     alternative,
     async_throughput,
     bookkeeping,
+    gym_recovery,
     overhead,
     preemption,
     prefix_work_lost,
@@ -80,7 +84,7 @@ from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
-                               bookkeeping, async_throughput, prefix_work_lost, preemption)}
+                               bookkeeping, async_throughput, prefix_work_lost, preemption, gym_recovery)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -256,6 +260,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("10. " + prefix_work_lost.verdict(results["prefix_work_lost"]["goal"]))
     if "preemption" in results:
         lines.append("11. " + preemption.verdict(results["preemption"]["goal"]))
+    if "gym_recovery" in results:
+        lines.append("12. " + gym_recovery.verdict(results["gym_recovery"]["goal"]))
     return lines
 
 

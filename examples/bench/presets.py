@@ -103,6 +103,15 @@ PREEMPTION_SMOKE: dict[str, dict[str, Any]] = {
                    "exit_delay_s": 2.0, "exit_timeout_s": 150.0},
 }
 
+# Measurement 12, in-run recovery of a Gym server and of a Gym replica: a preset of its own (3 repeats of
+# each kind, about 5 minutes on 2 cores); ``gym_recovery_smoke`` is its smoke test.
+GYM_RECOVERY: dict[str, dict[str, Any]] = {"gym_recovery": {"repeats": 3}}
+GYM_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
+    "gym_recovery": {"repeats": 1, "steps": 2, "prompts": 4, "generations": 2, "delay_s": 0.3, "interval_s": 0.3,
+                     "window_s": 2.0},
+}
+
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
            "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
-           "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE}
+           "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE,
+           "gym_recovery": GYM_RECOVERY, "gym_recovery_smoke": GYM_RECOVERY_SMOKE}

@@ -30,11 +30,11 @@ from bench import (  # noqa: E402
     stall,
     work_lost,
 )
-from bench import async_throughput, prefix_work_lost  # noqa: E402
+from bench import async_throughput, gym_recovery, prefix_work_lost  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
-from bench.presets import ASYNC_TINY, PREFIX_TINY  # noqa: E402
+from bench.presets import ASYNC_TINY, GYM_RECOVERY_SMOKE, PREFIX_TINY  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -435,3 +435,19 @@ def test_prefix_work_lost_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert _finite(pause["cut_ms"]["median"], pause["fetch_ms"]["median"])
     assert res["goal"]["pause_met"] is None  # no N = 512 in the smoke configuration
     assert "prefix" in prefix_work_lost.table(res) and plot(prefix_work_lost.NAME, res, tmp_path).exists()
+
+
+def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 12 at its smallest: one server loss and one replica loss, each run going on by itself."""
+    res = gym_recovery.measure(workdir=tmp_path, log=_quiet, **GYM_RECOVERY_SMOKE["gym_recovery"])
+    assert [r["kind"] for r in res["repeats"]] == ["server", "replica"]
+    for run in res["repeats"]:
+        assert run["returncode"] == 0 and run["seconds_to_redispatch"] is not None, run
+        assert run["action"] == ("restarted" if run["kind"] == "server" else "replaced"), run
+        assert run["seconds_to_start"] is not None and run["seconds_to_start"] <= run["seconds_to_redispatch"]
+        assert run["continued"] >= 1 and run["per_rollout"], run
+        assert all(0 <= p["kept"] <= p["made"] for p in run["per_rollout"]), run
+        assert _finite(run["other_calls_per_s_before"])
+    assert res["goal"]["met"] is True, res["goal"]
+    assert gym_recovery.table(res).startswith("|")
+    assert any(line.startswith("12. ") for line in bench_recovery.goal_lines({gym_recovery.NAME: res}))

@@ -116,6 +116,7 @@ class GymReplicaRecovery:
         self._awaiting: dict[str, float] = {}  # continued rollout -> when it became dispatchable
         self._redispatched = asyncio.Event()
         self._watches: dict[str, asyncio.Task] = {}
+        self._start_s: float | None = None  # the last new replica's start, actor to servers up
         self._details: dict[str, Loss] = {}  # replica -> what its watch saw of a loss a rollout reported first
 
     # -- what the controller tells it
@@ -204,6 +205,7 @@ class GymReplicaRecovery:
             self.shard_set.recovering.discard(iid)
             return  # noticed on an actor already replaced
         loss = await self._with_details(loss)
+        self._start_s = None
         give_up = self._too_often(iid)
         logger.warning("Gym %s lost %s: %s; recovering", iid, loss.part, loss.cause)
         async with self.busy if self.busy is not None else contextlib.nullcontext():
@@ -234,6 +236,7 @@ class GymReplicaRecovery:
             "restarted_from_prompt": sorted(set(affected) - restored.saved_keys),
             "kept_siblings": len(summary.kept_siblings),
             "seconds_to_redispatch": seconds,
+            "seconds_to_start": self._start_s,  # of that, the new replica's start (actor, servers, control)
             **({"given_up": why} if action == "moved" else {}),
         }
         self.records.recovery(row)
@@ -246,9 +249,11 @@ class GymReplicaRecovery:
         until the bound; one Ray cannot place gives the replica up at once (``moved``, and why)."""
         iid = loss.instance
         while True:
+            started = time.monotonic()
             try:
                 async with asyncio.timeout(self.settings.timeout_s):
                     await self.shard_set.start_replacement(iid, self.settings.placement_timeout_s)
+                self._start_s = round(time.monotonic() - started, 3)
                 return ("restarted" if loss.part != "replica" else "replaced"), None
             except ReplicaNotPlaced as exc:
                 return "moved", str(exc)

@@ -217,6 +217,7 @@ class SingleController:
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
                 store=self.store,
                 recovering=(lambda: self.recovery.busy_now) if self.config.rollout_recovery.in_run.enabled else None,
+                spare=lambda: self.recovery.holding() if self.recovery is not None else frozenset(),
             )
         if self.config.rollout_recovery.in_run.enabled:
             self.recovery = GymReplicaRecovery(

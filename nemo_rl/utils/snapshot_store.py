@@ -289,8 +289,10 @@ def commit_snapshot(
     metadata: dict[str, Any] | None = None,
     digests: WrittenDigests | None = None,
     writer: StorageWriter = PLAIN_FILES,
+    spare: frozenset[Path] = frozenset(),
 ) -> DirectoryManifest:
-    """Seal ``tmp_dir`` with a manifest (written through ``writer``), rename it to ``final_dir``, prune old ones.
+    """Seal ``tmp_dir`` with a manifest (written through ``writer``), rename it to ``final_dir``, prune old ones
+    (not those in ``spare``: snapshots an in-run recovery may still restore from).
 
     ``final_dir`` may lie under another anchor than ``tmp_dir`` (a snapshot re-anchored to a trainer
     step published while it was taken): the one rename moves it there, both parents are fsynced.
@@ -307,11 +309,12 @@ def commit_snapshot(
     manifest = _seal(tmp_dir, "rollout_snapshot", seq, metadata, digests=digests, writer=writer)
     writer.make_dirs(final_dir.parent)
     writer.commit(tmp_dir, final_dir)
-    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k, writer)
+    _prune_snapshots(final_dir.parent, final_dir, keep_latest_k, writer, spare)
     return manifest
 
 
-def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int, writer: StorageWriter) -> None:
+def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int, writer: StorageWriter,
+                     spare: frozenset[Path] = frozenset()) -> None:
     newest_seq = snapshot_sequence(newest.name)
     for path in root.iterdir():
         if path.name.startswith(TMP_PREFIX) and path.is_dir():
@@ -328,8 +331,8 @@ def _prune_snapshots(root: Path, newest: Path, keep_latest_k: int, writer: Stora
     )
     kept = 1
     for seq, path in older:
-        if seq > newest_seq:
-            continue  # never touch a snapshot newer than the one just written
+        if seq > newest_seq or path in spare:
+            continue  # never touch a snapshot newer than the one just written, nor one a recovery may need
         if kept < keep_latest_k and _is_trusted(path, "rollout_snapshot"):
             kept += 1
             continue

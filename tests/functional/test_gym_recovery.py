@@ -65,14 +65,24 @@ class Fault:
         self.spec, self.target, self.replica, self.sig, self.times = spec, target, replica, sig, times
         self.sent: list[tuple[float, dict[str, int]]] = []  # (when, the pids it hit)
         self.snapshot: str | None = None
+        self.turn_levels: dict[str, dict[str, list[str]]] = {}  # every committed snapshot's, read as it appears
+
+    def turn_level(self, path: str) -> dict[str, list[str]]:
+        """A committed snapshot's ``turn_level``, as read while the run ran (it may be pruned since)."""
+        return self.turn_levels[path] if path in self.turn_levels else turn_level(path)
 
     def tick(self, _elapsed: float) -> bool:
+        for row in read_jsonl(self.spec.logs / "snapshots.jsonl"):
+            if row.get("committed") and row.get("path") and row["path"] not in self.turn_levels:
+                try:
+                    self.turn_levels[row["path"]] = turn_level(row["path"])
+                except OSError:
+                    self.turn_levels[row["path"]] = {}
         if len(self.sent) >= self.times:
             return False
         if not self.sent:
             held = [s for s in read_jsonl(self.spec.logs / "snapshots.jsonl")
-                    if s.get("committed") and s.get("path") and Path(s["path"]).is_dir()
-                    and turn_level(s["path"]).get(self.replica)]
+                    if s.get("committed") and self.turn_levels.get(s.get("path"), {}).get(self.replica)]
             if not held:
                 return False
             self.snapshot = held[-1]["path"]
@@ -111,9 +121,9 @@ def _parent(pid: int) -> int:
 
 
 def run_with_fault(tmp_path: Path, fault_args: dict, *, config: str = TWO_REPLICAS, extra: list[str] = (),
-                   **spec_kw):
-    # Every snapshot is kept, so the one a recovery restored from can be read afterwards.
-    spec = cm.RunSpec(tmp_path / "run", config=config, keep_latest_k=100,
+                   keep_latest_k: int = 100, **spec_kw):
+    # Every snapshot is kept unless asked, so the one a recovery restored from can be read afterwards.
+    spec = cm.RunSpec(tmp_path / "run", config=config, keep_latest_k=keep_latest_k,
                       extra=["checkpointing.keep_top_k=100", *extra], **spec_kw)
     fault = Fault(spec, **fault_args)
     try:
@@ -140,7 +150,7 @@ def check_recovery_rows(spec, fault: Fault, result, *, part: str, action: str) -
         assert lines, result.stderr[-3000:]
     first = rows[0]
     assert first["snapshot"] is not None, first
-    held = set(turn_level(first["snapshot"]).get(fault.replica, []))
+    held = set(fault.turn_level(first["snapshot"]).get(fault.replica, []))
     continued = set(first["continued_turn"]) | set(first["continued_prefix"])
     assert continued, first
     assert continued <= held, (continued - held, first)
@@ -206,8 +216,10 @@ def test_two_shards_with_restart_only_servers_only_their_rollouts_restart_from_t
 
 
 def test_a_server_stopped_for_good_is_recovered_after_the_bound_not_the_call_timeout(tmp_path):
+    """keep_latest_k=1: the snapshots taken while the server is stopped leave its replica out, and the one
+    that saved its rollouts is kept past the limit until the recovery has restored from it."""
     spec, fault, result = run_with_fault(
-        tmp_path, dict(target="workplace_assistant", sig=signal.SIGSTOP),
+        tmp_path, dict(target="workplace_assistant", sig=signal.SIGSTOP), keep_latest_k=1,
         extra=["rollout_recovery.in_run.hung_after_s=3"])
     rows = check_recovery_rows(spec, fault, result, part="workplace_assistant", action="restarted")
     assert rows[0]["cause"].startswith("stopped for "), rows[0]

@@ -125,6 +125,11 @@ class GymReplicaRecovery:
         for iid in saved_on:
             self._holding[iid] = path
 
+    def holding(self) -> frozenset[Path]:
+        """The snapshots a recovery would restore from now (one per replica, at most): a publish keeps them
+        beyond ``keep_latest_k`` while newer snapshots left their replica out (a hung server)."""
+        return frozenset(Path(p) for p in self._holding.values())
+
     def report(self, instance: str, handle: Any, part: str, cause: str) -> None:
         """A rollout's ``/run`` failed because ``instance`` lost ``part``: recover it (once)."""
         if handle is not self._current(instance) or instance in self._pending:

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import uuid
 import time
+from pathlib import Path
 from typing import Callable
 
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
@@ -51,6 +52,7 @@ class RolloutSnapshotter:
         store: RunStore,
         hooks: RunHooks | None = None,
         recovering: Callable[[], bool] | None = None,  # a Gym replica is being recovered (§5.12); None: never
+        spare: Callable[[], frozenset[Path]] = frozenset,  # snapshots an in-run recovery may restore from
     ):
         self.inputs = inputs
         self.records = records
@@ -68,6 +70,7 @@ class RolloutSnapshotter:
         self.newest_anchor: int | None = None
         self.consecutive_failures = 0
         self.recovering = recovering
+        self.spare = spare
 
     async def attempt(self, requested: str | None = None, *, final: bool = False) -> "SnapshotOutcome":
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
@@ -109,7 +112,7 @@ class RolloutSnapshotter:
             self.hooks.reached("persist", staged.step)  # rollouts resumed, this snapshot not written
             index = await self.stager.write(staged, outcome)
             await asyncio.to_thread(self.store.publish, staged.snapshot, staged.capture, index, staged.checkpoint_id,
-                                    lambda: self.hooks.reached("publish", staged.step))
+                                    lambda: self.hooks.reached("publish", staged.step), self.spare())
         except BaseException:
             self.store.abort(staged.snapshot)
             raise

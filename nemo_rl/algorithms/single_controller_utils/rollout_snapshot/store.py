@@ -228,6 +228,7 @@ def select_restore_point(checkpoint_dir: Path, *, turn_level: bool, read_snapsho
 def publish_snapshot(
     tmp: Path, final: Path, capture: ControllerStateCapture, gym: GymCheckpointIndex | None, checkpoint_id: str,
     keep_latest_k: int, writer: StorageWriter, before_seal: Callable[[], None] = lambda: None,
+    spare: frozenset[Path] = frozenset(),
 ) -> None:
     """Write the controller's files (and Gym's index) into ``tmp``, then seal and rename it to
     ``final``: only a complete directory becomes a snapshot. Runs off the event loop. The seal takes
@@ -240,7 +241,7 @@ def publish_snapshot(
     before_seal()
     commit_snapshot(tmp, final, keep_latest_k, metadata={"checkpoint_id": checkpoint_id, "step": capture.step,
                                                           "anchor_step": capture.anchor_step},
-                    digests=digests, writer=writer)
+                    digests=digests, writer=writer, spare=spare)
 
 
 # ----- the trainer step's bookkeeping --------------------------------------------------------
@@ -331,11 +332,13 @@ class RunStore:
         return SnapshotDir(snap.tmp, next_snapshot_path(anchor))
 
     def publish(self, snap: SnapshotDir, capture: ControllerStateCapture, gym: GymCheckpointIndex | None,
-                checkpoint_id: str, before_seal: Callable[[], None] = lambda: None) -> None:
+                checkpoint_id: str, before_seal: Callable[[], None] = lambda: None,
+                spare: frozenset[Path] = frozenset()) -> None:
         """Write the controller's files (and Gym's index), seal and rename (``publish_snapshot``); off the
-        event loop. On a failure the caller calls ``abort(snap)``."""
+        event loop. The anchor's older snapshots beyond ``keep_latest_k`` go, except ``spare`` (those an
+        in-run recovery may restore from, docs/design.md §5.12). On a failure the caller calls ``abort(snap)``."""
         publish_snapshot(snap.tmp, snap.final, capture, gym, checkpoint_id, self.keep_latest_k, self.writer,
-                         before_seal)
+                         before_seal, spare)
 
     def abort(self, snap: SnapshotDir) -> None:
         """The snapshot will not be published: its temporary directory goes (idempotent)."""

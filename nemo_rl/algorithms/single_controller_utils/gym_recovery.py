@@ -69,6 +69,15 @@ class Loss:
 
 
 @dataclass
+class _Redispatch:
+    """When the first rollout a recovery continued went to Gym again (``GymReplicaRecovery.dispatched``)."""
+
+    keys: set[str]
+    first: float | None = None
+    sent: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
 class _Restored:
     """What Gym installed for a recovery: the ledger's triples and the row's lists."""
 
@@ -113,8 +122,7 @@ class GymReplicaRecovery:
         self._idle.set()
         self._history: dict[str, collections.deque[float]] = {}  # replica -> when it was recovered
         self._holding: dict[str, str] = {}  # replica -> newest committed snapshot that saved rollouts there
-        self._awaiting: dict[str, float] = {}  # continued rollout -> when it became dispatchable
-        self._redispatched = asyncio.Event()
+        self._awaiting: list[_Redispatch] = []  # recoveries whose row waits for their first redispatch
         self._watches: dict[str, asyncio.Task] = {}
         self._start_s: float | None = None  # the last new replica's start, actor to servers up
         self._details: dict[str, Loss] = {}  # replica -> what its watch saw of a loss a rollout reported first
@@ -138,9 +146,10 @@ class GymReplicaRecovery:
 
     def dispatched(self, rollout_id: str) -> None:
         """The controller sent ``rollout_id`` to Gym: the first continued one ends the row's wait."""
-        if rollout_id in self._awaiting:
-            self._awaiting[rollout_id] = time.monotonic()
-            self._redispatched.set()
+        for waiting in self._awaiting:
+            if waiting.first is None and rollout_id in waiting.keys:
+                waiting.first = time.monotonic()
+                waiting.sent.set()
 
     def owns(self, instance: str) -> bool:
         """A recovery of ``instance`` is queued or running: its rollouts' failures are the recovery's."""
@@ -161,12 +170,15 @@ class GymReplicaRecovery:
         try:
             for iid in self.shard_set.checkpoint_handles:
                 self._watch(iid)
-            while True:
-                loss = await self._queue.get()
-                await self._recover(loss)  # an error stops the run: nothing waiting is let go
-                self._pending.discard(loss.instance)
-                if not self._pending:
-                    self._idle.set()
+            async with asyncio.TaskGroup() as rows:  # each recovery's row, written once its rollouts went out
+                while True:
+                    loss = await self._queue.get()
+                    done = await self._recover(loss)  # an error stops the run: nothing waiting is let go
+                    self._pending.discard(loss.instance)
+                    if not self._pending:
+                        self._idle.set()
+                    if done is not None:
+                        rows.create_task(self._report(*done), name=f"gym-recovery-row:{loss.instance}")
         finally:
             for task in self._watches.values():
                 task.cancel()
@@ -204,11 +216,12 @@ class GymReplicaRecovery:
             self._enqueue(loss)
 
     # -- one recovery
-    async def _recover(self, loss: Loss) -> None:
+    async def _recover(self, loss: Loss) -> tuple | None:
+        """The sequence of docs/design.md §5.12 for one loss; what its row needs, or None (a stale loss)."""
         iid = loss.instance
         if loss.handle is not self._current(iid):
             self.shard_set.recovering.discard(iid)
-            return  # noticed on an actor already replaced
+            return None  # noticed on an actor already replaced
         loss = await self._with_details(loss)
         self._start_s = None
         give_up = self._too_often(iid)
@@ -227,11 +240,18 @@ class GymReplicaRecovery:
             self._history.setdefault(iid, collections.deque()).append(time.monotonic())
             if action != "moved":
                 self._watch(iid)
-            self._awaiting = {k: 0.0 for k in summary.restored_turn + summary.restarted_from_prompt}
-            self._redispatched.clear()
-        await self.notify()
-        seconds = await self._seconds_to_redispatch(loss)
+            waiting = _Redispatch(set(summary.restored_turn + summary.restarted_from_prompt))
+            self._awaiting.append(waiting)
         self.count += 1
+        await self.notify()
+        return loss, action, why, affected, restored, summary, waiting, self._start_s
+
+    async def _report(self, loss: Loss, action: str, why: str | None, affected: list[str], restored: "_Restored",
+                      summary: Any, waiting: _Redispatch, start_s: float | None) -> None:
+        """The recovery's row and line, once its first rollout went to Gym again (or after a bound), and a
+        snapshot asked for, so the continued rollouts are saved again at their new attempt."""
+        iid = loss.instance
+        seconds = await self._seconds_to_redispatch(loss, waiting)
         row = {
             "time": loss.at, "instance": iid, "part": loss.part, "cause": loss.cause, "action": action,
             "snapshot": restored.snapshot,
@@ -241,7 +261,7 @@ class GymReplicaRecovery:
             "restarted_from_prompt": sorted(set(affected) - restored.saved_keys),
             "kept_siblings": len(summary.kept_siblings),
             "seconds_to_redispatch": seconds,
-            "seconds_to_start": self._start_s,  # of that, the new replica's start (actor, servers, control)
+            "seconds_to_start": start_s,  # of that, the new replica's start (actor, servers, control)
             **({"given_up": why} if action == "moved" else {}),
         }
         self.records.recovery(row)
@@ -347,17 +367,17 @@ class GymReplicaRecovery:
                     done.prefix.add(saved_key)
         return done
 
-    async def _seconds_to_redispatch(self, loss: Loss) -> float | None:
-        """Seconds from the loss being noticed to the first continued rollout sent to Gym again (None: none)."""
-        if not self._awaiting:
-            return None
+    async def _seconds_to_redispatch(self, loss: Loss, waiting: _Redispatch) -> float | None:
+        """Seconds from the loss being noticed to the first continued rollout sent to Gym again (None: none,
+        or not within ``REDISPATCH_WAIT_S``)."""
         try:
-            await asyncio.wait_for(self._redispatched.wait(), REDISPATCH_WAIT_S)
+            if waiting.keys:
+                await asyncio.wait_for(waiting.sent.wait(), REDISPATCH_WAIT_S)
         except TimeoutError:
-            return None
-        first = min(t for t in self._awaiting.values() if t)
-        self._awaiting = {}
-        return round(first - loss.noticed, 3)
+            pass
+        finally:
+            self._awaiting.remove(waiting)
+        return None if waiting.first is None else round(waiting.first - loss.noticed, 3)
 
     def _say(self, loss: Loss, row: dict[str, Any]) -> None:
         """One line on stderr per recovery."""

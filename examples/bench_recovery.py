@@ -35,7 +35,7 @@ Measurements (see docs/benchmarks.md for the method behind each):
   preemption     11. finished turns regenerated per preemption, final snapshot (SIGTERM) against a SIGKILL
                  (restore from the newest periodic snapshot), and seconds from SIGTERM to exit at N in
                  flight (preset ``preemption``; ``preemption_smoke`` checks it works in 2-3 minutes)
-  gym_recovery   12. in-run recovery of a Gym server and of a replica: loss to the first continued rollout,
+  gym_recovery   14. in-run recovery of a Gym server and of a replica: loss to the first continued rollout,
                  turns regenerated against a restart from the prompt, the other replica's throughput
                  (preset ``gym_recovery``, about 5 minutes; ``gym_recovery_smoke``)
 
@@ -261,7 +261,7 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     if "preemption" in results:
         lines.append("11. " + preemption.verdict(results["preemption"]["goal"]))
     if "gym_recovery" in results:
-        lines.append("12. " + gym_recovery.verdict(results["gym_recovery"]["goal"]))
+        lines.append("14. " + gym_recovery.verdict(results["gym_recovery"]["goal"]))
     return lines
 
 

@@ -1,4 +1,4 @@
-"""Measurement 12: in-run recovery of a Gym server and of a Gym replica (docs/design.md §5.12).
+"""Measurement 14: in-run recovery of a Gym server and of a Gym replica (docs/design.md §5.12).
 
 Each repeat is one real ``examples/run_grpo.py`` process per kind of loss, on
 ``examples/configs/grpo_workplace_two_replicas_turn.yaml`` (scripted backend,
@@ -35,7 +35,7 @@ from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, su
 from testkit.run_harness import new_marker, read_jsonl, run_env, run_once, scripted_overrides
 
 NAME = "gym_recovery"
-TITLE = "12. In-run recovery of a Gym server and of a Gym replica"
+TITLE = "14. In-run recovery of a Gym server and of a Gym replica"
 CONFIG = "examples/configs/grpo_workplace_two_replicas_turn.yaml"
 LOST, OTHER = "nemo_gym/replica-1", "nemo_gym/replica-0"
 KINDS = (("server", "resources server SIGKILLed"), ("replica", "replica actor + servers SIGKILLed"))

@@ -103,7 +103,7 @@ PREEMPTION_SMOKE: dict[str, dict[str, Any]] = {
                    "exit_delay_s": 2.0, "exit_timeout_s": 150.0},
 }
 
-# Measurement 12, in-run recovery of a Gym server and of a Gym replica: a preset of its own (3 repeats of
+# Measurement 14, in-run recovery of a Gym server and of a Gym replica: a preset of its own (3 repeats of
 # each kind, about 5 minutes on 2 cores); ``gym_recovery_smoke`` is its smoke test.
 GYM_RECOVERY: dict[str, dict[str, Any]] = {"gym_recovery": {"repeats": 3}}
 GYM_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {

@@ -438,7 +438,7 @@ def test_prefix_work_lost_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
 
 
 def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
-    """Measurement 12 at its smallest: one server loss and one replica loss, each run going on by itself."""
+    """Measurement 14 at its smallest: one server loss and one replica loss, each run going on by itself."""
     res = gym_recovery.measure(workdir=tmp_path, log=_quiet, **GYM_RECOVERY_SMOKE["gym_recovery"])
     assert [r["kind"] for r in res["repeats"]] == ["server", "replica"]
     for run in res["repeats"]:
@@ -450,4 +450,4 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
         assert _finite(run["other_calls_per_s_before"])
     assert res["goal"]["met"] is True, res["goal"]
     assert gym_recovery.table(res).startswith("|")
-    assert any(line.startswith("12. ") for line in bench_recovery.goal_lines({gym_recovery.NAME: res}))
+    assert any(line.startswith("14. ") for line in bench_recovery.goal_lines({gym_recovery.NAME: res}))

@@ -23,13 +23,16 @@ What the relaunch did, counted from outside the product, so the same command mea
 - shipped: every shipment of weights the generation worker received, at its construction and at each
   refit (``BENCH_WEIGHTS_LOG`` of ``instrument/sitecustomize.py``), up to the first dispatch.
 - time: ``startup.json``'s phases (``nemo_rl/utils/startup_clock.py``), as measurement 7 reads them.
+
+Each repeat's checkpoint directory (gigabytes: the weights, the KL reference and Adam's moments) is removed
+once measured; its logs stay. The model is built once per workdir (``--workdir`` keeps it for another run).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +101,7 @@ def measure(*, repeats: int, workdir: Path, model_mb: float = 1024, hidden_size:
     for r in range(repeats):
         run_dir = fresh_dir(workdir / f"{NAME}-{r}")
         res = run_repeat(run_dir, args_of(run_dir), checkout, timeout_s)
+        shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # gigabytes a repeat; its logs stay
         res["repeat"] = r
         results.append(res)
         if res.get("error"):

@@ -11,6 +11,10 @@
     python examples/bench_recovery.py --preset preemption --out bench_results/preemption   # 11. work lost per
                                          # preemption, SIGTERM to exit at N = 512 and 8192 (about 30 min)
     python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
+    python examples/bench_recovery.py --preset restore_io --out bench_results/restore_io   # 15. a relaunch with a
+                                         # ~1 GB model: reads, weights shipped, time by phase (3 repeats)
+    python examples/bench_recovery.py --preset restore_io --product /path/to/other/checkout   # the same
+                                         # measurement of another commit of the product (this one counts)
 
 Every snapshot measured as the product's is taken by the controller itself in
 a real GRPO run (scripted backend, recording trainer), started and reaped
@@ -38,6 +42,9 @@ Measurements (see docs/benchmarks.md for the method behind each):
   gym_recovery   14. in-run recovery of a Gym server and of a replica: loss to the first continued rollout,
                  turns regenerated against a restart from the prompt, the other replica's throughput
                  (preset ``gym_recovery``, about 5 minutes; ``gym_recovery_smoke``)
+  restore_io     15. a relaunch with a model of about 1 GB: reads of the trainer step's files, weights
+                 shipped to generation, time to the first dispatch by phase (preset ``restore_io``;
+                 ``restore_io_smoke`` with a small model; ``--product`` measures another checkout)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -74,6 +81,7 @@ from bench import (  # noqa: E402
     preemption,
     prefix_work_lost,
     relaunch,
+    restore_io,
     setup_check,
     snapshot_cost,
     stall,
@@ -84,7 +92,8 @@ from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
-                               bookkeeping, async_throughput, prefix_work_lost, preemption, gym_recovery)}
+                               bookkeeping, async_throughput, prefix_work_lost, preemption, restore_io,
+                               gym_recovery)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -108,18 +117,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant", nargs="+", action="append", default=None, metavar=("LABEL", "OVERRIDE"),
                    help="a label and config overrides for every controller run of measurements 1, 2 and 5; "
                         "repeat to compare variants side by side")
+    p.add_argument("--product", default=None, metavar="DIR",
+                   help="restore_io: run another checkout of the product (its run_grpo, configs and code; this "
+                        "checkout's benchmark counts), e.g. a git worktree of the commit before a change")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="measure nothing: re-derive the verdicts and redraw tables and plots from a recovery.json")
     return p.parse_args(argv)
 
 
-def git_state() -> dict[str, Any]:
+def git_state(checkout: Path = HERE.parent) -> dict[str, Any]:
     """The commit measured, and which tracked files differed from it (read-only git calls)."""
     import subprocess
 
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True, timeout=10).stdout
+            return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -262,6 +274,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("11. " + preemption.verdict(results["preemption"]["goal"]))
     if "gym_recovery" in results:
         lines.append("14. " + gym_recovery.verdict(results["gym_recovery"]["goal"]))
+    if "restore_io" in results:
+        lines.append("15. " + restore_io.verdict(results["restore_io"]["goal"]))
     return lines
 
 
@@ -276,6 +290,8 @@ def render_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
            f"Code: commit {meta['git']['head']}"
            + (f" with local changes to {len(meta['git']['modified_tracked_files'])} tracked file(s)"
               if meta["git"]["modified_tracked_files"] else "") + "  ",
+           *([f"Product measured: {meta['product']['path']} at commit {meta['product']['head']}  "]
+             if meta.get("product") else []),
            f"Total time: {meta['seconds'] / 60:.1f} min", ""]
     for name in ORDER:
         if name in results:
@@ -313,6 +329,9 @@ def render(path: Path, out: Path) -> int:
     if "preemption" in results:
         r = results["preemption"]
         r["goal"] = preemption.goal_of(r["rows"], r["exit_rows"])
+    if "restore_io" in results:
+        r = results["restore_io"]
+        r["rows"], r["goal"] = restore_io.rows_of(r["repeats"]), restore_io.goal_of(r["repeats"])
     out.mkdir(parents=True, exist_ok=True)
     for name, res in results.items():
         if name in PLOTTERS:
@@ -351,6 +370,10 @@ def plan(args: argparse.Namespace) -> tuple[str, dict[str, dict[str, Any]], list
             if value < 1:
                 raise ValueError(f"{flag}={value} must be at least 1")
             cost[key] = value
+    if args.product:
+        if "restore_io" not in chosen:
+            raise ValueError("--product sets restore_io, which this run does not include")
+        preset["restore_io"]["product"] = str(Path(args.product).resolve())
     if cost:
         if "snapshot_cost" not in preset:
             raise ValueError(f"--sizes, --per-replica and --repeats set snapshot_cost, which preset {preset_name!r} "
@@ -382,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         "variants": [{"label": v[0], "overrides": list(v[1:])} for v in args.variant] if args.variant else
         [{"label": label, "overrides": list(o)} for label, o in preset.get("snapshot_cost", {}).get("variants", [])],
     }
+    if args.product:
+        meta["product"] = {"path": str(Path(args.product).resolve()), **git_state(Path(args.product).resolve())}
     meta["machine"]["fsync_4k_ms_workdir"] = round(fsync_latency_ms(workdir), 2)
     log(f"{preset_name} run of {', '.join(chosen)}; scratch in {workdir}; fsync of 4 KiB takes "
         f"{meta['machine']['fsync_4k_ms_workdir']:.1f} ms there")

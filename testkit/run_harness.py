@@ -209,9 +209,10 @@ def reap(marker: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
 
 
 def start_run(args: Iterable[str], *, env: dict[str, str], stdout: IO | int | None = subprocess.DEVNULL,
-              stderr: IO | int | None = subprocess.DEVNULL) -> subprocess.Popen:
-    """``grpo_command(args)`` in its own session (so one ``killpg`` reaches its whole group)."""
-    return subprocess.Popen(grpo_command(args), cwd=REPO, env=env, stdout=stdout, stderr=stderr,
+              stderr: IO | int | None = subprocess.DEVNULL, cwd: str | Path = REPO) -> subprocess.Popen:
+    """``grpo_command(args)`` in its own session (so one ``killpg`` reaches its whole group), in ``cwd``
+    (this repository; a benchmark may run another checkout of the product)."""
+    return subprocess.Popen(grpo_command(args), cwd=cwd, env=env, stdout=stdout, stderr=stderr,
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -272,6 +273,7 @@ def run_once(
     poll_s: float = 0.02,
     reap_after: bool = True,
     reap_timeout_s: float = REAP_TIMEOUT_S,
+    cwd: str | Path = REPO,
 ) -> RunOutcome:
     """Run ``grpo_command(args)`` once.
 
@@ -282,7 +284,7 @@ def run_once(
     Output goes to ``stdout_path``/``stderr_path`` (the same path merges them;
     none: discarded). ``env`` gets a fresh marker if it has none; with
     ``reap_after`` the call returns only once no process of the run is left
-    (stragglers are killed by pid and listed in ``leftover``).
+    (stragglers are killed by pid and listed in ``leftover``). ``cwd``: the checkout that runs.
     """
     env = dict(env)
     marker = env.setdefault(MARKER_ENV, new_marker())
@@ -295,7 +297,7 @@ def run_once(
         else:
             err = stack.enter_context(open(err_p, "wb")) if err_p else subprocess.DEVNULL
         started = time.monotonic()
-        proc = start_run(args, env=env, stdout=out, stderr=err)
+        proc = start_run(args, env=env, stdout=out, stderr=err, cwd=cwd)
         killed_by = killed_at = None
         try:
             while proc.poll() is None:

@@ -111,7 +111,20 @@ GYM_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
                      "window_s": 2.0},
 }
 
+# Measurement 15, a relaunch with a model of about 1 GB (270M float32 parameters): what it reads of the trainer
+# step, what it ships to generation and its time by phase; 3 repeats of two runs with the real trainer (each
+# step directory about 3.3 GB: weights and Adam's moments). A preset of its own; ``restore_io_smoke`` is the
+# same with a 1 MB model (about 2 minutes).
+RESTORE_IO: dict[str, dict[str, Any]] = {
+    "restore_io": {"repeats": 3, "model_mb": 1024, "hidden_size": 1024},
+}
+RESTORE_IO_SMOKE: dict[str, dict[str, Any]] = {
+    "restore_io": {"repeats": 1, "model_mb": 1, "hidden_size": 64, "max_new_tokens": 8, "interval_s": 0.3,
+                   "timeout_s": 240.0},
+}
+
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
            "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
            "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE,
-           "gym_recovery": GYM_RECOVERY, "gym_recovery_smoke": GYM_RECOVERY_SMOKE}
+           "gym_recovery": GYM_RECOVERY, "gym_recovery_smoke": GYM_RECOVERY_SMOKE,
+           "restore_io": RESTORE_IO, "restore_io_smoke": RESTORE_IO_SMOKE}

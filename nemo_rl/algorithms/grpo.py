@@ -134,7 +134,11 @@ def _torch_file(path: Path, obj: Any, writer: StorageWriter) -> None:
 class GRPOTrainer:
     """Owns the training copy of the policy, its optimizer, and the step / weight version counters."""
 
-    def __init__(self, policy_cfg: PolicyConfig, loss_cfg: LossConfig, grpo_cfg: GRPOConfig, policy: HFPolicy):
+    def __init__(self, policy_cfg: PolicyConfig, loss_cfg: LossConfig, grpo_cfg: GRPOConfig, policy: HFPolicy,
+                 *, weights_from: str | os.PathLike | None = None):
+        """``weights_from``: the checkpoint directory ``policy`` was just loaded from (a restore builds
+        the policy from the step it restores), so ``load`` of that directory does not read the weights
+        again (docs/design.md §5.6)."""
         self.policy_cfg, self.loss_cfg, self.grpo_cfg = policy_cfg, loss_cfg, grpo_cfg
         self.policy = policy
         self.tokenizer = policy.tokenizer
@@ -142,6 +146,11 @@ class GRPOTrainer:
         self.reference: HFPolicy | None = None
         self.step = 0
         self.weight_version = 0
+        # Bumped whenever the weights change (an optimizer step, a load that reads weights): a generation
+        # backend that already serves (weights_serial, weight_version) has nothing to ship.
+        self.weights_serial = 0
+        # (directory, serial): the policy holds exactly that directory's weights while the serial is unchanged.
+        self._weights_from = None if weights_from is None else (Path(weights_from).resolve(), 0)
         self.dataloader_state: dict = {}
         # Guards the open step and the weights' update against save/load from another thread.
         self._lock = threading.RLock()
@@ -311,7 +320,9 @@ class GRPOTrainer:
         return d
 
     def load(self, directory: str | os.PathLike) -> dict:
-        """Restore a ``save``d directory into this trainer; returns the saved ``dataloader_state``."""
+        """Restore a ``save``d directory into this trainer; returns the saved ``dataloader_state``.
+        The weights files are not read when the policy already holds that directory's weights
+        (``weights_from``, or an earlier load, and no step since); everything else is."""
         with self._lock:
             if self._open is not None:
                 raise RuntimeError(f"GRPOTrainer.load({str(directory)!r}): a streaming step is open; "
@@ -336,14 +347,8 @@ class GRPOTrainer:
 
         if load_tokenizer(str(d)).get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(f"{d}: the saved tokenizer differs from this trainer's tokenizer")
-        from safetensors.torch import load_file
-
-        weights: dict[str, torch.Tensor] = {}
-        for f in sorted(d.glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-        if not weights:
-            raise FileNotFoundError(f"{d}: no *.safetensors weights")
-        self.policy.load_state(weights)
+        if self._weights_from != (d.resolve(), self.weights_serial):  # else the policy holds them already
+            self._load_weights(d)
         dev = self.device
         self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location=dev, weights_only=True))
@@ -361,6 +366,19 @@ class GRPOTrainer:
         self.weight_version = int(state["weight_version"])
         self.dataloader_state = state.get("dataloader_state") or {}
         return copy.deepcopy(self.dataloader_state)
+
+
+    def _load_weights(self, d: Path) -> None:
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        if not weights:
+            raise FileNotFoundError(f"{d}: no *.safetensors weights")
+        self.policy.load_state(weights)
+        self.weights_serial += 1
+        self._weights_from = (d.resolve(), self.weights_serial)
 
 
 class GRPOStreamingStep:
@@ -463,6 +481,7 @@ class GRPOStreamingStep:
                     t.optimizer.zero_grad(set_to_none=True)
                     t.step += 1
                     t.weight_version += 1
+                    t.weights_serial += 1
             except BaseException as exc:
                 self._fail("finish", exc)
                 raise

@@ -759,24 +759,25 @@ class SingleController:
                                len(rollout_ids), exc)
 
     # ---------------------------------------------------------------- restore
+    async def _load_trainer(self, anchor: Path) -> dict[str, Any]:
+        """The trainer state of step ``anchor``, then generation refit to it: the refit ships nothing when
+        generation was built from that step's weights (``build_real``) and the load read none."""
+        extra = await asyncio.to_thread(self.trainer.load, anchor)
+        self.startup.mark("trainer_load")
+        if self.generation is not None:
+            await asyncio.to_thread(self.generation.refit, self.trainer)
+        return extra
+
     async def restore_if_any(self) -> None:
         """Continue from the newest checkpoint, if any (``rollout_snapshot/restore.py`` does the work)."""
         if not self.config.checkpointing.enabled:
             return  # checkpointing.enabled=false: every start is a new run
-
-        async def load_trainer(anchor: Path) -> dict[str, Any]:
-            extra = await asyncio.to_thread(self.trainer.load, anchor)
-            self.startup.mark("trainer_load")
-            if self.generation is not None:
-                await asyncio.to_thread(self.generation.refit, self.trainer)
-            return extra
-
         restorer = RunRestorer(
             self.checkpoint_dir,
             read_snapshots=self.config.rollout_checkpointing.restore_mode != "trainer_checkpoint",
             coordinator=self.coordinator,
             max_attempts_per_sibling=self.config.async_rl.rollout_failure.max_infra_attempts_per_prompt,
-            load_trainer=load_trainer, hooks=self.hooks, store=self.store,
+            load_trainer=self._load_trainer, hooks=self.hooks, store=self.store,
         )
         restored = await restorer.restore(self.restore_lookup)
         self.startup.resumed = restored is not None and restored.step > 0

@@ -25,7 +25,6 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from nemo_rl.utils.atomic_write import write_json_atomic
-from nemo_rl.utils.snapshot_store import list_trainer_steps
 
 logger = logging.getLogger(__name__)
 IDENTITY_FILE = "run_identity.json"
@@ -89,12 +88,14 @@ def _shard_differences(theirs: dict[str, list[str]], ours: dict[str, list[str]])
     return out
 
 
-def check_identity(root: Path, identity: Callable[[], RunIdentity], allow_different_run: bool) -> None:
+def check_identity(root: Path, identity: Callable[[], RunIdentity], allow_different_run: bool,
+                   holds_checkpoints: Callable[[], bool]) -> None:
     """Refuse the checkpoint directory ``root`` if another run wrote it (call before anything starts);
-    ``identity()`` is this run's (made only when needed: it reads the training data)."""
+    ``identity()`` is this run's (made only when needed: it reads the training data);
+    ``holds_checkpoints()`` is the run store's answer for a directory without an identity."""
     path = root / IDENTITY_FILE
     if not path.exists():
-        if list_trainer_steps(root):
+        if holds_checkpoints():
             logger.warning("%s has checkpoints but no %s (an older version wrote them); this run's identity "
                            "is recorded", root, IDENTITY_FILE)
             record_identity(root, identity())

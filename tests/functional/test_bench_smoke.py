@@ -30,11 +30,11 @@ from bench import (  # noqa: E402
     stall,
     work_lost,
 )
-from bench import async_throughput, gym_recovery, prefix_work_lost  # noqa: E402
+from bench import async_throughput, gym_recovery, prefix_work_lost, restore_io  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
-from bench.presets import ASYNC_TINY, GYM_RECOVERY_SMOKE, PREFIX_TINY  # noqa: E402
+from bench.presets import ASYNC_TINY, GYM_RECOVERY_SMOKE, PREFIX_TINY, RESTORE_IO, RESTORE_IO_SMOKE  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -451,3 +451,45 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert res["goal"]["met"] is True, res["goal"]
     assert gym_recovery.table(res).startswith("|")
     assert any(line.startswith("14. ") for line in bench_recovery.goal_lines({gym_recovery.NAME: res}))
+
+
+@pytest.mark.alone  # CPU-bound: the real trainer and the torch worker
+def test_restore_io_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 15 with a 1 MB model: the relaunch read each state file of the restored step twice (the
+    lookup's hash, one load) and shipped the weights to generation once, counted from outside the run."""
+    res = restore_io.measure(workdir=tmp_path, log=_quiet, **RESTORE_IO_SMOKE["restore_io"])
+    assert res["name"] == restore_io.NAME
+    (rep,) = res["repeats"]
+    assert not rep.get("error"), rep
+    assert rep["stragglers"] == [] and rep["crash"]["snapshot"]["step"] >= 1
+    assert rep["first"]["resumed"] is False and rep["relaunch"]["resumed"] is True
+    assert set(rep["relaunch"]["phases_s"]) == set(PHASES)  # the trainer load included
+    files = rep["reads"]["files"]
+    step = rep["restored_step"]
+    weights = rep["reads"]["weights_bytes"]
+    assert weights == res["model"]["weights_bytes"] and files[f"{step}/model.safetensors"]["opens"] == 2
+    assert {files[f"{step}/{name}"]["opens"] for name in ("optimizer.pt", "reference.pt", "rng.pt")} == {2}
+    assert files[f"{step}/optimizer.pt"]["size"] > weights  # Adam's two moments: a real step was saved
+    assert rep["reads"]["other_steps_read_bytes"] == 0
+    shipped = rep["shipped"]
+    assert [e["event"] for e in shipped["events"]] == ["construct"] and shipped["bytes"] > weights * 0.9
+    assert rep["rchar"]["driver"] > 0 and rep["loadavg_1m_at_relaunch"] >= 0
+    g = res["goal"]
+    assert g["reads_met"] is True and g["ships_met"] is True and (g["most_reads"], g["most_ships"]) == (2, 1)
+    assert g["every_relaunch_resumed"] is True and g["errors"] == []
+    table = restore_io.table(res)
+    assert table.startswith("|") and "load average at relaunch" in table
+    md = bench_recovery.render_markdown({restore_io.NAME: res}, {
+        "preset": "restore_io_smoke", "command": "test", "machine": {}, "seconds": 0,
+        "git": {"head": None, "modified_tracked_files": []}})
+    assert "## " + restore_io.TITLE in md
+    assert any(line.startswith("15. a relaunch reads") for line in bench_recovery.goal_lines({restore_io.NAME: res}))
+    assert RESTORE_IO["restore_io"]["model_mb"] == 1024  # the measurement itself: a model of about 1 GB
+
+
+def test_product_flag_sets_the_checkout_of_restore_io() -> None:
+    _, preset, chosen = bench_recovery.plan(bench_recovery.parse_args(
+        ["--preset", "restore_io", "--product", "/tmp/before"]))
+    assert chosen == ["restore_io"] and preset["restore_io"]["product"] == "/tmp/before"
+    with pytest.raises(ValueError, match="--product"):
+        bench_recovery.plan(bench_recovery.parse_args(["--preset", "n8192", "--product", "/tmp/before"]))

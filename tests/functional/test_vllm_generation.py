@@ -32,7 +32,7 @@ import uuid
 
 import pytest
 
-from nemo_rl.models.generation.vllm_worker import vllm_available
+from nemo_rl.models.generation.vllm_worker import VllmGenerationServer, vllm_available
 
 WHY_NOT = vllm_available()
 if WHY_NOT is not None and os.environ.get("NEMO_RL_REQUIRE_VLLM") == "1":  # .ci/run's vLLM venv: never skip
@@ -51,6 +51,21 @@ MESSAGES = [
          "function": {"name": "directory_find_email", "arguments": "{\"name\": \"bo\"}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "{\"output\": \"bo@corp.com\"}"},
 ]
+
+
+class CheckedServer(VllmGenerationServer):
+    """The product's server whose vLLM workers also report every parameter's sums (``testkit/vllm_extensions.py``)."""
+
+    extension_cls = "testkit.vllm_extensions.WeightSumsExtension"
+
+    async def weight_sums(self) -> dict:
+        return (await self._rpc("nemo_rl_weight_sums"))[0]
+
+
+class PackingKeptServer(CheckedServer):
+    """The negative control: vLLM's own CPU weight packing left in place (``testkit/vllm_packing_kept.py``)."""
+
+    extension_cls = "testkit.vllm_packing_kept.PackingKeptExtension"
 
 
 def _vllm_sums_expected(state: dict) -> dict[str, tuple[float, float]]:
@@ -104,7 +119,6 @@ def _refit_scenario(tmp_path, *, patched: bool) -> dict:
     import torch
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
     from nemo_rl.models.policy import load_policy
     from tests.model_fixtures import tiny_qwen_dir
 
@@ -112,9 +126,10 @@ def _refit_scenario(tmp_path, *, patched: bool) -> dict:
     policy = load_policy(str(model_dir), "float32", "cpu", 512)
     cfg = {"generation": {"backend": "vllm", "temperature": 1.0, "max_new_tokens": 24}, "max_seq_len": 512,
            "device": "cpu"}
+    server_cls = CheckedServer if patched else PackingKeptServer
 
     async def scenario():
-        server = VllmGenerationServer(cfg, str(model_dir), policy.state_dict_cpu(), 0, 0, "tiny")
+        server = server_cls(cfg, str(model_dir), policy.state_dict_cpu(), 0, 0, "tiny")
         url = await server.start()
         try:
             async with ClientSession() as session:
@@ -163,10 +178,9 @@ def test_refit_to_random_weights_is_exact_in_every_parameter(tmp_path):
 
 
 @needs_vllm
-def test_the_refit_check_catches_vllms_cpu_weight_packing(tmp_path, monkeypatch):
+def test_the_refit_check_catches_vllms_cpu_weight_packing(tmp_path):
     """Negative control: with vLLM's own CPU dispatch (weights packed, parameters dropped) the same
     refit must be caught, so the check above is not vacuous."""
-    monkeypatch.setenv("NEMO_RL_VLLM_KEEP_CPU_PACKING", "1")
     with pytest.raises((AssertionError, RuntimeError)) as caught:
         _refit_scenario(tmp_path, patched=False)
     print(f"caught: {type(caught.value).__name__}: {str(caught.value)[:300]}")
@@ -211,7 +225,6 @@ def test_refit_with_a_request_in_flight_keeps_it_and_serves_new_weights(tmp_path
     from aiohttp import ClientSession
     from openai import AsyncOpenAI
 
-    from nemo_rl.models.generation.vllm_worker import VllmGenerationServer
     from nemo_rl.models.policy import load_policy
     from tests.model_fixtures import tiny_qwen_dir
 
@@ -232,7 +245,7 @@ def test_refit_with_a_request_in_flight_keeps_it_and_serves_new_weights(tmp_path
         assert err < 1e-4, f"{what}: logprob error {err} against its weights"
 
     async def scenario():
-        server = VllmGenerationServer(cfg, str(model_dir), old.state_dict_cpu(), 0, 0, "tiny")
+        server = CheckedServer(cfg, str(model_dir), old.state_dict_cpu(), 0, 0, "tiny")
         url = await server.start()
         client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         try:
@@ -393,7 +406,7 @@ def test_vllm_settings_are_checked():
 
 def test_vllm_command_line_follows_the_settings(tmp_path):
     """Runs without vLLM: the server command the actor launches."""
-    from nemo_rl.models.generation.vllm_worker import EXTENSION_CLS, VllmGenerationServer
+    from nemo_rl.models.generation.vllm_worker import EXTENSION_CLS
 
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 256}')
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -404,6 +417,8 @@ def test_vllm_command_line_follows_the_settings(tmp_path):
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert args["--max-model-len"] == "256" and args["--gpu-memory-utilization"] == "0.2"
     assert args["--worker-extension-cls"] == EXTENSION_CLS and args["--tool-call-parser"] == "hermes"
+    checked = CheckedServer(cfg, str(tmp_path), None, 0, 7, "tiny")._vllm_command(1234)  # the tests' extension
+    assert checked[checked.index("--worker-extension-cls") + 1] == "testkit.vllm_extensions.WeightSumsExtension"
     assert args["--logprobs-mode"] == "processed_logprobs" and args["--seed"] == "7"
     assert "--enable-auto-tool-choice" in cmd and args["--served-model-name"] == "tiny"
     with pytest.raises(ValueError, match="this is the vllm backend"):

@@ -200,3 +200,16 @@ def test_a_renamed_or_removed_shard_is_refused_by_name(tmp_path):
     # the explicit takeover still goes ahead, and the directory then records this run
     check_run_identity(_config(tmp_path, "env.nemo_gym.shards.1.name=other", "checkpointing.allow_different_run=true"))
     check_run_identity(_config(tmp_path, "env.nemo_gym.shards.1.name=other"))
+
+
+def test_a_directory_with_trainer_steps_but_no_identity_takes_this_runs_through_the_run_store(tmp_path):
+    """An older version's checkpoints (a trainer step, no run_identity.json): the run store says the
+    directory holds steps, so this run's identity is recorded; an empty directory records nothing."""
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore, TrainerBookkeeping
+
+    check_run_identity(_config(tmp_path))
+    assert not (tmp_path / "run_identity.json").exists()  # nothing there yet: the run records it when it starts
+    kept = TrainerBookkeeping(step=1, dataloader={}, ledger={})
+    RunStore(tmp_path, PLAIN, keep_latest_k=1).save_step(1, kept, lambda d, extra, w: None)
+    check_run_identity(_config(tmp_path))
+    assert json.loads((tmp_path / "run_identity.json").read_text())["gym_topology"]["saving"]["replicas"] == 2

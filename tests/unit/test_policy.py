@@ -222,6 +222,31 @@ def test_checkpoint_is_a_hugging_face_model_and_round_trips(model_dir, tmp_path)
                                                                other.state_dict_for_refit().values()))
 
 
+def test_a_trainer_built_from_a_step_skips_its_weights_only_until_they_change(model_dir, tmp_path, monkeypatch):
+    """``weights_from``: a load of the directory the policy came from reads no weights while no step
+    changed them; after a step (or from another directory) it reads them, and the weights are the step's."""
+    trainer = _trainer(model_dir)
+    trainer.train_step(_samples(trainer, [5, 6], [7, 2], [8, 2]))
+    trainer.save(tmp_path / "step_1")
+    saved = trainer.state_dict_for_refit()
+    reads = []
+    real = GRPOTrainer._load_weights
+    monkeypatch.setattr(GRPOTrainer, "_load_weights", lambda self, d: (reads.append(d.name), real(self, d)))
+
+    cfg = PolicyConfig(device="cpu", max_seq_len=128, learning_rate=3e-3)
+    restored = GRPOTrainer(cfg, LossConfig(), GRPOConfig(seed=0), _policy(tmp_path / "step_1"),
+                           weights_from=tmp_path / "step_1")
+    restored.load(tmp_path / "step_1")
+    assert reads == [] and restored.weight_version == 1
+    restored.train_step(_samples(restored, [5, 6], [7, 2], [8, 2]))
+    assert any(not torch.equal(saved[k], v) for k, v in restored.state_dict_for_refit().items())
+    restored.load(tmp_path / "step_1")  # the step moved the weights: read again
+    assert reads == ["step_1"]
+    assert all(torch.equal(saved[k], v) for k, v in restored.state_dict_for_refit().items())
+    restored.load(tmp_path / "step_1")  # unchanged since that load
+    assert reads == ["step_1"]
+
+
 def test_load_rejects_incomplete_or_foreign_checkpoints(model_dir, tmp_path):
     trainer = _trainer(model_dir)
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):

@@ -457,3 +457,51 @@ def test_a_complete_run_keeps_only_keep_top_k_steps(tmp_path):
     assert list_trainer_steps(controller.checkpoint_dir) == [1, 2]
     _save_steps(controller, (3,))  # the last step: the run is complete, no restore needs step 1
     assert list_trainer_steps(controller.checkpoint_dir) == [2, 3] and controller._spared is None
+
+
+# ----- a save holds no second copy of the optimizer ----------------------------------------------
+_SAVE_PEAK = r"""
+import json, resource, sys
+from pathlib import Path
+import torch
+from nemo_rl.algorithms.grpo import GRPOTrainer
+from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
+from nemo_rl.models.policy import load_policy
+from tests.model_fixtures import tiny_qwen_dir
+
+tmp = Path(sys.argv[1])
+model = tiny_qwen_dir(tmp / "model", hidden_size=1024, intermediate_size=4096, num_heads=16, num_kv_heads=16,
+                      head_dim=64)
+trainer = GRPOTrainer(PolicyConfig(device="cpu", max_seq_len=64), LossConfig(), GRPOConfig(seed=0),
+                      load_policy(str(model), "float32", "cpu", 64))
+for p in trainer.policy.parameters():
+    p.grad = torch.zeros_like(p)
+trainer.optimizer.step()  # Adam's two moments per parameter now exist
+trainer.optimizer.zero_grad(set_to_none=True)
+optimizer = sum(t.nbytes for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# the high-water mark of what else a save does: Hugging Face's own write of the weights (which serialises
+# them in memory first), the imports
+trainer.policy.model.save_pretrained(tmp / "weights_only")
+trainer.tokenizer.save_pretrained(tmp / "weights_only")
+before = peak()
+trainer.save(tmp / "step")
+print(json.dumps({"optimizer": optimizer, "growth": peak() - before}))
+"""
+
+
+@needs_proc_io
+def test_a_trainer_save_holds_no_second_copy_of_the_optimizer(tmp_path):
+    """Peak memory of a save grows by far less than the optimizer over that of Hugging Face's write of the
+    same weights: ``optimizer.pt`` streams through the writer, never as bytes (a bytes copy grows it by
+    the whole optimizer less the weights' serialisation). In a process of its own, whose peak is this."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(tmp_path)], cwd=repo, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["optimizer"] > 200 * MB  # two moments of a 33M-parameter model
+    assert seen["growth"] < seen["optimizer"] / 4, seen

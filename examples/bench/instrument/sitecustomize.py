@@ -30,6 +30,10 @@ It only observes; with neither variable below set it does nothing.
 - ``BENCH_CONTROL_LOG``: in every Gym server process, append to ``<dir>/control-<server>.jsonl`` one
   line per prepare request its control plane served: checkpoint id, handler start and end, the wait
   for readiness inside it (``wait_start``/``wait_end``) and the phase it answered.
+- ``BENCH_WEIGHTS_LOG``: in the generation worker (torch ``GenerationServer`` or vLLM
+  ``VllmGenerationServer``), append one line per shipment of weights it receives (``torch.save`` bytes,
+  as the run's generation backend sends them): at its construction and at each refit (event, bytes,
+  time, pid). Counted where they arrive, so it counts the same on any commit of the product.
 
 Patches are applied right after the target module is first imported (a
 ``sys.meta_path`` finder), so processes that never import it pay nothing.
@@ -305,6 +309,38 @@ def _loop_lag_hook(path, threshold_s):
     return {"asyncio.base_events": hook}
 
 
+# -- weights shipped to generation -------------------------------------------------------------
+def _shipped_bytes(weights):
+    """Bytes of a shipment of weights: ``torch.save`` bytes, or a state dict's tensors."""
+    if weights is None:
+        return 0
+    if isinstance(weights, memoryview):
+        return weights.nbytes
+    if isinstance(weights, (bytes, bytearray)):
+        return len(weights)
+    if isinstance(weights, dict):
+        return sum(int(getattr(v, "nbytes", 0)) for v in weights.values())
+    return 0
+
+
+def _weights_hook(path, function_name):
+    """Wrap the worker module's function that every shipment of weights passes through (the torch worker's
+    ``_load_weights``, the vLLM worker's ``_write_safetensors``; its methods are wrapped by Ray at
+    ``ray.remote``, so a patch of a method would not be seen). The caller names the event."""
+    def hook(module):
+        original = getattr(module, function_name)
+
+        @functools.wraps(original)
+        def counted(weights, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_name
+            _append(path, {"event": "construct" if caller == "__init__" else "refit",
+                           "bytes": _shipped_bytes(weights), "time": time.time(), "pid": os.getpid()})
+            return original(weights, *args, **kwargs)
+
+        setattr(module, function_name, counted)
+    return hook
+
+
 # -- setup timing --------------------------------------------------------------------------
 def _timed(path, event, fn):
     @functools.wraps(fn)
@@ -356,6 +392,10 @@ def _install():
     if control_log and server:
         os.makedirs(control_log, exist_ok=True)
         hooks.update(_control_hook(os.path.join(control_log, f"control-{server}.jsonl")))
+    weights_log = os.environ.get("BENCH_WEIGHTS_LOG")
+    if weights_log:
+        hooks["nemo_rl.models.generation.worker"] = _weights_hook(weights_log, "_load_weights")
+        hooks["nemo_rl.models.generation.vllm_worker"] = _weights_hook(weights_log, "_write_safetensors")
     timing = os.environ.get("BENCH_TIMING_FILE")
     if timing:
         hooks.update(_timing_hooks(timing))

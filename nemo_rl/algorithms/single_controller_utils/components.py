@@ -54,10 +54,15 @@ class RayGenerationBackend:
     """The policy served by a ``GenerationWorker`` Ray actor; refit after every step.
 
     The actor gets the model directory's small files (config, tokenizer) and the
-    trainer's weights as bytes, so it needs no shared filesystem.
+    trainer's weights as bytes, so it needs no shared filesystem. It is built from
+    the trainer's weights at ``weight_version`` (the trainer's own unless given: a
+    restore builds it at the version of the step it restores, before the trainer's
+    bookkeeping is loaded), and a refit ships only what it does not serve yet
+    (docs/design.md §5.6).
     """
 
-    def __init__(self, config: MasterConfig, model_dir: str, weights: bytes, port: int):
+    def __init__(self, config: MasterConfig, model_dir: str, trainer: Any, port: int, *,
+                 weight_version: int | None = None):
         from nemo_rl.models.generation.worker import GenerationWorker, model_files
 
         gpus = 1 if config.cluster.gpus_per_node > 0 else 0
@@ -72,14 +77,22 @@ class RayGenerationBackend:
             worker_cls = VllmGenerationWorker
         else:
             worker_cls = GenerationWorker
+        version = trainer.weight_version if weight_version is None else weight_version
         self._worker = worker_cls.options(num_cpus=1, num_gpus=gpus).remote(
-            config.policy.trainer_policy().model_dump(mode="json"), model_files(model_dir), weights, 0,
-            config.grpo.seed,
+            config.policy.trainer_policy().model_dump(mode="json"), model_files(model_dir),
+            trainer.state_dict_bytes(), version, config.grpo.seed,
         )
+        self._serving = (trainer.weights_serial, version)  # the weights the worker holds, and their version
         self.base_url = ray.get(self._worker.start.remote("127.0.0.1", port))
 
     def refit(self, trainer: Any) -> None:
+        """Ship the trainer's weights at its version, unless the worker serves exactly these already
+        (the same ``weights_serial`` and version: a restore whose load read no weights)."""
+        serving = (trainer.weights_serial, trainer.weight_version)
+        if serving == self._serving:
+            return
         ray.get(self._worker.refit.remote(trainer.state_dict_bytes(), trainer.weight_version))
+        self._serving = serving
 
     def stop(self) -> None:
         try:
@@ -98,6 +111,10 @@ class GRPOTrainerAdapter:
     @property
     def weight_version(self) -> int:
         return self.inner.weight_version
+
+    @property
+    def weights_serial(self) -> int:
+        return self.inner.weights_serial
 
     def train_step(self, samples):
         step = self.open_step()
@@ -221,11 +238,12 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, poin
     """The policy (from a trainer checkpoint, the cached embedded default, or ``policy.model_name``),
     the GRPO trainer, and the generation worker.
 
-    Resuming from a trainer checkpoint loads the model from it and never runs
-    the warm start (the controller then restores the full trainer state).
+    Resuming from a trainer checkpoint loads the model from it (its weights' one
+    read after the restore lookup's hash) and never runs the warm start; the
+    generation worker is built from those weights at the step's weight version, and
+    the controller's restore then loads the rest of the trainer state without
+    reading the weights again or shipping them a second time (docs/design.md §5.6).
     """
-    import json
-
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -234,13 +252,10 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, poin
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(config.grpo.seed)
+    resumed: Path | None = None
+    version = None
     if point is not None and point.step > 0:  # the step the controller restores (one lookup per start)
-        saved = json.loads((point.anchor / "trainer_state.json").read_text()).get("policy_cfg", {})
-        if saved.get("model_name") != config.policy.model_name:
-            raise ValueError(
-                f"policy.model_name={config.policy.model_name!r} but the trainer checkpoint {point.anchor} was "
-                f"trained from {saved.get('model_name')!r}; use a fresh checkpointing.checkpoint_dir"
-            )
+        resumed, version = point.anchor, _saved_weight_version(config, point.anchor)
         source = str(point.anchor)
         log(f"Resuming: the policy comes from trainer checkpoint {point.anchor} (no warm start).")
     elif config.policy.is_embedded:
@@ -252,6 +267,21 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, poin
         source = resolve_model_source(config.policy.model_name)
         log(f"Policy: {config.policy.model_name} from {source}")
     policy = load_policy(source, config.policy.dtype, config.policy.device, config.policy.max_seq_len)
-    trainer = GRPOTrainer(config.policy.trainer_policy(), config.loss_fn, config.grpo, policy)
-    generation = RayGenerationBackend(config, source, trainer.state_dict_bytes(), port)
-    return GRPOTrainerAdapter(trainer), generation
+    trainer = GRPOTrainerAdapter(GRPOTrainer(config.policy.trainer_policy(), config.loss_fn, config.grpo, policy,
+                                             weights_from=resumed))
+    return trainer, RayGenerationBackend(config, source, trainer, port, weight_version=version)
+
+
+def _saved_weight_version(config: MasterConfig, anchor: Path) -> int:
+    """The weight version of the trainer step at ``anchor`` (what generation serves its weights as),
+    refusing a step trained from another ``policy.model_name``."""
+    import json
+
+    state = json.loads((anchor / "trainer_state.json").read_text())
+    saved = state.get("policy_cfg", {})
+    if saved.get("model_name") != config.policy.model_name:
+        raise ValueError(
+            f"policy.model_name={config.policy.model_name!r} but the trainer checkpoint {anchor} was "
+            f"trained from {saved.get('model_name')!r}; use a fresh checkpointing.checkpoint_dir"
+        )
+    return int(state["weight_version"])

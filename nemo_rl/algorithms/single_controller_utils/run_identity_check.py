@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import holds_trainer_steps
 from nemo_rl.utils.run_identity import RunIdentity, check_identity, record_identity
 
 
@@ -30,8 +31,9 @@ def identity_of(config: MasterConfig) -> RunIdentity:
 def check_run_identity(config: MasterConfig) -> None:
     """Refuse a checkpoint directory that another run wrote (call before anything starts)."""
     if config.checkpointing.enabled:
-        check_identity(Path(config.checkpointing.checkpoint_dir), lambda: identity_of(config),
-                       config.checkpointing.allow_different_run)
+        root = Path(config.checkpointing.checkpoint_dir)
+        check_identity(root, lambda: identity_of(config), config.checkpointing.allow_different_run,
+                       lambda: holds_trainer_steps(root))
 
 
 def record_run_identity(config: MasterConfig) -> None:

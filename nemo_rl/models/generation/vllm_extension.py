@@ -14,14 +14,13 @@ parameter and computes with ``torch.nn.functional.linear`` on it, so a
 MoE experts) keep vLLM's own dispatch. On GPU the dispatch is never called and
 nothing changes.
 
-The extension's methods run in every worker through ``collective_rpc``:
-
-* ``nemo_rl_load_weights(path)``: load a safetensors state dict (the trainer's
-  names, Hugging Face layout) with the model's own ``load_weights`` and check
-  that every parameter of the model was written (a tied ``lm_head`` counts as
-  written with the embedding). Raises, naming the parameters, when any was not:
-  a refit never leaves stale weights unnoticed.
-* ``nemo_rl_weight_sums()``: ``{name: [sum, abs-sum]}`` of every parameter, for tests.
+The extension's method runs in every worker through ``collective_rpc``:
+``nemo_rl_load_weights(path)`` loads a safetensors state dict (the trainer's
+names, Hugging Face layout) with the model's own ``load_weights`` and checks
+that every parameter of the model was written (a tied ``lm_head`` counts as
+written with the embedding). It raises, naming the parameters, when any was not:
+a refit never leaves stale weights unnoticed. (Tests read every parameter back
+through a subclass of their own, ``testkit/vllm_extensions.py``.)
 
 The load runs while vLLM's scheduler is paused in keep mode with requests still
 holding KV blocks (``vllm_worker.refit``): it writes the parameters in place and
@@ -31,7 +30,6 @@ resume on the new weights where they stopped.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -65,10 +63,7 @@ def _install_cpu_patch() -> bool:
 
 
 _ORIGINAL_DISPATCH: Any = None
-# NEMO_RL_VLLM_KEEP_CPU_PACKING=1 leaves vLLM's packing in place: only for the test that shows the
-# refit check catches it (refits are then wrong on CPU).
-if os.environ.get("NEMO_RL_VLLM_KEEP_CPU_PACKING") != "1":
-    _install_cpu_patch()
+_install_cpu_patch()
 
 
 class VllmRefitExtension:
@@ -88,13 +83,6 @@ class VllmRefitExtension:
             raise RuntimeError(f"refit left {len(stale)} parameter(s) unwritten (stale): {stale[:8]}")
         self.model_runner.model.eval()
         return {"written": len(loaded), "params": len(params), "dispatch_patched": _ORIGINAL_DISPATCH is not None}
-
-    def nemo_rl_weight_sums(self) -> dict[str, list[float]]:
-        out = {}
-        for name, p in self.model_runner.model.named_parameters():
-            t = p.detach().float()
-            out[name] = [float(t.sum()), float(t.abs().sum()), int(t.numel())]
-        return out
 
 
 def _tied_alias(model: torch.nn.Module, name: str, params: dict, loaded: set) -> bool:

@@ -192,6 +192,8 @@ class VllmGenerationServer:
     served model's weights.
     """
 
+    extension_cls = EXTENSION_CLS  # vLLM's --worker-extension-cls: the refit's load, run in its workers
+
     def __init__(self, policy_cfg: PolicyConfig | dict, model: str | dict[str, bytes], weights: Any = None,
                  weight_version: int = 0, seed: int = 0, model_name: str | None = None):
         self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
@@ -249,7 +251,7 @@ class VllmGenerationServer:
                "--max-model-len", str(max_len), "--max-num-seqs", str(v.max_num_seqs),
                "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--seed", str(self._seed),
                "--tensor-parallel-size", str(v.tensor_parallel_size),
-               "--worker-extension-cls", EXTENSION_CLS, "--logprobs-mode", "processed_logprobs",
+               "--worker-extension-cls", self.extension_cls, "--logprobs-mode", "processed_logprobs",
                "--generation-config", "vllm", "--disable-uvicorn-access-log"]
         if v.enforce_eager:
             cmd.append("--enforce-eager")
@@ -384,9 +386,6 @@ class VllmGenerationServer:
 
     async def weight_version(self) -> int:
         return self._version
-
-    async def weight_sums(self) -> dict:
-        return (await self._rpc("nemo_rl_weight_sums"))[0]
 
     async def get_stats(self) -> dict:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}

@@ -44,6 +44,7 @@ from nemo_rl.utils.snapshot_store import (
     commit_snapshot,
     ensure_bootstrap_anchor,
     list_checkpoint_dir,
+    list_trainer_steps,
     next_snapshot_path,
     prepare_snapshot_paths,
     prepare_trainer_step,
@@ -223,6 +224,12 @@ def read_snapshot(path: Path, turn_level: bool) -> SnapshotContents:
 def select_restore_point(checkpoint_dir: Path, *, turn_level: bool, read_snapshots: bool) -> RestorePoint | None:
     """``RunStore.select`` for a reader that writes nothing (the start's lookup, the inspector)."""
     return resolve_restore_point(checkpoint_dir, required_snapshot_files(turn_level), read_snapshots=read_snapshots)
+
+
+def holds_trainer_steps(checkpoint_dir: Path) -> bool:
+    """Whether ``checkpoint_dir`` holds a trainer step (its manifest trusted, nothing hashed): the run
+    identity's question about a directory an older version wrote (``run_identity_check``)."""
+    return bool(list_trainer_steps(Path(checkpoint_dir)))
 
 
 def publish_snapshot(

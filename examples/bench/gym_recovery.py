@@ -3,7 +3,8 @@
 Each repeat is one real ``examples/run_grpo.py`` process per kind of loss, on
 ``examples/configs/grpo_workplace_two_replicas_turn.yaml`` (scripted backend,
 recording trainer, two replicas of one shard). Once step 1 is trained and a
-committed snapshot holds turn-level rollouts on ``nemo_gym/replica-1``, the
+committed snapshot holds turn-level rollouts on ``nemo_gym/replica-1`` (one of them with at
+least ``min_saved_calls`` finished model calls: there are turns to lose), the
 benchmark SIGKILLs either its Workplace resources server (``server``) or its
 ``NemoGym`` actor together with every server under it (``replica``), and the run
 goes on by itself to the end.
@@ -42,15 +43,16 @@ KINDS = (("server", "resources server SIGKILLed"), ("replica", "replica actor + 
 
 
 def measure(*, repeats: int, workdir: Path, steps: int = 3, prompts: int = 8, generations: int = 4,
-            delay_s: float = 0.5, interval_s: float = 0.5, window_s: float = 5.0, log: Log | None = None
-            ) -> dict[str, Any]:
+            delay_s: float = 0.5, interval_s: float = 0.5, window_s: float = 2.0, min_saved_calls: int = 2,
+            log: Log | None = None) -> dict[str, Any]:
     log = log or make_log("gym-recovery")
     results = []
     for repeat in range(repeats):
         for kind, _ in KINDS:
             run_dir = fresh_dir(Path(workdir).resolve() / f"{kind}-{repeat}")
             res = run_repeat(run_dir, kind, steps=steps, prompts=prompts, generations=generations,
-                             delay_s=delay_s, interval_s=interval_s, window_s=window_s)
+                             delay_s=delay_s, interval_s=interval_s, window_s=window_s,
+                             min_saved_calls=min_saved_calls)
             res.update(kind=kind, repeat=repeat)
             log(f"{kind} #{repeat}: exit {res['returncode']}, redispatch {res.get('seconds_to_redispatch')} s, "
                 f"start {res.get('seconds_to_start')} s, continued {res.get('continued')}")
@@ -58,7 +60,8 @@ def measure(*, repeats: int, workdir: Path, steps: int = 3, prompts: int = 8, ge
     rows = rows_of(results)
     return {"name": NAME, "title": TITLE, "rows": rows, "repeats": results, "goal": goal_of(rows, results),
             "config": {"config": CONFIG, "steps": steps, "prompts": prompts, "generations": generations,
-                       "delay_s": delay_s, "interval_s": interval_s, "window_s": window_s}}
+                       "delay_s": delay_s, "interval_s": interval_s, "window_s": window_s,
+                       "min_saved_calls": min_saved_calls}}
 
 
 def _args(run_dir: Path, steps: int, prompts: int, generations: int, delay_s: float, interval_s: float) -> list[str]:
@@ -91,7 +94,7 @@ def server_pids(log_dir: Path, replica: str) -> dict[str, int]:
 
 
 def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generations: int, delay_s: float,
-               interval_s: float, window_s: float) -> dict[str, Any]:
+               interval_s: float, window_s: float, min_saved_calls: int = 2) -> dict[str, Any]:
     logs, audit = run_dir / "logs", run_dir / "audit"
     audit.mkdir(parents=True, exist_ok=True)
     seen: dict[str, Any] = {}
@@ -109,6 +112,8 @@ def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generation
         pids = server_pids(logs, LOST)
         if not index["turn_level"].get(LOST) or "workplace_assistant" not in pids:
             return False
+        if max(_saved_calls(Path(row["path"]) / "gym-instances" / LOST).values(), default=0) < min_saved_calls:
+            return False  # a snapshot of rollouts that have finished turns to lose
         hit = [pids["workplace_assistant"]] if kind == "server" else [*pids.values(), _parent(pids["head_server"])]
         for pid in hit:
             os.kill(pid, signal.SIGKILL)

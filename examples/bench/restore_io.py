@@ -10,7 +10,7 @@ processes on ``examples/configs/grpo_workplace_turn.yaml`` with ``policy.model_n
 harness, with the same command:
 
 1. the first launch, SIGKILLed as a whole process group once ``snapshots.jsonl`` shows a committed
-   snapshot of trainer step >= 1 (so ``step_N`` is durable and a snapshot rests on it);
+   snapshot under trainer step >= 1 (``anchor_step``: ``step_N`` is durable and the snapshot rests on it);
 2. the relaunch, SIGKILLed once its ``startup.json`` exists (its first rollout was dispatched).
 
 What the relaunch did, counted from outside the product, so the same command measures any commit
@@ -164,7 +164,9 @@ def run_repeat(run_dir: Path, args: list[str], checkout: Path, timeout_s: float)
 
     def committed(_elapsed: float) -> bool:
         for _, snap in snaps.poll():
-            if not chosen and snap.get("committed") and int(snap.get("step") or 0) >= 1:
+            # under a durable trainer step: with a large model its checkpoint is written for seconds after the
+            # step trained, and snapshots taken meanwhile still hang under the step before (``anchor_step``)
+            if not chosen and snap.get("committed") and int(snap.get("anchor_step") or 0) >= 1:
                 chosen.append(snap)
         return bool(chosen)
 
@@ -275,14 +277,15 @@ def rows_of(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def goal_of(results: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [r for r in results if not r.get("error")]
+    # only a relaunch that restored a trainer step says anything about its reads (one that did not read nothing)
+    ok = [r for r in results if not r.get("error") and r["relaunch"].get("resumed") is True]
     return {"max_reads_per_file": MAX_READS, "max_ships": MAX_SHIPS,
             "reads_met": None if not ok else all(r["reads"]["state_reads"] <= MAX_READS for r in ok),
             "ships_met": None if not ok else all(r["shipped"]["count"] <= MAX_SHIPS for r in ok),
             "most_reads": max((r["reads"]["state_reads"] for r in ok), default=None),
             "most_ships": max((r["shipped"]["count"] for r in ok), default=None),
             "relaunch_s": summary(r["relaunch"]["to_first_dispatch_s"] for r in ok),
-            "every_relaunch_resumed": None if not ok else all(r["relaunch"].get("resumed") is True for r in ok),
+            "every_relaunch_resumed": bool(results) and len(ok) == len([r for r in results if not r.get("error")]),
             "loadavg_1m_at_relaunch": summary(r["loadavg_1m_at_relaunch"] for r in ok),
             "errors": [r["error"] for r in results if r.get("error")]}
 

@@ -427,6 +427,7 @@ class NemoGymShardSet:
                 ray.kill(actor, no_restart=True)
         self.handles[inst.shard_name][inst.replica_index] = None
         self.recovering.discard(instance_id)
+        self.placement.pop(instance_id, None)
 
     def handle_for(self, instance_id: str) -> Any:
         try:

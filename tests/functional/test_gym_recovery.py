@@ -180,6 +180,8 @@ def test_a_killed_replica_actor_is_replaced_and_its_rollouts_continue(tmp_path):
     spec, fault, result = run_with_fault(tmp_path, dict(target="replica"))
     rows = check_recovery_rows(spec, fault, result, part="replica", action="replaced")
     assert "Ray actor died" in rows[0]["cause"], rows[0]
+    placement = json.loads((spec.logs / "gym_placement.json").read_text())
+    assert set(placement) == {"nemo_gym/replica-0", REPLICA}  # where the new replica runs, written again
 
 
 def test_two_shards_with_restart_only_servers_only_their_rollouts_restart_from_the_prompt(tmp_path):
@@ -239,6 +241,7 @@ def test_a_crash_loop_gives_the_replica_up_and_moves_its_rollouts_to_the_other(t
     assert [r["action"] for r in rows] == ["restarted", "moved"], rows
     assert "max_recoveries=1" in rows[1]["given_up"], rows[1]
     assert not server_pids(spec.logs, REPLICA), "the given-up replica's servers still run"
+    assert set(json.loads((spec.logs / "gym_placement.json").read_text())) == {"nemo_gym/replica-0"}
 
 
 def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_its_log(tmp_path):

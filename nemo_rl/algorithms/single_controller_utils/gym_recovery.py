@@ -43,6 +43,7 @@ from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.environments.nemo_gym import NemoGymShardSet, ReplicaNotPlaced
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.experience.rollout_recovery.restart import RestoredEpisode
+from nemo_rl.utils.atomic_write import write_json_atomic
 
 logger = logging.getLogger(__name__)
 RECOVERIES_FILE = "recoveries.jsonl"
@@ -232,6 +233,7 @@ class GymReplicaRecovery:
             action, why = ("moved", give_up) if give_up is not None else await self._start_again(loss)
             if action == "moved":
                 self._give_up(loss, why)
+            write_json_atomic(self.records.log_dir / "gym_placement.json", self.shard_set.placement)
             if self.coordinator is not None:
                 self.coordinator.forget_instance(iid)
             restored = await self._restore(iid, affected, moved=action == "moved")

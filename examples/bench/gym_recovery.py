@@ -114,7 +114,8 @@ def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generation
             return False
         if max(_saved_calls(Path(row["path"]) / "gym-instances" / LOST).values(), default=0) < min_saved_calls:
             return False  # a snapshot of rollouts that have finished turns to lose
-        hit = [pids["workplace_assistant"]] if kind == "server" else [*pids.values(), _parent(pids["head_server"])]
+        # a replica: its actor first (a server dying before it would be a server's loss), then its servers
+        hit = [pids["workplace_assistant"]] if kind == "server" else [_parent(pids["head_server"]), *pids.values()]
         for pid in hit:
             os.kill(pid, signal.SIGKILL)
         seen.update(at=time.time(), snapshot=row["path"])
@@ -127,7 +128,8 @@ def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generation
     res: dict[str, Any] = {"returncode": outcome.returncode, "lost_at": seen.get("at")}
     rows = read_jsonl(logs / "recoveries.jsonl")
     if not rows:
-        res["error"] = (run_dir / "err.txt").read_text(errors="replace")[-2000:]
+        why = "no part was lost (no snapshot held such rollouts in time)" if not seen else "no recovery row"
+        res["error"] = f"{why}; stderr: " + (run_dir / "err.txt").read_text(errors="replace")[-2000:]
         return res
     row = rows[0]
     res.update(seconds_to_redispatch=row["seconds_to_redispatch"], seconds_to_start=row["seconds_to_start"],

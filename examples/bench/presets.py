@@ -107,8 +107,8 @@ PREEMPTION_SMOKE: dict[str, dict[str, Any]] = {
 # each kind, about 5 minutes on 2 cores); ``gym_recovery_smoke`` is its smoke test.
 GYM_RECOVERY: dict[str, dict[str, Any]] = {"gym_recovery": {"repeats": 3}}
 GYM_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
-    "gym_recovery": {"repeats": 1, "steps": 2, "prompts": 4, "generations": 2, "delay_s": 0.3, "interval_s": 0.3,
-                     "window_s": 2.0},
+    "gym_recovery": {"repeats": 1, "steps": 3, "prompts": 4, "generations": 2, "delay_s": 0.3, "interval_s": 0.3,
+                     "window_s": 2.0, "min_saved_calls": 1},
 }
 
 # Measurement 15, a relaunch with a model of about 1 GB (270M float32 parameters): what it reads of the trainer

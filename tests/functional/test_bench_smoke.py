@@ -442,7 +442,7 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     res = gym_recovery.measure(workdir=tmp_path, log=_quiet, **GYM_RECOVERY_SMOKE["gym_recovery"])
     assert [r["kind"] for r in res["repeats"]] == ["server", "replica"]
     for run in res["repeats"]:
-        assert run["returncode"] == 0 and run["seconds_to_redispatch"] is not None, run
+        assert not run.get("error") and run["returncode"] == 0 and run["seconds_to_redispatch"] is not None, run
         assert run["action"] == ("restarted" if run["kind"] == "server" else "replaced"), run
         assert run["seconds_to_start"] is not None and run["seconds_to_start"] <= run["seconds_to_redispatch"]
         assert run["continued"] >= 1 and run["per_rollout"], run

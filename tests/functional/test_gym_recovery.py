@@ -80,12 +80,11 @@ class Fault:
                     self.turn_levels[row["path"]] = {}
         if len(self.sent) >= self.times:
             return False
-        if not self.sent:
-            held = [s for s in read_jsonl(self.spec.logs / "snapshots.jsonl")
-                    if s.get("committed") and self.turn_levels.get(s.get("path"), {}).get(self.replica)]
-            if not held:
+        if not self.sent:  # the newest committed snapshot (the one a recovery restores from) holds some there
+            committed = [s for s in read_jsonl(self.spec.logs / "snapshots.jsonl") if s.get("committed")]
+            if not committed or not self.turn_levels.get(committed[-1].get("path"), {}).get(self.replica):
                 return False
-            self.snapshot = held[-1]["path"]
+            self.snapshot = committed[-1]["path"]
         if len(read_jsonl(self.spec.logs / "recoveries.jsonl")) < len(self.sent):
             return False  # the last loss is not recovered yet
         pids = server_pids(self.spec.logs, self.replica)
@@ -93,10 +92,10 @@ class Fault:
             return False  # the last loss is not recovered yet
         if not pids or (self.target != "replica" and self.target not in pids):
             return False
-        hit = dict(pids) if self.target == "replica" else {self.target: pids[self.target]}
-        if self.target == "replica":
-            actor = _parent(next(iter(pids.values())))
-            hit["actor"] = actor
+        if self.target == "replica":  # the actor first: a server dying before it would be a server's loss
+            hit = {"actor": _parent(next(iter(pids.values()))), **pids}
+        else:
+            hit = {self.target: pids[self.target]}
         for pid in hit.values():
             try:
                 os.kill(pid, self.sig)
@@ -265,11 +264,14 @@ def test_async_lookahead_one_a_killed_server_is_recovered(tmp_path):
     check_recovery_rows(spec, fault, result, part="workplace_assistant", action="restarted")
 
 
+@pytest.mark.alone  # CPU-bound (the torch worker decodes): shares no core under xdist
 def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens(tmp_path):
     """``target_level: prefix`` with a Llama from a directory on the torch worker (the decode hold keeps calls
-    in flight across snapshots): once a committed snapshot holds generation cuts on saving/replica-1, its
-    model server is SIGKILLed. The recovery installs the cuts on the restarted replica and each continues
-    from its tokens (same call id and token count), in the same run."""
+    in flight across snapshots): once the newest committed snapshot holds generation cuts on saving/replica-1,
+    its model server is SIGKILLed. The recovery installs the cuts on the restarted replica and each continues
+    from its tokens (same call id and token count), in the same run. A cut whose call had ended before the
+    loss (its rollout sealed) is not continued; then the next snapshot with cuts is waited for and the server
+    killed again, up to three times, until a recovery has continued a cut."""
     from tests.functional.rl_run import RunDirs
     from tests.functional.test_prefix_recovery import PROMPTS, STEPS, _args, held_env
     from tests.model_fixtures import llama_dir
@@ -278,41 +280,44 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
     dirs = RunDirs(tmp_path / "run")
     model = llama_dir(tmp_path / "my-llama")
     replica = "saving/replica-1"
-    seen: dict = {}
+    kills: list[str] = []  # the snapshot each kill followed
 
     def kill_after_cuts(_elapsed: float) -> bool:
-        if seen:
-            return False
-        committed = [r for r in read_jsonl(dirs.logs / "snapshots.jsonl") if r.get("committed") and r.get("cuts")]
-        for row in reversed(committed):
-            index = json.loads((Path(row["path"]) / "gym_checkpoint.json").read_text())
-            if index.get("cut_tokens", {}).get(replica):
-                pid = server_pids(dirs.logs, replica).get("policy_model")
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    seen["cuts"] = index["cut_tokens"][replica]
-                return False
+        rows = read_jsonl(dirs.logs / "recoveries.jsonl")
+        if len(rows) < len(kills) or len(kills) >= 3 or any(r["continued_prefix"] for r in rows):
+            return False  # a recovery under way, enough kills, or a cut continued already
+        committed = [r for r in read_jsonl(dirs.logs / "snapshots.jsonl") if r.get("committed")]
+        if not committed or not committed[-1].get("cuts") or committed[-1]["path"] in kills:
+            return False  # the newest (what a recovery restores from) must hold cuts, a new one each time
+        index = json.loads((Path(committed[-1]["path"]) / "gym_checkpoint.json").read_text())
+        pid = server_pids(dirs.logs, replica).get("policy_model")
+        if index.get("cut_tokens", {}).get(replica) and pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            kills.append(committed[-1]["path"])
         return False
 
     outcome = run_once(_args(dirs, model), env=held_env(), kill_when=kill_after_cuts, timeout_s=600,
                        stdout_path=tmp_path / "out.txt", stderr_path=tmp_path / "err.txt")
     stderr = (tmp_path / "err.txt").read_text(errors="replace")
-    assert seen, "no committed snapshot held a generation cut on the replica"
+    assert kills, "no committed snapshot held a generation cut on the replica"
     assert outcome.returncode == 0, stderr[-5000:]
     assert not (dirs.logs / "restore.json").exists()  # no relaunch
     rows = read_jsonl(dirs.logs / "recoveries.jsonl")
-    assert rows and rows[0]["part"] == "policy_model" and rows[0]["action"] == "restarted", rows
-    index = json.loads((Path(rows[0]["snapshot"]) / "gym_checkpoint.json").read_text())
-    cut_tokens = index["cut_tokens"].get(replica, {})
-    assert rows[0]["continued_prefix"], rows[0]
-    assert set(rows[0]["continued_prefix"]) <= set(cut_tokens), rows[0]
+    assert len(rows) == len(kills) and all(r["part"] == "policy_model" and r["action"] == "restarted"
+                                           for r in rows), rows
+    with_cuts = [r for r in rows if r["continued_prefix"]]
+    assert with_cuts, rows
     metrics = read_jsonl(dirs.logs / "metrics.jsonl")
     continued = {c["rollout_id"]: c for r in metrics for c in r.get("prefix_continuations", [])}
-    for key in rows[0]["continued_prefix"]:
-        base, _, attempt = key.rpartition("-a") if "-a" in key else (key, "", "0")
-        use = continued.get(f"{base}-a{int(attempt) + 1}")
-        assert use is not None, (key, sorted(continued))
-        assert use["token_count"] == cut_tokens[key] and use["discarded"] is None, use
+    for row in with_cuts:
+        index = json.loads((Path(row["snapshot"]) / "gym_checkpoint.json").read_text())
+        cut_tokens = index["cut_tokens"].get(replica, {})
+        assert set(row["continued_prefix"]) <= set(cut_tokens), row
+        for key in row["continued_prefix"]:
+            base, _, attempt = key.rpartition("-a") if "-a" in key else (key, "", "0")
+            use = continued.get(f"{base}-a{int(attempt) + 1}")
+            assert use is not None, (key, sorted(continued))
+            assert use["token_count"] == cut_tokens[key] and use["discarded"] is None, use
     groups = [g for r in metrics for g in r["groups"]]
     assert len(groups) == len(set(groups)) == STEPS * PROMPTS
     assert not outcome.leftover

@@ -46,7 +46,6 @@ from nemo_rl.experience.rollout_recovery.restart import RestoredEpisode
 from nemo_rl.utils.atomic_write import write_json_atomic
 
 logger = logging.getLogger(__name__)
-RECOVERIES_FILE = "recoveries.jsonl"
 REDISPATCH_WAIT_S = 60.0  # how long the row waits for the first continued rollout to be sent again
 
 

@@ -194,6 +194,32 @@ def gym_server_pid(marker: str, name: str) -> int | None:
     return None
 
 
+def replica_server_pids(log_dir: str | Path, replica: str) -> dict[str, int]:
+    """The Gym server processes of ``replica`` (e.g. ``nemo_gym/replica-1``) of the run logging under
+    ``log_dir``, by server name: each one's stdout is its log there, so only that run's match (after a
+    replica is started again, its new processes)."""
+    logs = (Path(log_dir) / "gym-instances" / replica).resolve()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if Path(os.readlink(entry / "fd" / "1")).parent != logs:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"NEMO_GYM_CONFIG_PATH="):
+                found[item.split(b"=", 1)[1].decode()] = int(entry.name)
+    return found
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of ``pid`` (a Gym server's: its replica's ``NemoGym`` actor process)."""
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def wait_for_no_processes(marker: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
     """Wait until no process of the run is left; the PIDs still there at the timeout."""
     return wait_until_gone(MARKER_ENV, marker, timeout_s)

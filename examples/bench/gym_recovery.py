@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import INSTRUMENT, Log, fmt, fresh_dir, make_log, md_table, summary
-from testkit.run_harness import new_marker, read_jsonl, run_env, run_once, scripted_overrides
+from bench.work_lost import saved_calls
+from testkit.run_harness import new_marker, parent_pid, read_jsonl, replica_server_pids, run_env, run_once, scripted_overrides
 
 NAME = "gym_recovery"
 TITLE = "14. In-run recovery of a Gym server and of a Gym replica"
@@ -74,25 +75,6 @@ def _args(run_dir: Path, steps: int, prompts: int, generations: int, delay_s: fl
             *scripted_overrides(delay_s)]
 
 
-def server_pids(log_dir: Path, replica: str) -> dict[str, int]:
-    """A replica's Gym server processes by name: each one's stdout is its log under ``log_dir``."""
-    logs = (log_dir / "gym-instances" / replica).resolve()
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if Path(os.readlink(entry / "fd" / "1")).parent != logs:
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(b"NEMO_GYM_CONFIG_PATH="):
-                found[item.split(b"=", 1)[1].decode()] = int(entry.name)
-    return found
-
-
 def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generations: int, delay_s: float,
                interval_s: float, window_s: float, min_saved_calls: int = 2) -> dict[str, Any]:
     logs, audit = run_dir / "logs", run_dir / "audit"
@@ -109,13 +91,13 @@ def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generation
             return False
         row = committed[-1]
         index = json.loads((Path(row["path"]) / "gym_checkpoint.json").read_text())
-        pids = server_pids(logs, LOST)
+        pids = replica_server_pids(logs, LOST)
         if not index["turn_level"].get(LOST) or "workplace_assistant" not in pids:
             return False
-        if max(_saved_calls(Path(row["path"]) / "gym-instances" / LOST).values(), default=0) < min_saved_calls:
+        if max(saved_calls(Path(row["path"]) / "gym-instances" / LOST).values(), default=0) < min_saved_calls:
             return False  # a snapshot of rollouts that have finished turns to lose
         # a replica: its actor first (a server dying before it would be a server's loss), then its servers
-        hit = [pids["workplace_assistant"]] if kind == "server" else [_parent(pids["head_server"]), *pids.values()]
+        hit = [pids["workplace_assistant"]] if kind == "server" else [parent_pid(pids["head_server"]), *pids.values()]
         for pid in hit:
             os.kill(pid, signal.SIGKILL)
         seen.update(at=time.time(), snapshot=row["path"])
@@ -136,7 +118,7 @@ def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generation
                action=row["action"], continued=len(row["continued_turn"]) + len(row["continued_prefix"]),
                restarted_from_prompt=len(row["restarted_from_prompt"]))
     calls = [c for path in audit.glob("*.jsonl") for c in read_jsonl(path) if c.get("status") == 200]
-    kept = _saved_calls(Path(row["snapshot"])) if row["snapshot"] else {}
+    kept = saved_calls(Path(row["snapshot"])) if row["snapshot"] else {}
     made = {}
     for key in row["continued_turn"] + row["continued_prefix"]:
         made[key] = sum(1 for c in calls if c["key"] == key)
@@ -151,23 +133,6 @@ def run_repeat(run_dir: Path, kind: str, *, steps: int, prompts: int, generation
     res.update(other_calls_per_s_before=round(before, 2),
                other_calls_per_s_during=None if during is None else round(during, 2))
     return res
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _saved_calls(snapshot: Path) -> dict[str, int]:
-    """Base rollout id -> model calls its saved agent state holds (the turns it kept)."""
-    saved: dict[str, int] = {}
-    for records in snapshot.rglob("records-*.jsonl"):
-        if records.parent.parent.name != "agent":
-            continue
-        for line in records.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                saved[rec["episode_id"]["rollout_id"]] = int(rec["state"]["model_calls"])
-    return saved
 
 
 def _trained_on(ckpt: Path, steps: int) -> dict[str, str]:

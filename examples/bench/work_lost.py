@@ -189,7 +189,7 @@ def _trained(ckpt: Path) -> tuple[list[str], list[str]]:
     return groups, rollouts
 
 
-def _saved_calls(snapshot: Path) -> dict[str, int]:
+def saved_calls(snapshot: Path) -> dict[str, int]:
     """Base rollout id -> model calls in its saved agent state."""
     saved: dict[str, int] = {}
     for records in snapshot.rglob("records-*.jsonl"):
@@ -241,7 +241,7 @@ def analyse(run_dir: Path, crash_copy: Path, snap_lines: list[tuple[float, dict]
     if restored:
         snap_path = Path(restore["snapshot"])
         snapshot = crash_copy / snap_path.relative_to(run_dir / "ckpt")
-        saved = _saved_calls(snapshot)
+        saved = saved_calls(snapshot)
         cut = next((t for t, s in snap_lines if s.get("path") == restore["snapshot"]), None)
         for slot, new_key in restored.items():
             group, g, uid, _ = _slot(new_key)

@@ -3,8 +3,6 @@ serving a Hugging Face model with its chat template, refit by a real GRPO step."
 
 import asyncio
 import json
-import os
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -22,7 +20,6 @@ from nemo_rl.models.policy import load_policy
 from tests.model_fixtures import CORPUS, tiny_qwen_dir
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(120)]
-REPO = Path(__file__).resolve().parents[2]
 
 MESSAGES = [
     {"role": "system", "content": "You are an office assistant."},
@@ -33,14 +30,6 @@ MESSAGES = [
 ]
 TOOLS = [{"type": "function", "function": {"name": "directory_find_email", "description": "Find an email.",
                                            "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_patches.config import CONFIG_PATH_ENV
-from testkit.run_harness import read_jsonl
+from testkit.run_harness import parent_pid, read_jsonl, replica_server_pids
 from tests.functional.rl_run import load_crash_matrix
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
@@ -29,27 +28,6 @@ cm = load_crash_matrix()
 TWO_REPLICAS = "examples/configs/grpo_workplace_two_replicas_turn.yaml"
 TWO_SHARDS = "examples/configs/grpo_mixed_two_shards_turn.yaml"
 REPLICA = "nemo_gym/replica-1"
-
-
-def server_pids(log_dir: Path, replica: str) -> dict[str, int]:
-    """The Gym server processes of ``replica`` of the run logging under ``log_dir``, by server name:
-    each one's stdout is its log file there (so only this test's run matches)."""
-    logs = (log_dir / "gym-instances" / replica).resolve()
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            out = Path(os.readlink(entry / "fd" / "1"))
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if out.parent != logs:
-            continue
-        for item in environ:
-            if item.startswith(f"{CONFIG_PATH_ENV}=".encode()):
-                found[item.split(b"=", 1)[1].decode()] = int(entry.name)
-    return found
 
 
 def turn_level(snapshot: str | Path) -> dict[str, list[str]]:
@@ -87,13 +65,13 @@ class Fault:
             self.snapshot = committed[-1]["path"]
         if len(read_jsonl(self.spec.logs / "recoveries.jsonl")) < len(self.sent):
             return False  # the last loss is not recovered yet
-        pids = server_pids(self.spec.logs, self.replica)
+        pids = replica_server_pids(self.spec.logs, self.replica)
         if self.sent and set(pids.values()) & {p for _, hit in self.sent for p in hit.values()}:
             return False  # the last loss is not recovered yet
         if not pids or (self.target != "replica" and self.target not in pids):
             return False
         if self.target == "replica":  # the actor first: a server dying before it would be a server's loss
-            hit = {"actor": _parent(next(iter(pids.values()))), **pids}
+            hit = {"actor": parent_pid(next(iter(pids.values()))), **pids}
         else:
             hit = {self.target: pids[self.target]}
         for pid in hit.values():
@@ -113,10 +91,6 @@ class Fault:
                         os.kill(pid, signal.SIGCONT)
                     except ProcessLookupError:
                         pass
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def run_with_fault(tmp_path: Path, fault_args: dict, *, config: str = TWO_REPLICAS, extra: list[str] = (),
@@ -194,9 +168,9 @@ def test_two_shards_with_restart_only_servers_only_their_rollouts_restart_from_t
     def tick(elapsed: float) -> bool:
         if not saving.sent:
             saving.tick(elapsed)
-            if saving.sent and server_pids(spec.logs, "mixed/replica-1"):
+            if saving.sent and replica_server_pids(spec.logs, "mixed/replica-1"):
                 mixed.snapshot = saving.snapshot
-                mixed.sent.append((time.time(), {"python_sandbox": server_pids(spec.logs, "mixed/replica-1")
+                mixed.sent.append((time.time(), {"python_sandbox": replica_server_pids(spec.logs, "mixed/replica-1")
                                                  ["python_sandbox"]}))
                 os.kill(mixed.sent[0][1]["python_sandbox"], signal.SIGKILL)
         return False
@@ -239,7 +213,7 @@ def test_a_crash_loop_gives_the_replica_up_and_moves_its_rollouts_to_the_other(t
     rows = read_jsonl(spec.logs / "recoveries.jsonl")
     assert [r["action"] for r in rows] == ["restarted", "moved"], rows
     assert "max_recoveries=1" in rows[1]["given_up"], rows[1]
-    assert not server_pids(spec.logs, REPLICA), "the given-up replica's servers still run"
+    assert not replica_server_pids(spec.logs, REPLICA), "the given-up replica's servers still run"
     assert set(json.loads((spec.logs / "gym_placement.json").read_text())) == {"nemo_gym/replica-0"}
 
 
@@ -290,7 +264,7 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
         if not committed or not committed[-1].get("cuts") or committed[-1]["path"] in kills:
             return False  # the newest (what a recovery restores from) must hold cuts, a new one each time
         index = json.loads((Path(committed[-1]["path"]) / "gym_checkpoint.json").read_text())
-        pid = server_pids(dirs.logs, replica).get("policy_model")
+        pid = replica_server_pids(dirs.logs, replica).get("policy_model")
         if index.get("cut_tokens", {}).get(replica) and pid is not None:
             os.kill(pid, signal.SIGKILL)
             kills.append(committed[-1]["path"])

@@ -12,7 +12,6 @@ construction plus its ``refits``.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,15 +35,6 @@ from tests.model_fixtures import tiny_qwen_dir
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(180),
               pytest.mark.skipif(available() is not None, reason=f"needs inotify: {available()}")]
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-    yield
-    ray.shutdown()
 
 
 def _samples(trainer: GRPOTrainer, seed: int) -> list[RolloutSample]:

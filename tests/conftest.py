@@ -49,7 +49,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it (``tests/machine_lock.py``).
     The lock is taken around the whole test, outside its setup, call and teardown: a wait for the machine is
-    not the test's own time (the time budget measures that)."""
+    not the test's own time (the time budget measures that). Only an xdist worker locks: a pytest that a test
+    starts inherits the worker's xdist variables, and locking there would wait on its own parent."""
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
     with machine(alone=item.get_closest_marker(ALONE) is not None):
         yield
 

@@ -202,7 +202,11 @@ def test_stall_under_block_fails_after_max_consecutive_failures(dirs):
     snaps = dirs.records("snapshots.jsonl")
     assert len(snaps) == 3 and not any(s["committed"] for s in snaps)
     assert all(s["reason"] == "gym_unavailable" for s in snaps)
-    assert all(set(s["blocking_servers"]) & {"workplace_restart_only_agent", "python_sandbox"} for s in snaps)
+    # Each failed for the restart-only servers: they blocked its prepare, or (under load) the replica was still
+    # not prepared at the deadline and left the snapshot; at least one names them as the blockers.
+    restart_only = {"workplace_restart_only_agent", "python_sandbox"}
+    assert all(set(s["blocking_servers"]) & restart_only or s.get("left_out") for s in snaps), snaps
+    assert any(set(s["blocking_servers"]) & restart_only for s in snaps), snaps
 
 
 def test_checkpointing_disabled_writes_no_checkpoint_and_metrics_go_where_asked(dirs):

@@ -55,3 +55,29 @@ def test_without_xdist_nothing_is_locked(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", "from tests.machine_lock import _files; print(_files())"],
                          cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "None", out.stderr
+
+
+def test_a_pytest_started_by_a_test_does_not_wait_on_the_lock_its_parent_shares(tmp_path: Path) -> None:
+    """A test that runs pytest in a child inherits its xdist worker's variables; were the child to lock, an
+    ``alone`` test waiting at the turnstile (held here) would wait on the parent and the child on it."""
+    import fcntl
+
+    from tests import machine_lock
+
+    run = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTEST_XDIST_TESTRUNUID": run, "PYTEST_XDIST_WORKER": "gw0"}
+    (tmp_path / "test_child.py").write_text("def test_child():\n    pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    old = os.environ.copy()
+    os.environ.update(PYTEST_XDIST_TESTRUNUID=run, PYTEST_XDIST_WORKER="gw0")
+    try:
+        turnstile_path, _ = machine_lock._files()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    with open(turnstile_path, "a+b") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)  # an alone test waiting for the machine
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                              "-c", str(tmp_path / "pytest.ini"), str(tmp_path / "test_child.py")],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr

@@ -44,12 +44,12 @@ class GymRolloutError(RuntimeError):
         super().__init__(message)
         self.rollout_id, self.server, self.infra, self.code = rollout_id, server, infra, code
 
-    def __reduce__(self):
-        return (_rebuild_rollout_error, (str(self), self.rollout_id, self.server, self.infra, self.code))
+    def __reduce__(self):  # keeps the subclass across Ray: a refusal (``GymCheckpointParked``) stays one
+        return (_rebuild_rollout_error, (type(self), str(self), self.rollout_id, self.server, self.infra, self.code))
 
 
-def _rebuild_rollout_error(message, rollout_id, server, infra, code):
-    return GymRolloutError(message, rollout_id=rollout_id, server=server, infra=infra, code=code)
+def _rebuild_rollout_error(cls, message, rollout_id, server, infra, code):
+    return cls(message, rollout_id=rollout_id, server=server, infra=infra, code=code)
 
 
 def parse_run_error(body: Any) -> RunError | None:

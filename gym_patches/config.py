@@ -91,6 +91,9 @@ class GymGlobalConfig(BaseModel):
     policy_base_url: str | None = None
     policy_api_key: str = "dummy_key"
     policy_model_name: str = "policy"
+    # How long a model server keeps sending a call again while the policy backend cannot be reached (refused,
+    # reset, closed): a generation worker being restarted by its owner. 0: the call fails at once (502).
+    policy_unreachable_retry_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     default_host: str = "127.0.0.1"
     instances: dict[str, ServerInstanceConfig] = Field(default_factory=dict)
     extra_globals: dict[str, Any] = Field(default_factory=dict)
@@ -109,6 +112,7 @@ class GymGlobalConfig(BaseModel):
         out["checkpoint"] = self.checkpoint.model_dump()
         out["policy_api_key"] = self.policy_api_key
         out["policy_model_name"] = self.policy_model_name
+        out["policy_unreachable_retry_s"] = self.policy_unreachable_retry_s
         out["default_host"] = self.default_host
         if self.policy_base_url is not None:
             out["policy_base_url"] = self.policy_base_url
@@ -129,6 +133,7 @@ _GLOBAL_KEYS = {
     "policy_base_url",
     "policy_api_key",
     "policy_model_name",
+    "policy_unreachable_retry_s",
     "default_host",
 }
 

@@ -215,6 +215,25 @@ def replica_server_pids(log_dir: str | Path, replica: str) -> dict[str, int]:
     return found
 
 
+def generation_worker_pid(log_dir: str | Path) -> int | None:
+    """The generation worker process of the run logging under ``log_dir`` (its stdout is its own log,
+    ``generation/worker-<n>.log`` there): the newest worker's, or None when none is up."""
+    logs = (Path(log_dir) / "generation").resolve()
+    newest: tuple[int, int] | None = None  # (n, pid)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            target = Path(os.readlink(entry / "fd" / "1"))
+        except OSError:
+            continue
+        if target.parent == logs and target.name.startswith("worker-") and target.suffix == ".log":
+            n = int(target.stem.split("-", 1)[1])
+            if newest is None or n > newest[0]:
+                newest = (n, int(entry.name))
+    return None if newest is None else newest[1]
+
+
 def parent_pid(pid: int) -> int:
     """The parent of ``pid`` (a Gym server's: its replica's ``NemoGym`` actor process)."""
     return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])

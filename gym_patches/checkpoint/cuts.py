@@ -4,7 +4,10 @@ One definition of the wire, used by Gym's model server (the client) and by any
 generation backend that supports cuts (the server; NeMo-RL's torch and vLLM
 workers):
 
-* The model server sends each backend call with the header ``X-NG-Call-Id``.
+* The model server sends each backend call with the header ``X-NG-Call-Id``. A call it sends again
+  because the backend could not be reached (a generation worker lost and restarted under it) keeps its
+  call id, carries the newest cut of itself it holds as ``ng_prefix`` (if any), and the header
+  ``X-NG-Resend`` (the number of the resend), so the backend can count what came back to it.
 * The cut has two halves. As admission closes the model server sends
   ``POST <policy_base_url>/ng-cuts`` with a ``CutRequest`` (without waiting for
   it there): the backend *pins* the named calls at the tokens each has decoded
@@ -40,6 +43,7 @@ from typing import Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 CALL_ID_HEADER = "X-NG-Call-Id"
+RESEND_HEADER = "X-NG-Resend"  # on a call sent again after the backend was unreachable: 1, 2, ...
 CUT_ROUTE = "/ng-cuts"  # appended to the backend's base URL (``.../v1``): pin
 CUT_FETCH_ROUTE = "/ng-cuts/fetch"  # ... and fetch
 PREFIX_FIELD = "ng_prefix"  # the chat-completions body field that carries a cut to continue

@@ -173,6 +173,9 @@ class PolicyModelParticipant(CheckpointParticipant):
         self._pinning: set[asyncio.Task[dict[str, int]]] = set()  # pin tasks not ended yet: ``stop`` ends them
         self._cut_summary: CutSummary | None = None
         self._restored_cuts: dict[EpisodeId, tuple[int, GenerationCut]] = {}
+        # The newest fetched cut of each call still in flight (by call id): a call sent again because its
+        # backend was lost continues from it (``newest_cut``); dropped as its call ends.
+        self._live_cuts: dict[str, GenerationCut] = {}
 
     # -- the gate ----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -197,6 +200,8 @@ class PolicyModelParticipant(CheckpointParticipant):
         finally:
             if self._tickets.pop(ticket.ticket_id, None) is not None:
                 del self._by_state[ticket.state][ticket.ticket_id]
+            if ticket.call_id is not None:
+                self._live_cuts.pop(ticket.call_id, None)
             self.notify_changed()
 
     def _set_state(self, ticket: ModelTicket, state: TicketState) -> None:
@@ -344,10 +349,13 @@ class PolicyModelParticipant(CheckpointParticipant):
             why = f"{type(exc).__name__}: {exc}"[:500]
         else:
             out = {}
+            live = {t.call_id for t in self._tickets.values() if t.call_id is not None}
             for call_id, episode in cut.calls.items():
                 c, n = got.get(call_id), counts.get(call_id)
                 if c is not None and c.call_id == call_id and c.token_count == n:
                     out[episode] = c
+                    if call_id in live:
+                        self._live_cuts[call_id] = c
             return out, len(counts) - len(out), None  # calls with no token yet had nothing to save
         logger.warning("generation cut %s: %d calls regenerate at turn level: %s", cut.pin, len(cut.calls), why)
         return {}, len(cut.calls), why
@@ -365,6 +373,11 @@ class PolicyModelParticipant(CheckpointParticipant):
                     failed, why)
 
         return complete
+
+    def newest_cut(self, call_id: str | None) -> GenerationCut | None:
+        """The newest cut fetched of the call ``call_id`` while it is in flight (None: none was taken): what
+        the call continues from when it is sent again to a backend that replaced a lost one."""
+        return None if call_id is None else self._live_cuts.get(call_id)
 
     def take_restored_cut(self, episode: EpisodeId) -> GenerationCut | None:
         """The cut a restore installed for ``episode``'s next call, handed out once; dropped unused if

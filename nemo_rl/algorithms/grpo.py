@@ -271,6 +271,12 @@ class GRPOTrainer:
     def state_dict_bytes(self) -> bytes:
         return _torch_bytes(self.state_dict_for_refit())
 
+    def weights_now(self) -> tuple[bytes, int, int]:
+        """The weights as bytes with their ``weights_serial`` and ``weight_version``, read together while no
+        step updates them: what a generation worker started mid-step is given (docs/design.md §5.13)."""
+        with self._lock:
+            return self.state_dict_bytes(), self.weights_serial, self.weight_version
+
     # ----- checkpoint ----------------------------------------------------
     def save(self, directory: str | os.PathLike, dataloader_state: dict | None = None, *,
              writer: StorageWriter = PLAIN_FILES) -> Path:

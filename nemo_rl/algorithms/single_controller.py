@@ -38,6 +38,7 @@ from nemo_rl.algorithms.single_controller_utils.admission import InOrderAdmissio
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
+from nemo_rl.algorithms.single_controller_utils.generation_recovery import GenerationWorkerRecovery
 from nemo_rl.algorithms.single_controller_utils.gym_recovery import GymReplicaRecovery
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointCoordinator,
@@ -189,6 +190,7 @@ class SingleController:
         self._requested_by: str | None = None
         self.stop_budget_s: Callable[[], float] = lambda: config.rollout_checkpointing.stop_grace_s
         self.recovery: GymReplicaRecovery | None = None  # built in ``run`` (docs/design.md §5.12)
+        self.generation_recovery: GenerationWorkerRecovery | None = None  # ... and this one (§5.13)
         self.watchdog = StallWatchdog(
             config.async_rl.stall_watchdog, in_flight=lambda: len(self._rollouts),
             transitions=lambda: self.changes.count, activity=self._gym_activity,
@@ -219,6 +221,9 @@ class SingleController:
                 recovering=(lambda: self.recovery.busy_now) if self.config.rollout_recovery.in_run.enabled else None,
                 spare=lambda: self.recovery.holding() if self.recovery is not None else frozenset(),
             )
+        if self.config.rollout_recovery.in_run.enabled and hasattr(self.generation, "restart"):
+            self.generation_recovery = GenerationWorkerRecovery(
+                self.config.rollout_recovery.in_run, self.generation, self.trainer, self.records)
         if self.config.rollout_recovery.in_run.enabled:
             self.recovery = GymReplicaRecovery(
                 self.config.rollout_recovery.in_run, self.shard_set, self.coordinator, self.store, self.records,
@@ -231,15 +236,17 @@ class SingleController:
                 pump = tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
                 watchdog = tasks.create_task(self.watchdog.run(), name="stall-watchdog")
                 stopper = tasks.create_task(self._stop_when_asked(), name="stop-on-signal")
-                recovery = (tasks.create_task(self.recovery.run(), name="gym-recovery")
-                            if self.recovery is not None else None)
+                recoveries = [tasks.create_task(self.recovery.run(), name="gym-recovery")] \
+                    if self.recovery is not None else []
+                if self.generation_recovery is not None:
+                    recoveries.append(tasks.create_task(self.generation_recovery.run(), name="generation-recovery"))
                 try:
                     await self._train(tasks)
                 finally:
                     pump.cancel()
                     watchdog.cancel()
                     stopper.cancel()
-                    if recovery is not None:
+                    for recovery in recoveries:
                         recovery.cancel()
                     for rollout in list(self._rollouts.values()):
                         rollout.cancel()
@@ -251,7 +258,8 @@ class SingleController:
         return {"step": self.step, "trained_groups": self.ledger.trained_count,
                 "trained_positions": [list(r) for r in self.ledger.trained_positions],
                 "snapshot_coverage": self.coverage.share(),
-                "gym_recoveries": self.recovery.count if self.recovery is not None else 0}
+                "gym_recoveries": self.recovery.count if self.recovery is not None else 0,
+                "generation_recoveries": self.generation_recovery.count if self.generation_recovery is not None else 0}
 
     async def _train(self, tasks: asyncio.TaskGroup) -> None:
         grpo = self.config.grpo
@@ -538,6 +546,8 @@ class SingleController:
                 reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
                 logger.warning("rollout %s failed on %s of %s (%s); retrying from the prompt", rollout_id,
                                exc.server, instance, reason)
+                if self.generation_recovery is not None:
+                    self.generation_recovery.went_to_prompt(rollout_id)
                 if exc.code in _UNANSWERED_CODES:
                     self.shard_set.mark_unhealthy(instance, reason)  # the retry prefers a healthy replica
                 try:

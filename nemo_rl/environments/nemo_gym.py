@@ -89,9 +89,10 @@ class GymCheckpointParked(GymRolloutError):
 
 def build_gym_actor_config(
     gym_config: dict[str, Any], *, policy_base_url: str, control_auth_token: str, checkpointing: bool,
-    storage_writer: StorageWriterSpec | None = None,
+    storage_writer: StorageWriterSpec | None = None, policy_unreachable_retry_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The Gym config one replica runs: RL injects the policy URL and checkpoint block.
+    """The Gym config one replica runs: RL injects the policy URL (and how long a model server sends a
+    call again while the generation worker behind it is being restarted) and the checkpoint block.
 
     Only ``checkpoint.lease_grace_seconds`` is the user's to set (RL owns
     ``enabled``, the token and the storage writer, ``checkpointing.storage_writer``).
@@ -100,6 +101,7 @@ def build_gym_actor_config(
     """
     cfg = dict(gym_config)
     cfg["policy_base_url"] = policy_base_url
+    cfg["policy_unreachable_retry_s"] = float(policy_unreachable_retry_s)
     cfg["head_server"] = {"host": "127.0.0.1", "port": 0}
     cfg["checkpoint"] = {
         "enabled": bool(checkpointing),

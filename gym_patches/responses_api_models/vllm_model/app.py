@@ -42,6 +42,7 @@ from gym_patches.checkpoint.cuts import (
     CUT_FETCH_ROUTE,
     CUT_ROUTE,
     PREFIX_FIELD,
+    RESEND_HEADER,
     CutReply,
     CutRequest,
     FetchRequest,
@@ -68,6 +69,7 @@ MAX_PASSED_MESSAGE_CHARS = 4000
 # Backend 4xx that describe this server's settings, not the caller's request.
 BACKEND_SETTINGS_STATUSES = frozenset({401, 403, 404, 407})
 RETRYABLE_4XX = frozenset({408, 429})
+RESEND_FIRST_WAIT_S, RESEND_MAX_WAIT_S = 0.1, 1.0  # the waits before sending a call again double up to the cap
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 
@@ -313,11 +315,36 @@ class VLLMModelServer(GymServer):
         return web.json_response(out)
 
     async def _post_backend(self, chat_body: dict[str, Any], call_id: str | None = None) -> Any:
+        """The backend's reply. A backend that cannot be reached (refused, reset, closed under the call: a
+        generation worker lost and being restarted) is sent the call again, with growing waits, for up to
+        ``policy_unreachable_retry_s``: same call id, ``X-NG-Resend``, and the newest cut of the call the gate
+        fetched as its prefix, so only the rest is decoded again (``gym_patches.checkpoint.cuts``)."""
+        retry_s = self.global_config.policy_unreachable_retry_s
+        loop = asyncio.get_running_loop()
+        resends, first_failed = 0, None
+        while True:
+            try:
+                return await self._post_once(chat_body, call_id, resends)
+            except _Unreachable as exc:
+                first_failed = loop.time() if first_failed is None else first_failed
+                if loop.time() - first_failed >= retry_s:
+                    why = f"; still so after {retry_s:g}s of sending it again (policy_unreachable_retry_s)" \
+                        if retry_s > 0 else ""
+                    raise BackendError(f"{exc}{why}") from None
+                await asyncio.sleep(min(RESEND_MAX_WAIT_S, RESEND_FIRST_WAIT_S * 2 ** resends))
+                resends += 1
+                cut = self.gate.newest_cut(call_id)
+                if cut is not None:
+                    chat_body = {**chat_body, PREFIX_FIELD: cut.model_dump()}
+
+    async def _post_once(self, chat_body: dict[str, Any], call_id: str | None, resends: int) -> Any:
         url = self.backend_url
         assert url is not None and self._session is not None
         headers = {"Authorization": f"Bearer {self.global_config.policy_api_key}"}
         if call_id is not None:
             headers[CALL_ID_HEADER] = call_id
+        if resends:
+            headers[RESEND_HEADER] = str(resends)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         try:
             async with self._session.post(url, json=chat_body, headers=headers, timeout=timeout) as resp:
@@ -336,8 +363,14 @@ class VLLMModelServer(GymServer):
             raise BackendError(
                 f"policy backend {url} did not answer within {self.config.request_timeout_s:g}s"
             ) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise _Unreachable(f"policy backend {url} is unreachable: {exc or type(exc).__name__}") from None
         except aiohttp.ClientError as exc:
             raise BackendError(f"policy backend {url} is unreachable: {exc}") from None
+
+
+class _Unreachable(Exception):
+    """The backend could not be reached, or closed the connection under the call: it may be sent again."""
 
 
 SERVER = VLLMModelServer

@@ -14,6 +14,8 @@ directory, or a hub id.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +61,15 @@ class RayGenerationBackend:
     restore builds it at the version of the step it restores, before the trainer's
     bookkeeping is loaded), and a refit ships only what it does not serve yet
     (docs/design.md §5.6).
+
+    A lost worker is replaced by ``restart`` (the generation recovery's, §5.13): a new actor on the same
+    port with the trainer's weights as they are now, so the model servers' calls find it again. Refit and
+    restart are serialised; a refit whose worker died waits for the restart, which ships the same weights.
+    Each worker writes its own log, ``<log_dir>/generation/worker-<n>.log``.
     """
 
     def __init__(self, config: MasterConfig, model_dir: str, trainer: Any, port: int, *,
-                 weight_version: int | None = None):
+                 weight_version: int | None = None, log_dir: str | Path | None = None):
         from nemo_rl.models.generation.worker import GenerationWorker, model_files
 
         gpus = 1 if config.cluster.gpus_per_node > 0 else 0
@@ -77,22 +84,65 @@ class RayGenerationBackend:
             worker_cls = VllmGenerationWorker
         else:
             worker_cls = GenerationWorker
+        self.actor_class = worker_cls.__ray_metadata__.class_name  # its processes are named ray::<this>
+        self._new_actor = worker_cls.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote
+        self._args = (config.policy.trainer_policy().model_dump(mode="json"), model_files(model_dir))
+        self._seed = config.grpo.seed
+        self._port = port
+        self._log_dir = None if log_dir is None else Path(log_dir) / "generation"
+        self._cond = threading.Condition()  # refit and restart, one at a time; a refit waits for a restart
+        self.starts = 0
+        self.log_path: str | None = None
+        self.restart_wait_s: float | None = None  # set by the recovery: a refit whose worker died waits this long
         version = trainer.weight_version if weight_version is None else weight_version
-        self._worker = worker_cls.options(num_cpus=1, num_gpus=gpus).remote(
-            config.policy.trainer_policy().model_dump(mode="json"), model_files(model_dir),
-            trainer.state_dict_bytes(), version, config.grpo.seed,
-        )
-        self._serving = (trainer.weights_serial, version)  # the weights the worker holds, and their version
-        self.base_url = ray.get(self._worker.start.remote("127.0.0.1", port))
+        self._start(trainer.state_dict_bytes(), trainer.weights_serial, version)
+
+    def _start(self, weights: bytes, serial: int, version: int) -> None:
+        self.starts += 1
+        self.log_path = None if self._log_dir is None else str(self._log_dir / f"worker-{self.starts}.log")
+        self._worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path)
+        self.base_url = ray.get(self._worker.start.remote("127.0.0.1", self._port))
+        self._serving = (serial, version)  # the weights the worker holds, and their version
+
+    @property
+    def worker(self) -> Any:
+        """The worker's actor handle now (a restart replaces it)."""
+        return self._worker
 
     def refit(self, trainer: Any) -> None:
         """Ship the trainer's weights at its version, unless the worker serves exactly these already
         (the same ``weights_serial`` and version: a restore whose load read no weights)."""
         serving = (trainer.weights_serial, trainer.weight_version)
-        if serving == self._serving:
-            return
-        ray.get(self._worker.refit.remote(trainer.state_dict_bytes(), trainer.weight_version))
-        self._serving = serving
+        with self._cond:
+            if serving == self._serving:
+                return
+            try:
+                ray.get(self._worker.refit.remote(trainer.state_dict_bytes(), trainer.weight_version))
+            except ray.exceptions.RayActorError:
+                if self.restart_wait_s is None:
+                    raise
+                # The recovery restarts the worker with the trainer's weights as they are now: these.
+                if not self._cond.wait_for(lambda: self._serving == serving, self.restart_wait_s):
+                    raise
+                return
+            self._serving = serving
+
+    def restart(self, trainer: Any, dead_wait_s: float = 30.0) -> None:
+        """Replace the worker: stop the old actor (a wedged one is killed), wait until Ray has it dead (its
+        port is free), and start a new one on the same port with the trainer's weights now."""
+        with self._cond:
+            old = self._worker
+            ray.kill(old, no_restart=True)
+            deadline = time.monotonic() + dead_wait_s
+            while time.monotonic() < deadline:  # an answer came before the kill landed: ask again
+                try:
+                    ray.get(old.get_stats.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break  # dead (or still not: the new one's start then fails on the port, and is tried again)
+                time.sleep(0.05)
+            weights, serial, version = trainer.weights_now()
+            self._start(weights, serial, version)
+            self._cond.notify_all()
 
     def stop(self) -> None:
         try:
@@ -151,6 +201,9 @@ class GRPOTrainerAdapter:
 
     def state_dict_bytes(self) -> bytes:
         return self.inner.state_dict_bytes()
+
+    def weights_now(self) -> tuple[bytes, int, int]:
+        return self.inner.weights_now()
 
     def save(self, directory: Path, extra_state: dict[str, Any], writer: StorageWriter) -> None:
         self.inner.save(directory, dataloader_state=extra_state, writer=writer)
@@ -269,7 +322,8 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, poin
     policy = load_policy(source, config.policy.dtype, config.policy.device, config.policy.max_seq_len)
     trainer = GRPOTrainerAdapter(GRPOTrainer(config.policy.trainer_policy(), config.loss_fn, config.grpo, policy,
                                              weights_from=resumed))
-    return trainer, RayGenerationBackend(config, source, trainer, port, weight_version=version)
+    return trainer, RayGenerationBackend(config, source, trainer, port, weight_version=version,
+                                         log_dir=config.logger.log_dir)
 
 
 def _saved_weight_version(config: MasterConfig, anchor: Path) -> int:

@@ -21,7 +21,12 @@ import ray
 import yaml
 
 from gym_patches.config import GymConfigError, parse_gym_config
-from nemo_rl.algorithms.single_controller_utils.config import MasterConfig, NemoGymEnvConfig, ShardConfig
+from nemo_rl.algorithms.single_controller_utils.config import (
+    SCRIPTED_TEST_BACKEND,
+    MasterConfig,
+    NemoGymEnvConfig,
+    ShardConfig,
+)
 from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
     coarser_level_override,
     prepare_policy_overrides,
@@ -264,6 +269,13 @@ def restart_only_check(
         )
 
 
+def policy_unreachable_retry_s(config: MasterConfig) -> float:
+    """How long Gym's model servers send a call again while the generation worker cannot be reached: the
+    generation recovery's bound when it runs (docs/design.md §5.13), else 0 (the call fails at once)."""
+    in_run = config.rollout_recovery.in_run
+    return in_run.timeout_s if in_run.enabled and config.policy.model_name != SCRIPTED_TEST_BACKEND else 0.0
+
+
 def _spinup_gym(
     config: MasterConfig,
     *,
@@ -295,6 +307,7 @@ def _spinup_gym(
                 control_auth_token=token,
                 checkpointing=turn,
                 storage_writer=config.checkpointing.storage_writer,
+                policy_unreachable_retry_s=policy_unreachable_retry_s(config),
             )
             parsed = parse_gym_config(gym_cfg)
             shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], _agent_resources(parsed))

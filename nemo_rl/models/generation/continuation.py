@@ -15,13 +15,14 @@ reply is decoded, ``reply(stats)``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Collection
 
 from gym_patches.checkpoint.cuts import GenerationCut, PrefixContinuation, prompt_digest
 from nemo_rl.models.generation.cut_pins import LiveCall
 
-STATS_KEYS = ("continued", "continued_tokens", "discarded")
+STATS_KEYS = ("continued", "continued_tokens", "discarded", "resent_calls", "resent_from_cut", "resent_cut_tokens")
 
 
 @dataclass
@@ -84,6 +85,20 @@ class Continuation:
         stats["continued"] += 1
         stats["continued_tokens"] += len(self.ids)
         return PrefixContinuation(call_id=self.cut.call_id, token_count=len(self.ids), digest=self.cut.digest)
+
+
+def count_resend(stats: dict, resend: str | None, call_id: str | None, plan: Continuation | None) -> None:
+    """A call a model server sent again because the worker it was on was lost (``X-NG-Resend``), counted as
+    it arrives (once its prefix is decided): whether it continues from a cut of itself (the same call id) and
+    the tokens that keeps. ``first_resent_at`` (wall clock) is when the first came; the recovery reads
+    these (docs/design.md §5.13)."""
+    if resend is None:
+        return
+    stats["resent_calls"] += 1
+    stats.setdefault("first_resent_at", time.time())
+    if plan is not None and plan.kept and plan.cut.call_id == call_id:
+        stats["resent_from_cut"] += 1
+        stats["resent_cut_tokens"] += len(plan.ids)
 
 
 def init_stats(stats: dict) -> None:

@@ -75,9 +75,10 @@ import ray
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from pydantic import ValidationError
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PREFIX_FIELD, GenerationCut, prompt_digest
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PREFIX_FIELD, RESEND_HEADER, GenerationCut, prompt_digest
 from nemo_rl.models.chat import parse_reply, template_messages, template_tools
-from nemo_rl.models.generation.continuation import Continuation, init_stats
+from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
+from nemo_rl.models.generation.worker_log import redirect_output
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.protocol import check_call_id, error_body
@@ -195,7 +196,9 @@ class VllmGenerationServer:
     extension_cls = EXTENSION_CLS  # vLLM's --worker-extension-cls: the refit's load, run in its workers
 
     def __init__(self, policy_cfg: PolicyConfig | dict, model: str | dict[str, bytes], weights: Any = None,
-                 weight_version: int = 0, seed: int = 0, model_name: str | None = None):
+                 weight_version: int = 0, seed: int = 0, model_name: str | None = None, log_path: str | None = None):
+        if log_path is not None:  # the run's log dir names it when this worker is lost
+            redirect_output(log_path)
         self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
         if self.cfg.generation.backend != "vllm":
             raise ValueError(f"policy.generation.backend={self.cfg.generation.backend!r}: this is the vllm backend")
@@ -472,7 +475,7 @@ class VllmGenerationServer:
             return web.json_response(self._with_token_fields(reply, version, bool(body.get("logprobs"))))
         live = None if call_id is None else LiveCall()
         with self.cuts.tracking(call_id, live):
-            status, reply = await self._tracked_chat(body, vbody, cut, live)
+            status, reply = await self._tracked_chat(body, vbody, cut, live, call_id, request.headers.get(RESEND_HEADER))
         return web.json_response(reply, status=status)
 
     # ----- tracked calls: streamed, so a cut can read them ------------------
@@ -497,8 +500,8 @@ class VllmGenerationServer:
         if self._tokenizer is None:
             await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
 
-    async def _tracked_chat(self, body: dict, vbody: dict, cut: GenerationCut | None,
-                            live: LiveCall | None) -> tuple[int, dict]:
+    async def _tracked_chat(self, body: dict, vbody: dict, cut: GenerationCut | None, live: LiveCall | None,
+                            call_id: str | None = None, resend: str | None = None) -> tuple[int, dict]:
         """A call a cut can read (``live``), decoded from its start or after ``cut``'s prefix when
         ``Continuation`` keeps it (else the cut is discarded and the call starts over)."""
         await self._ensure_tokenizer()
@@ -511,6 +514,7 @@ class VllmGenerationServer:
                 return status, rendered
             prompt_ids, max_model_len = list(rendered["tokens"]), int(rendered["max_model_len"])
             plan.check_prompt(prompt_ids)
+        count_resend(self.stats, resend, call_id, plan)
         if plan is None or not plan.kept:
             return await self._fresh_chat(body, vbody, plan, live)
         return await self._continued_chat(body, vbody, plan, live, prompt_ids, max_model_len)

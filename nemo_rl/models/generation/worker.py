@@ -42,11 +42,12 @@ import torch
 from aiohttp import web
 from pydantic import ValidationError
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PrefixContinuation, prompt_digest
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, RESEND_HEADER, PrefixContinuation, prompt_digest
 from nemo_rl.models.chat import parse_reply, render_prompt
-from nemo_rl.models.generation.continuation import Continuation, init_stats
+from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
+from nemo_rl.models.generation.worker_log import redirect_output
 from nemo_rl.models.generation.protocol import (
     ChatCompletionRequest,
     check_call_id,
@@ -138,10 +139,13 @@ class GenerationServer:
         weight_version: int = 0,
         seed: int = 0,
         model_name: str | None = None,
+        log_path: str | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        if log_path is not None:  # the run's log dir names it when this worker is lost
+            redirect_output(log_path)
         hf_logging.disable_progress_bar()
         torch.set_num_threads(1)
         self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
@@ -441,7 +445,8 @@ class GenerationServer:
                 req.ignore_eos = True
             live = None if call_id is None else LiveCall(prompt_digest(prompt_ids))
             with self.cuts.tracking(call_id, live):
-                out, continuation = await self._generate_call(req, prompt_ids, max_new, temperature, live)
+                out, continuation = await self._generate_call(req, prompt_ids, max_new, temperature, live,
+                                                              call_id, request.headers.get(RESEND_HEADER))
         except _BadRequest as e:
             return web.json_response(error_body(str(e), e.param, e.code), status=400)
         body = self._completion_body(req, prompt_ids, out)
@@ -450,12 +455,14 @@ class GenerationServer:
         return web.json_response(body)
 
     async def _generate_call(self, req: ChatCompletionRequest, prompt_ids: list[int], max_new: int,
-                             temperature: float, live: LiveCall | None) -> tuple[dict, PrefixContinuation | None]:
+                             temperature: float, live: LiveCall | None, call_id: str | None = None,
+                             resend: str | None = None) -> tuple[dict, PrefixContinuation | None]:
         """Decode one call: from its start, or after the saved prefix ``ng_prefix`` when ``Continuation``
         keeps it (else it is discarded and the call starts over)."""
         plan = Continuation.of(req.ng_prefix)
         if plan is not None:
             plan.check_prompt(prompt_ids)
+        count_resend(self.stats, resend, call_id, plan)
         if plan is None or not plan.kept:
             out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0, req.ignore_eos, live)
             return out, None if plan is None else plan.reply(self.stats)

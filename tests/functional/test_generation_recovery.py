@@ -1,0 +1,138 @@
+"""In-run recovery of the generation worker (docs/design.md §5.13), end to end: real ``run_grpo`` processes, a
+Llama from a directory on the torch worker (a model the code did not create), 2 shards x 2 Gym replicas (four
+model servers sending calls to one worker), real Ray actors.
+
+The worker is SIGKILLed (or SIGSTOPped) while model calls are in flight, right after a committed snapshot.
+The run must go on by itself: exit 0, no relaunch, no rollout sent back to its prompt, every prompt group
+trained once, the refit check of every step after the restart within its bound, and one ``recoveries.jsonl``
+row with ``part: generation`` that counts the calls sent again. At ``prefix`` level the calls continue from
+the cut the snapshot fetched of themselves: same call id, its tokens kept.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from testkit.run_harness import generation_worker_pid, read_jsonl, run_once
+from tests.functional.rl_run import RunDirs
+
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
+
+TWO_SHARDS = "examples/configs/grpo_mixed_two_shards_turn.yaml"
+STEPS, PROMPTS, GENERATIONS = 3, 4, 2
+REFIT_CHECK = 1e-3  # gen_logprob_abs_err of every step: the new worker serves the trainer's weights
+
+
+def _args(dirs: RunDirs, model: Path, level: str, *, lookahead: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
+    async_keys = [f"async_rl.sampler.max_lookahead_versions={lookahead}", "grpo.use_generation_logprobs=true",
+                  "async_rl.min_groups_for_streaming_train=2"] if lookahead else []
+    return [
+        "--config", TWO_SHARDS, *dirs.overrides(), f"policy.model_name={model}", "logger.plot=false",
+        f"rollout_recovery.target_level={level}", "rollout_recovery.allow_restart_only_gym_servers=true",
+        "policy.generation.ignore_eos=true", "rollout_recovery.in_run.hung_after_s=5",
+        f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS}",
+        f"grpo.num_generations_per_prompt={GENERATIONS}", "grpo.val_period=0", "grpo.val_at_start=false",
+        "rollout_checkpointing.snapshot_attempt_interval_s=0.2", "rollout_checkpointing.keep_latest_k=50",
+        *async_keys, *extra,
+    ]
+
+
+class WorkerFault:
+    """Sends ``sig`` to the generation worker once a committed snapshot (with a generation cut, at
+    ``prefix``) is the newest, up to ``times`` times, each once the last loss has its row."""
+
+    def __init__(self, dirs: RunDirs, sig: int = signal.SIGKILL, *, cuts: bool = False, times: int = 1):
+        self.dirs, self.sig, self.cuts, self.times = dirs, sig, cuts, times
+        self.sent: list[int] = []
+
+    def tick(self, _elapsed: float) -> bool:
+        if len(self.sent) >= self.times or len(read_jsonl(self.dirs.logs / "recoveries.jsonl")) < len(self.sent):
+            return False
+        committed = [r for r in read_jsonl(self.dirs.logs / "snapshots.jsonl") if r.get("committed")]
+        if not committed or (self.cuts and not committed[-1].get("cuts")):
+            return False
+        pid = generation_worker_pid(self.dirs.logs)
+        if pid is None or pid in self.sent:
+            return False
+        os.kill(pid, self.sig)
+        self.sent.append(pid)
+        return False
+
+    def release(self) -> None:
+        for pid in self.sent if self.sig == signal.SIGSTOP else []:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def run_with_worker_fault(tmp_path: Path, level: str, fault_kw: dict, *, env: dict | None = None,
+                          **args_kw) -> tuple[RunDirs, WorkerFault, object, str]:
+    from tests.functional.test_prefix_recovery import held_env
+    from tests.model_fixtures import llama_dir
+    from testkit.run_harness import run_env
+
+    dirs = RunDirs(tmp_path / "run")
+    model = llama_dir(tmp_path / "my-llama")
+    fault = WorkerFault(dirs, **fault_kw)
+    try:
+        outcome = run_once(_args(dirs, model, level, **args_kw),
+                           env=env or (held_env() if level == "prefix" else run_env()),
+                           kill_when=fault.tick, timeout_s=540, stdout_path=tmp_path / "out.txt",
+                           stderr_path=tmp_path / "err.txt")
+    finally:
+        fault.release()
+    return dirs, fault, outcome, (tmp_path / "err.txt").read_text(errors="replace")
+
+
+def check_generation_recovered(dirs: RunDirs, fault: WorkerFault, outcome, stderr: str) -> list[dict]:
+    """The run went on by itself, nothing went back to its prompt, and the row counts the calls sent again."""
+    assert fault.sent, "no committed snapshot before the run ended"
+    assert outcome.returncode == 0, stderr[-5000:]
+    assert not (dirs.logs / "restore.json").exists()  # no relaunch
+    assert not outcome.leftover
+    assert "retrying from the prompt" not in stderr, [ln for ln in stderr.splitlines() if "retrying" in ln][:3]
+    rows = read_jsonl(dirs.logs / "recoveries.jsonl")
+    assert len(rows) == len(fault.sent), rows
+    for row in rows:
+        assert row["part"] == "generation" and row["action"] == "restarted" and row["instance"] == "generation", row
+        assert row["restarted_from_prompt"] == [], row
+        assert row["calls_resent"] > 0 and row["seconds_to_redispatch"] is not None, row
+        assert row["log"] and Path(row["log"]).is_file(), row
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("recovered the generation worker")]
+    assert len(lines) == len(rows), stderr[-3000:]
+    metrics = read_jsonl(dirs.logs / "metrics.jsonl")
+    groups = [g for r in metrics for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == STEPS * PROMPTS
+    for row in metrics:  # the refit check: the new worker serves the trainer's weights at their version
+        assert row["gen_logprob_abs_err"] < REFIT_CHECK, row
+    return rows
+
+
+def resent_from_their_own_cut(dirs: RunDirs) -> list[dict]:
+    """The model calls that continued from a cut of themselves (the cut's call id is the call's own: its
+    rollout at the same attempt), as the steps' rows record them."""
+    calls = [c for r in read_jsonl(dirs.logs / "metrics.jsonl") for c in r.get("prefix_continuations", [])]
+    return [c for c in calls if c["call_id"].rsplit(".", 1)[0] == c["rollout_id"] and c["discarded"] is None]
+
+
+@pytest.mark.alone  # CPU-bound (the torch worker decodes): shares no core under xdist
+@pytest.mark.parametrize("lookahead", [0, 1], ids=["sync", "async"])
+def test_turn_level_a_killed_worker_is_restarted_and_its_calls_sent_again(tmp_path, lookahead):
+    dirs, fault, outcome, stderr = run_with_worker_fault(tmp_path, "turn", {}, lookahead=lookahead)
+    check_generation_recovered(dirs, fault, outcome, stderr)
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("lookahead", [0, 1], ids=["sync", "async"])
+def test_prefix_level_a_killed_worker_continues_each_call_from_its_own_cut(tmp_path, lookahead):
+    dirs, fault, outcome, stderr = run_with_worker_fault(tmp_path, "prefix", {"cuts": True}, lookahead=lookahead)
+    rows = check_generation_recovered(dirs, fault, outcome, stderr)
+    assert rows[0]["calls_continued_from_cut"] > 0 and rows[0]["tokens_kept"] > 0, rows
+    own = resent_from_their_own_cut(dirs)
+    assert own, "no call continued from a cut of itself"
+    assert sum(c["token_count"] for c in own) >= rows[0]["tokens_kept"] > 0

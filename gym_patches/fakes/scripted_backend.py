@@ -52,6 +52,8 @@ from typing import Any, Iterable
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, RESEND_HEADER
 from gym_patches.utils.processes import signals_blocked
 
 FINAL_TEXT = "Done."
@@ -316,6 +318,8 @@ def build_app() -> web.Application:
                     "ts": time.time(),
                     "model": body.get("model"),
                     "authorization": request.headers.get("Authorization"),
+                    "call_id": request.headers.get(CALL_ID_HEADER),
+                    "resend": request.headers.get(RESEND_HEADER),
                 }
             )
             return web.json_response(reply)

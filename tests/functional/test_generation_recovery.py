@@ -45,12 +45,15 @@ class WorkerFault:
     """Sends ``sig`` to the generation worker once a committed snapshot (with a generation cut, at
     ``prefix``) is the newest, up to ``times`` times, each once the last loss has its row."""
 
-    def __init__(self, dirs: RunDirs, sig: int = signal.SIGKILL, *, cuts: bool = False, times: int = 1):
-        self.dirs, self.sig, self.cuts, self.times = dirs, sig, cuts, times
+    def __init__(self, dirs: RunDirs, sig: int = signal.SIGKILL, *, cuts: bool = False, times: int = 1,
+                 wait_row: bool = True):
+        self.dirs, self.sig, self.cuts, self.times, self.wait_row = dirs, sig, cuts, times, wait_row
         self.sent: list[int] = []
 
     def tick(self, _elapsed: float) -> bool:
-        if len(self.sent) >= self.times or len(read_jsonl(self.dirs.logs / "recoveries.jsonl")) < len(self.sent):
+        if len(self.sent) >= self.times:
+            return False
+        if self.wait_row and len(read_jsonl(self.dirs.logs / "recoveries.jsonl")) < len(self.sent):
             return False
         committed = [r for r in read_jsonl(self.dirs.logs / "snapshots.jsonl") if r.get("committed")]
         if not committed or (self.cuts and not committed[-1].get("cuts")):
@@ -89,7 +92,8 @@ def run_with_worker_fault(tmp_path: Path, level: str, fault_kw: dict, *, env: di
     return dirs, fault, outcome, (tmp_path / "err.txt").read_text(errors="replace")
 
 
-def check_generation_recovered(dirs: RunDirs, fault: WorkerFault, outcome, stderr: str) -> list[dict]:
+def check_generation_recovered(dirs: RunDirs, fault: WorkerFault, outcome, stderr: str, *, steps: int = STEPS,
+                               prompts: int = PROMPTS) -> list[dict]:
     """The run went on by itself, nothing went back to its prompt, and the row counts the calls sent again."""
     assert fault.sent, "no committed snapshot before the run ended"
     assert outcome.returncode == 0, stderr[-5000:]
@@ -107,7 +111,7 @@ def check_generation_recovered(dirs: RunDirs, fault: WorkerFault, outcome, stder
     assert len(lines) == len(rows), stderr[-3000:]
     metrics = read_jsonl(dirs.logs / "metrics.jsonl")
     groups = [g for r in metrics for g in r["groups"]]
-    assert len(groups) == len(set(groups)) == STEPS * PROMPTS
+    assert len(groups) == len(set(groups)) == steps * prompts
     for row in metrics:  # the refit check: the new worker serves the trainer's weights at their version
         assert row["gen_logprob_abs_err"] < REFIT_CHECK, row
     return rows
@@ -136,3 +140,31 @@ def test_prefix_level_a_killed_worker_continues_each_call_from_its_own_cut(tmp_p
     own = resent_from_their_own_cut(dirs)
     assert own, "no call continued from a cut of itself"
     assert sum(c["token_count"] for c in own) >= rows[0]["tokens_kept"] > 0
+
+
+@pytest.mark.alone
+def test_a_stopped_worker_is_found_within_the_bound_and_replaced(tmp_path):
+    """SIGSTOP: Ray still calls the actor alive; its silence past ``hung_after_s`` (5 s here) is the loss, and
+    the stopped process is killed and replaced, long before a model call's 600 s timeout."""
+    dirs, fault, outcome, stderr = run_with_worker_fault(tmp_path, "turn", {"sig": signal.SIGSTOP})
+    rows = check_generation_recovered(dirs, fault, outcome, stderr)
+    assert "did not answer for 5 s" in rows[0]["cause"], rows
+    assert rows[0]["seconds_to_redispatch"] < 60, rows
+
+
+@pytest.mark.alone
+def test_a_crash_loop_stops_the_run_naming_the_worker_and_its_log(tmp_path):
+    """Each new worker is killed as soon as it is up (a start killed counts as a recovery too): the third loss
+    is past ``rollout_recovery.in_run.max_recoveries=2`` and the run stops with one ``error:`` line naming the
+    worker and its log, and nothing of it left running."""
+    dirs, fault, outcome, stderr = run_with_worker_fault(
+        tmp_path, "turn", {"times": 3, "wait_row": False},
+        extra=("rollout_recovery.in_run.max_recoveries=2", "grpo.max_num_steps=30"))
+    assert len(fault.sent) == 3, (fault.sent, stderr[-3000:])
+    assert outcome.returncode == 1, stderr[-3000:]
+    assert not outcome.leftover
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert "generation worker (torch, ray::GenerationServer)" in errors[0] and "max_recoveries=2" in errors[0]
+    named = errors[0].split("its log ", 1)[1].split(",", 1)[0]
+    assert Path(named).parent == dirs.logs / "generation" and Path(named).is_file(), errors[0]

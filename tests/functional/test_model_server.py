@@ -300,3 +300,45 @@ async def test_control_routes_refuse_oversized_bodies_and_past_deadlines(model_u
     resumed = await post(http, f"{model_url}{CONTROL}/resume", {"checkpoint_id": "ck-edge",
                                                                 "deadline_ts": time.time() - 1}, headers)
     assert resumed == (200, {"phase": "idle", "idempotent": False})
+
+
+def test_a_call_is_sent_again_until_the_backend_is_back_and_the_caller_gets_its_reply():
+    """``policy_unreachable_retry_s``: the backend's port is closed (a generation worker being restarted) when
+    the real ``openai`` client calls; the backend comes up 1.5 s later on the same port and gets the call
+    once, under the same call id and marked as sent again; the client sees a slower reply, not an error."""
+    import threading
+
+    import openai
+
+    port = free_port()
+    cfg = gym_config(f"http://127.0.0.1:{port}/v1")
+    cfg["policy_unreachable_retry_s"] = 30
+    with GymDeployment.start(cfg) as dep:
+        client = openai.OpenAI(base_url=f"{dep.url('policy_model')}/ng-rollout/rc1/v1", api_key="k", max_retries=0)
+        got: dict = {}
+        caller = threading.Thread(target=lambda: got.update(reply=client.responses.create(model="p", input="hi")))
+        started = time.monotonic()
+        caller.start()
+        time.sleep(1.5)
+        with ScriptedBackend().start(port=port) as backend:
+            caller.join(30)
+            calls = backend.calls()
+    assert "reply" in got and got["reply"].output_text, got
+    assert time.monotonic() - started >= 1.5
+    assert len(calls) == 1, calls
+    assert calls[0]["call_id"].startswith("rc1.") and int(calls[0]["resend"]) >= 1, calls
+
+
+def test_a_backend_still_unreachable_after_the_bound_is_a_502_naming_it():
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    cfg = gym_config(dead)
+    cfg["policy_unreachable_retry_s"] = 1.0
+    with GymDeployment.start(cfg) as dep:
+        async def call():
+            async with aiohttp.ClientSession() as session:
+                return await post(session, f"{dep.url('policy_model')}/ng-rollout/x2/v1/responses", {"input": "hi"})
+
+        started = time.monotonic()
+        status, reply = asyncio.run(call())
+    assert status == 502 and time.monotonic() - started >= 1.0
+    assert_openai_error(reply, code="backend_error", fragment="policy_unreachable_retry_s")

@@ -386,6 +386,43 @@ def test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step(
     assert all(not w1[k].equal(w2[k]) for k in w1), "step 2 left some weight unchanged: the check would be weaker"
 
 
+@pytest.mark.timeout(600)
+@needs_vllm
+@pytest.mark.parametrize("level", ["turn", "prefix"])
+def test_a_killed_vllm_worker_is_restarted_and_its_calls_sent_again(tmp_path, level):
+    """In-run recovery (docs/design.md §5.13) on the vLLM worker: SIGKILL of its actor (vLLM's server dies with
+    it) right after a committed snapshot (with a generation cut, at ``prefix``) in the two-replica Workplace
+    run; a new worker with its own vLLM takes the trainer's weights and the model servers' calls come back to
+    it. Exit 0 with no relaunch, nothing sent back to its prompt, every group trained once, the refit check
+    within 1e-3 after the restart; at ``prefix`` calls continue from a cut of themselves."""
+    import signal
+
+    from tests.functional.rl_run import RunDirs, run_env
+    from tests.functional.test_generation_recovery import WorkerFault, check_generation_recovered, \
+        resent_from_their_own_cut
+    from testkit.run_harness import read_jsonl, run_once
+
+    dirs = RunDirs(tmp_path / "run")
+    steps, prompts = 2, 2
+    args = ["--config", "examples/configs/grpo_workplace_two_replicas_turn.yaml", *dirs.overrides(),
+            "policy.generation.backend=vllm", f"policy.cache_dir={tmp_path / 'model_cache'}",
+            "policy.warm_start.steps=10", f"grpo.num_prompts_per_step={prompts}", "grpo.num_generations_per_prompt=4",
+            f"grpo.max_num_steps={steps}", "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
+            f"rollout_recovery.target_level={level}", "policy.generation.ignore_eos=true", "logger.plot=false",
+            "rollout_checkpointing.keep_latest_k=50"]
+    fault = WorkerFault(dirs, signal.SIGKILL, cuts=level == "prefix")
+    outcome = run_once(args, env=run_env(), kill_when=fault.tick, timeout_s=540,
+                       stdout_path=tmp_path / "out.txt", stderr_path=tmp_path / "err.txt")
+    stderr = (tmp_path / "err.txt").read_text(errors="replace")
+    rows = check_generation_recovered(dirs, fault, outcome, stderr, steps=steps, prompts=prompts)
+    assert rows[0]["worker"] == "ray::VllmGenerationServer", rows
+    metrics = read_jsonl(dirs.logs / "metrics.jsonl")
+    assert all(m["gen_logprob_tokens"] > 0 for m in metrics), metrics
+    if level == "prefix":
+        assert rows[0]["calls_continued_from_cut"] > 0 and rows[0]["tokens_kept"] > 0, rows
+        assert resent_from_their_own_cut(dirs), "no call continued from a cut of itself"
+
+
 def test_vllm_settings_are_checked():
     """Runs without vLLM: the settings the backend reads, and their errors."""
     from pydantic import ValidationError

@@ -87,6 +87,27 @@ async def test_a_cut_is_noted_at_close_and_its_tokens_join_the_record_after_resu
     await asyncio.gather(*tasks)
 
 
+async def test_the_newest_fetched_cut_of_a_call_in_flight_is_what_a_resend_continues_from():
+    """A call sent again because its backend was lost continues from the newest cut fetched of it (the model
+    server asks ``newest_cut`` by call id); a newer snapshot's cut replaces it, and it goes with the call."""
+    model = PolicyModelParticipant()
+    model.cut_source = backend = FakeCutBackend({"r1.c": [1, 2], "r2.c": [7]})
+    release, tasks = await _generating(model, ["r1", "r2"])
+    assert model.newest_cut("r1.c") is None  # no cut taken yet
+    for tokens in ([1, 2], [1, 2, 3]):
+        backend.tokens["r1.c"] = list(tokens)
+        await model.close_admission("block")
+        await model.take_cut()
+        complete = model.capture_completion()
+        await model.open_admission()
+        await complete()
+        assert model.newest_cut("r1.c").unpack()[0] == tokens
+    assert model.newest_cut("r2.c").unpack()[0] == [7] and model.newest_cut(None) is None
+    release.set()
+    await asyncio.gather(*tasks)
+    assert model.newest_cut("r1.c") is None and model.newest_cut("r2.c") is None  # the calls ended
+
+
 async def test_only_calls_of_the_prefix_level_rollouts_are_cut():
     """A rollout at ``turn`` under a ``prefix`` target (an override) is never cut: the prepare names the
     prefix-level rollouts, any attempt of each, and no other call is noted, pinned or saved."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,16 @@ class WorkerLoss:
     noticed: float = field(default_factory=time.monotonic)
     at: float = field(default_factory=time.time)
     alive_until: float = 0.0  # wall clock of its last answer: rollouts sent to their prompt after it count
+    failed_starts: list[str] = field(default_factory=list)  # why each new worker that did not start failed
+
+
+def actor_death(exc: BaseException) -> str:
+    """What Ray says of a dead actor, in a few words: its pid and the exit type Ray recorded."""
+    text = str(exc)
+    pid = re.search(r"\bpid: (\d+)", text)
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    parts = [f"pid {pid.group(1)}" if pid else None, f"Ray's exit type {kind.group(1)}" if kind else None]
+    return ", ".join(p for p in parts if p) or (text.strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 class GenerationWorkerRecovery:
@@ -100,8 +111,7 @@ class GenerationWorkerRecovery:
             try:
                 await asyncio.wait_for(worker.get_stats.remote(), self.settings.hung_after_s)
             except ray.exceptions.RayActorError as exc:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                return WorkerLoss(f"died ({first[:200]})", log, alive_until=self._last_answer)
+                return WorkerLoss(f"died ({actor_death(exc)})", log, alive_until=self._last_answer)
             except TimeoutError:
                 return WorkerLoss(f"did not answer for {self.settings.hung_after_s:g} s (stopped or wedged; killed)",
                                   log, alive_until=self._last_answer)
@@ -124,9 +134,10 @@ class GenerationWorkerRecovery:
                     loss, f"its restart did not finish within {self.settings.timeout_s:g} s "
                           "(rollout_recovery.in_run.timeout_s)")) from None
             except ray.exceptions.RayError as exc:
-                failed = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                failed = actor_death(exc) if isinstance(exc, ray.exceptions.RayActorError) else \
+                    (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
                 logger.warning("the new %s did not start (%s); trying again", self.worker_name, failed)
-                loss.cause = f"{loss.cause}; a new worker did not start: {failed}"
+                loss.failed_starts.append(failed)
                 loss.log = self.backend.log_path
 
     def _check_bound(self, loss: WorkerLoss) -> None:
@@ -138,8 +149,11 @@ class GenerationWorkerRecovery:
                       f"(rollout_recovery.in_run.max_recoveries={self.settings.max_recoveries})"))
 
     def _failure(self, loss: WorkerLoss, why: str) -> str:
-        where = f"; its log {loss.log}, last lines:\n{log_tail(loss.log).rstrip()}" if loss.log else ""
-        return f"the {self.worker_name} {loss.cause} and is given up: {why}; the run stops{where}"
+        tail = log_tail(loss.log).rstrip() or "(empty)"
+        where = f"; its log {loss.log}, last lines:\n{tail}" if loss.log else ""
+        starts = (f", and {len(loss.failed_starts)} new worker(s) did not start (the last: "
+                  f"{loss.failed_starts[-1]})") if loss.failed_starts else ""
+        return f"the {self.worker_name} {loss.cause}{starts}; it is given up: {why}; the run stops{where}"
 
     # -- the row
     async def _report(self, loss: WorkerLoss, start_s: float) -> None:

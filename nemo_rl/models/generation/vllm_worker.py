@@ -233,6 +233,7 @@ class VllmGenerationServer:
         self._refit_lock = asyncio.Lock()
         self.created = int(time.time())
         self._tokenizer: Any = None  # loaded when a tracked call first needs it (decoding, stop tokens)
+        self._tokenizer_lock = asyncio.Lock()
         self._stop_ids: frozenset[int] = frozenset()
         self.stats: dict[str, Any] = {"requests": 0, "refits": 0, "refits_in_flight": 0, "load_s": None,
                                       "refit_s": []}
@@ -497,8 +498,11 @@ class VllmGenerationServer:
         self._tokenizer, self._stop_ids = tok, frozenset(stops)
 
     async def _ensure_tokenizer(self) -> None:
-        if self._tokenizer is None:
-            await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+        """Load it once: calls that arrive together wait for one load (transformers' lazy imports are not safe
+        from several threads at once: a second thread saw ``cannot import name 'AutoConfig'``)."""
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
 
     async def _tracked_chat(self, body: dict, vbody: dict, cut: GenerationCut | None, live: LiveCall | None,
                             call_id: str | None = None, resend: str | None = None) -> tuple[int, dict]:

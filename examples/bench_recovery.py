@@ -45,6 +45,9 @@ Measurements (see docs/benchmarks.md for the method behind each):
   restore_io     15. a relaunch with a model of about 1 GB: reads of the trainer step's files, weights
                  shipped to generation, time to the first dispatch by phase (preset ``restore_io``;
                  ``restore_io_smoke`` with a small model; ``--product`` measures another checkout)
+  generation_recovery 16. in-run recovery of the generation worker at turn and prefix: loss to the first
+                 call sent again, tokens kept from cuts (preset ``generation_recovery``, about 5 minutes;
+                 ``generation_recovery_smoke``)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -76,6 +79,7 @@ from bench import (  # noqa: E402
     alternative,
     async_throughput,
     bookkeeping,
+    generation_recovery,
     gym_recovery,
     overhead,
     preemption,
@@ -93,7 +97,7 @@ from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
                                bookkeeping, async_throughput, prefix_work_lost, preemption, restore_io,
-                               gym_recovery)}
+                               gym_recovery, generation_recovery)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -276,6 +280,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("14. " + gym_recovery.verdict(results["gym_recovery"]["goal"]))
     if "restore_io" in results:
         lines.append("15. " + restore_io.verdict(results["restore_io"]["goal"]))
+    if "generation_recovery" in results:
+        lines.append("16. " + generation_recovery.verdict(results["generation_recovery"]["goal"]))
     return lines
 
 

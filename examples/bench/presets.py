@@ -123,8 +123,16 @@ RESTORE_IO_SMOKE: dict[str, dict[str, Any]] = {
                    "timeout_s": 240.0},
 }
 
+# Measurement 16, in-run recovery of the generation worker: 3 repeats at each level with the embedded model
+# on the torch worker (about 5 minutes on 2 cores); ``generation_recovery_smoke`` is one prefix-level run.
+GENERATION_RECOVERY: dict[str, dict[str, Any]] = {"generation_recovery": {"repeats": 3}}
+GENERATION_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
+    "generation_recovery": {"repeats": 1, "levels": ("prefix",), "steps": 2, "prompts": 2, "warm_start_steps": 5},
+}
+
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
            "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
            "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE,
            "gym_recovery": GYM_RECOVERY, "gym_recovery_smoke": GYM_RECOVERY_SMOKE,
-           "restore_io": RESTORE_IO, "restore_io_smoke": RESTORE_IO_SMOKE}
+           "restore_io": RESTORE_IO, "restore_io_smoke": RESTORE_IO_SMOKE,
+           "generation_recovery": GENERATION_RECOVERY, "generation_recovery_smoke": GENERATION_RECOVERY_SMOKE}

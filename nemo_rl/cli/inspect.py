@@ -209,6 +209,11 @@ def render(report: dict[str, Any]) -> str:
                          f"{_age(snap['age_s']):>11}  {state}{mark}")
     lines.append("")
     for row in report.get("recoveries", []):
+        if row.get("part") == "generation":
+            lines.append(f"in-run recovery: generation worker {row.get('cause')}: {row.get('action')}, "
+                         f"{row.get('calls_resent')} model calls sent again ({row.get('calls_continued_from_cut')} "
+                         f"from a cut), {len(row.get('restarted_from_prompt', []))} from the prompt")
+            continue
         lines.append(f"in-run recovery: {row.get('instance')} {row.get('part')} {row.get('cause')}: {row.get('action')}, "
                      f"{len(row.get('continued_turn', [])) + len(row.get('continued_prefix', []))} continued, "
                      f"{len(row.get('restarted_from_prompt', []))} from the prompt")

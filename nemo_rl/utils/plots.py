@@ -70,11 +70,16 @@ def _distinct(committed: list[dict[str, Any]], key: str) -> str:
     return total if not older else f"{total} (+ {older} older snapshot(s) that did not record it)"
 
 
+def _recovered(row: dict[str, Any]) -> str:
+    """What a recovery row recovered: ``<replica> <server>``, or ``generation`` for the generation worker."""
+    return str(row.get("part")) if row.get("instance") == row.get("part") else f"{row.get('instance')} {row.get('part')}"
+
+
 def _recovery_rows(recoveries: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The table's row for in-run recoveries (none: no row), with the last three."""
     if not recoveries:
         return []
-    last = ", ".join(f"{r.get('instance')} {r.get('part')} {r.get('action')}" for r in recoveries[-3:])
+    last = ", ".join(f"{_recovered(r)} {r.get('action')}" for r in recoveries[-3:])
     return [("in-run recoveries (recoveries.jsonl)", f"{len(recoveries)}: {last}")]
 
 

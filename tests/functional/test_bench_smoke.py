@@ -30,11 +30,12 @@ from bench import (  # noqa: E402
     stall,
     work_lost,
 )
-from bench import async_throughput, gym_recovery, prefix_work_lost, restore_io  # noqa: E402
+from bench import async_throughput, generation_recovery, gym_recovery, prefix_work_lost, restore_io  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
 from bench.presets import ASYNC_TINY, GYM_RECOVERY_SMOKE, PREFIX_TINY, RESTORE_IO, RESTORE_IO_SMOKE  # noqa: E402
+from bench.presets import GENERATION_RECOVERY_SMOKE  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -451,6 +452,22 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert res["goal"]["met"] is True, res["goal"]
     assert gym_recovery.table(res).startswith("|")
     assert any(line.startswith("14. ") for line in bench_recovery.goal_lines({gym_recovery.NAME: res}))
+
+
+@pytest.mark.alone  # CPU-bound: the real trainer and the torch worker
+def test_generation_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 16 at its smallest: one prefix-level run whose worker is killed goes on by itself, its calls
+    sent again continue from cuts of themselves, and nothing goes back to its prompt."""
+    res = generation_recovery.measure(workdir=tmp_path, log=_quiet,
+                                      **GENERATION_RECOVERY_SMOKE["generation_recovery"])
+    (run,) = res["repeats"]
+    assert not run.get("error") and run["returncode"] == 0, run
+    assert run["seconds_to_start"] <= run["seconds_to_redispatch"], run
+    assert run["calls_resent"] >= run["calls_continued_from_cut"] > 0 and run["tokens_kept"] > 0, run
+    assert run["per_call"] and all(p["kept"] > 0 and p["tail"] >= 0 for p in run["per_call"]), run
+    assert res["goal"]["met"] is True, res["goal"]
+    assert generation_recovery.table(res).startswith("|")
+    assert any(line.startswith("16. ") for line in bench_recovery.goal_lines({generation_recovery.NAME: res}))
 
 
 @pytest.mark.alone  # CPU-bound: the real trainer and the torch worker

@@ -128,7 +128,16 @@ def resent_from_their_own_cut(dirs: RunDirs) -> list[dict]:
 @pytest.mark.parametrize("lookahead", [0, 1], ids=["sync", "async"])
 def test_turn_level_a_killed_worker_is_restarted_and_its_calls_sent_again(tmp_path, lookahead):
     dirs, fault, outcome, stderr = run_with_worker_fault(tmp_path, "turn", {}, lookahead=lookahead)
-    check_generation_recovered(dirs, fault, outcome, stderr)
+    rows = check_generation_recovered(dirs, fault, outcome, stderr)
+    assert rows[0]["calls_continued_from_cut"] == 0 and rows[0]["tokens_kept"] == 0, rows  # turn: no cuts
+    assert "died (pid " in rows[0]["cause"], rows
+    from nemo_rl.cli.inspect import inspect, render
+
+    args = _args(dirs, tmp_path / "my-llama", "turn", lookahead=lookahead)
+    report = inspect(str(dirs.ckpt), args[1], args[2:])  # the inspector shows the last recoveries
+    assert report["recoveries"] == rows
+    assert "in-run recovery: generation worker died (pid " in render(report)
+    assert "generation restarted" in (tmp_path / "out.txt").read_text()  # the end-of-run table
 
 
 @pytest.mark.alone

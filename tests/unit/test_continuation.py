@@ -2,7 +2,7 @@
 the live call a cut reads (``cut_pins.LiveCall``), on real cuts in their wire form."""
 
 from gym_patches.checkpoint.cuts import GenerationCut, prompt_digest
-from nemo_rl.models.generation.continuation import Continuation, init_stats
+from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
 from nemo_rl.models.generation.cut_pins import LiveCall
 
 PROMPT = [11, 12, 13, 14]
@@ -31,7 +31,8 @@ def test_a_torn_cut_is_discarded_as_corrupt_before_any_prompt_is_rendered():
     stats = _stats()
     reply = plan.reply(stats)
     assert (reply.token_count, reply.discarded, reply.digest) == (0, "corrupt", torn.digest)
-    assert stats == {"continued": 0, "continued_tokens": 0, "discarded": 1}
+    assert {k: stats[k] for k in ("continued", "continued_tokens", "discarded")} == {
+        "continued": 0, "continued_tokens": 0, "discarded": 1}
 
 
 def test_a_cut_of_another_prompt_is_discarded_never_continued():
@@ -54,7 +55,29 @@ def test_a_kept_prefix_reduces_the_budget_and_is_counted():
     stats = _stats()
     reply = plan.reply(stats)
     assert (reply.token_count, reply.discarded) == (3, None)
-    assert stats == {"continued": 1, "continued_tokens": 3, "discarded": 0}
+    assert {k: stats[k] for k in ("continued", "continued_tokens", "discarded")} == {
+        "continued": 1, "continued_tokens": 3, "discarded": 0}
+
+
+def test_a_call_sent_again_is_counted_with_the_cut_of_itself_it_continues_from():
+    """``X-NG-Resend``: counted as it arrives; only a kept cut of the same call (its call id) counts as
+    continued, with the tokens it keeps; a restored cut (another call's id) or a discarded one does not."""
+    stats = _stats()
+    count_resend(stats, None, "key.1", None)  # not sent again: nothing
+    assert stats["resent_calls"] == 0 and "first_resent_at" not in stats
+    own = Continuation.of(_cut())
+    own.check_prompt(PROMPT)
+    count_resend(stats, "1", "key.1", own)
+    first = stats["first_resent_at"]
+    other = Continuation.of(_cut())
+    other.check_prompt(PROMPT)
+    count_resend(stats, "2", "key-a1.2", other)  # a restored attempt's call continuing an older call's cut
+    mismatch = Continuation.of(_cut())
+    mismatch.check_prompt(PROMPT + [15])
+    count_resend(stats, "1", "key.1", mismatch)
+    count_resend(stats, "1", "key.3", None)
+    assert (stats["resent_calls"], stats["resent_from_cut"], stats["resent_cut_tokens"]) == (4, 1, 3)
+    assert stats["first_resent_at"] == first  # the first one's time
 
 
 def test_a_prefix_ending_in_a_stop_token_ends_the_reply_unless_eos_is_ignored():

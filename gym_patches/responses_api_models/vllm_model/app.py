@@ -16,8 +16,9 @@ so the ``openai`` client raises its usual exceptions:
   except 401/403/404/407, which mean this server's backend settings (key, URL,
   model name) are wrong: those are a 502 ``backend_error`` naming the backend.
 - 409 ``stale_attempt`` / ``admission_closed`` from the checkpoint gate.
-- 502 ``backend_error``: the backend failed, is unreachable, timed out or sent
-  an unusable reply; 503 ``backend_not_configured``.
+- 502 ``backend_error``: the backend failed, is unreachable (after sending the
+  call again for ``policy_unreachable_retry_s``, when set), timed out or sent an
+  unusable reply; 503 ``backend_not_configured``.
 
 4xx replies carry ``x-should-retry: false`` (except 408 and 429, which a
 client may retry) so the ``openai`` client does not resend a request that can

@@ -177,3 +177,69 @@ def test_a_crash_loop_stops_the_run_naming_the_worker_and_its_log(tmp_path):
     assert "generation worker (torch, ray::GenerationServer)" in errors[0] and "max_recoveries=2" in errors[0]
     named = errors[0].split("its log ", 1)[1].split(",", 1)[0]
     assert Path(named).parent == dirs.logs / "generation" and Path(named).is_file(), errors[0]
+
+
+@pytest.mark.alone
+def test_a_refit_stuck_on_a_stopped_worker_ends_with_the_restart_which_ships_the_trained_weights(
+        tmp_path, ray_cluster):
+    """``RayGenerationBackend`` itself: after a real GRPO step the worker is SIGSTOPped and a refit hangs on
+    it; the restart kills it (stopped as it is), the refit returns, and the new worker serves the trained
+    weights at their version (its logprobs are the trainer's)."""
+    import threading
+
+    import asyncio
+
+    import aiohttp
+    import ray
+    import torch
+
+    from nemo_rl.algorithms.grpo import GRPOTrainer
+    from nemo_rl.algorithms.single_controller_utils.components import GRPOTrainerAdapter, RayGenerationBackend
+    from nemo_rl.algorithms.single_controller_utils.config import load_config
+    from nemo_rl.experience.sample import ModelCall, RolloutSample
+    from nemo_rl.models.policy import load_policy
+    from tests.model_fixtures import llama_dir
+    from gym_patches.utils.processes import free_port
+
+    torch.set_num_threads(1)
+    model = llama_dir(tmp_path / "my-llama")
+    config = load_config(TWO_SHARDS, [f"policy.model_name={model}", f"logger.log_dir={tmp_path / 'logs'}"])
+    policy = load_policy(str(model), "float32", "cpu", config.policy.max_seq_len)
+    trainer = GRPOTrainerAdapter(GRPOTrainer(config.policy.trainer_policy(), config.loss_fn, config.grpo, policy))
+    backend = RayGenerationBackend(config, str(model), trainer, free_port(), log_dir=tmp_path / "logs")
+    try:
+        async def replies():
+            body = {"messages": [{"role": "user", "content": "Invite bo to a meeting"}], "max_tokens": 12}
+            async with aiohttp.ClientSession() as s:
+                outs = []
+                for _ in range(4):
+                    async with s.post(backend.base_url + "/chat/completions", json=body) as r:
+                        outs.append(await r.json())
+                return outs
+
+        outs = asyncio.run(replies())
+        samples = [RolloutSample(rollout_id=f"g_g{i}", group_id="g", generation_index=i, reward=float(i % 2),
+                                 calls=[ModelCall(prompt_token_ids=o["prompt_token_ids"],
+                                                  generation_token_ids=o["generation_token_ids"],
+                                                  generation_log_probs=o["generation_log_probs"],
+                                                  weight_version=o["weight_version"])])
+                   for i, o in enumerate(outs)]
+        trainer.train_step(samples)
+        assert trainer.weight_version == 1
+        stopped = generation_worker_pid(tmp_path / "logs")
+        os.kill(stopped, signal.SIGSTOP)
+        backend.restart_wait_s = 60.0
+        refit = threading.Thread(target=backend.refit, args=(trainer,))
+        refit.start()
+        refit.join(2.0)
+        assert refit.is_alive()  # stuck on the stopped worker
+        backend.restart(trainer)
+        refit.join(60.0)
+        assert not refit.is_alive()
+        assert not Path(f"/proc/{stopped}").exists() or "Z" in Path(f"/proc/{stopped}/stat").read_text().split()[2]
+        assert ray.get(backend.worker.weight_version.remote()) == 1 and backend.starts == 2
+        prompt, gen = outs[1]["prompt_token_ids"], outs[1]["generation_token_ids"]
+        served = ray.get(backend.worker.logprobs.remote(prompt, gen))
+        assert torch.allclose(trainer.inner.policy.token_logprobs(prompt, gen, 1.0), torch.tensor(served), atol=1e-4)
+    finally:
+        backend.stop()

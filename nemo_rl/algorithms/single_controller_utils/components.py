@@ -14,6 +14,7 @@ directory, or a hub id.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,17 @@ class ScriptedTestGeneration:
 
     def stop(self) -> None:
         self._backend.stop()
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on ``host:port`` (a bind as the worker's server would do it succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class RayGenerationBackend:
@@ -129,17 +141,17 @@ class RayGenerationBackend:
 
     def restart(self, trainer: Any, dead_wait_s: float = 30.0) -> None:
         """Replace the worker: stop the old actor (a wedged one is killed), wait until Ray has it dead (its
-        port is free), and start a new one on the same port with the trainer's weights now."""
+        port is free), and start a new one on the same port with the trainer's weights now. The kill comes
+        before the lock: a refit waiting on a wedged worker holds it, and fails (then waits for this) once
+        the worker is gone."""
+        old = self._worker
+        ray.kill(old, no_restart=True)
         with self._cond:
-            old = self._worker
-            ray.kill(old, no_restart=True)
+            # Ray calls the actor dead as soon as it is asked to kill it; its process (a stopped one later than
+            # a running one) lets go of the port only once it is gone. Until then a new one could not bind it.
             deadline = time.monotonic() + dead_wait_s
-            while time.monotonic() < deadline:  # an answer came before the kill landed: ask again
-                try:
-                    ray.get(old.get_stats.remote(), timeout=max(0.1, deadline - time.monotonic()))
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    break  # dead (or still not: the new one's start then fails on the port, and is tried again)
-                time.sleep(0.05)
+            while not _port_free(self._port) and time.monotonic() < deadline:
+                time.sleep(0.05)  # past the deadline the new one's start fails on the port, and is tried again
             weights, serial, version = trainer.weights_now()
             self._start(weights, serial, version)
             self._cond.notify_all()

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from testkit.run_harness import generation_worker_pid, read_jsonl, run_once
 from tests.functional.rl_run import RunDirs
@@ -180,17 +182,17 @@ def test_a_crash_loop_stops_the_run_naming_the_worker_and_its_log(tmp_path):
 
 
 @pytest.mark.alone
-def test_a_refit_stuck_on_a_stopped_worker_ends_with_the_restart_which_ships_the_trained_weights(
+def test_the_backend_restart_ends_a_refit_stuck_on_a_stopped_worker_and_gives_up_when_ray_cannot_place_one(
         tmp_path, ray_cluster):
     """``RayGenerationBackend`` itself: after a real GRPO step the worker is SIGSTOPped and a refit hangs on
     it; the restart kills it (stopped as it is), the refit returns, and the new worker serves the trained
-    weights at their version (its logprobs are the trainer's)."""
+    weights at their version (its logprobs are the trainer's). Then, with every CPU taken, a restart raises
+    within its bound (the recovery's thread never outlives it)."""
     import threading
 
     import asyncio
 
     import aiohttp
-    import ray
     import torch
 
     from nemo_rl.algorithms.grpo import GRPOTrainer
@@ -241,5 +243,25 @@ def test_a_refit_stuck_on_a_stopped_worker_ends_with_the_restart_which_ships_the
         prompt, gen = outs[1]["prompt_token_ids"], outs[1]["generation_token_ids"]
         served = ray.get(backend.worker.logprobs.remote(prompt, gen))
         assert torch.allclose(trainer.inner.policy.token_logprobs(prompt, gen, 1.0), torch.tensor(served), atol=1e-4)
+        # A new worker Ray cannot place (every CPU taken): the restart gives up within its bound, not never.
+        ray.kill(backend.worker, no_restart=True)
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        blocker = Hog.options(num_cpus=ray.available_resources()["CPU"]).remote()
+        ray.get(blocker.ready.remote())
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            backend.restart(trainer, timeout_s=3.0)
+        assert time.monotonic() - started < 20
+        ray.kill(blocker)
     finally:
         backend.stop()
+
+
+@ray.remote
+class Hog:
+    """Holds the CPUs it was given (a cluster with no room for a new worker)."""
+
+    def ready(self) -> bool:
+        return True

@@ -109,11 +109,11 @@ class RayGenerationBackend:
         version = trainer.weight_version if weight_version is None else weight_version
         self._start(trainer.state_dict_bytes(), trainer.weights_serial, version)
 
-    def _start(self, weights: bytes, serial: int, version: int) -> None:
+    def _start(self, weights: bytes, serial: int, version: int, timeout_s: float | None = None) -> None:
         self.starts += 1
         self.log_path = None if self._log_dir is None else str(self._log_dir / f"worker-{self.starts}.log")
         self._worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path)
-        self.base_url = ray.get(self._worker.start.remote("127.0.0.1", self._port))
+        self.base_url = ray.get(self._worker.start.remote("127.0.0.1", self._port), timeout=timeout_s)
         self._serving = (serial, version)  # the weights the worker holds, and their version
 
     @property
@@ -139,11 +139,13 @@ class RayGenerationBackend:
                 return
             self._serving = serving
 
-    def restart(self, trainer: Any, dead_wait_s: float = 30.0) -> None:
+    def restart(self, trainer: Any, timeout_s: float | None = None, dead_wait_s: float = 30.0) -> None:
         """Replace the worker: stop the old actor (a wedged one is killed), wait until Ray has it dead (its
         port is free), and start a new one on the same port with the trainer's weights now. The kill comes
         before the lock: a refit waiting on a wedged worker holds it, and fails (then waits for this) once
-        the worker is gone."""
+        the worker is gone. A new worker not up within ``timeout_s`` (Ray cannot place it) raises
+        ``GetTimeoutError``, so this thread never outlives the recovery that waits for it."""
+        started = time.monotonic()
         old = self._worker
         ray.kill(old, no_restart=True)
         with self._cond:
@@ -153,7 +155,8 @@ class RayGenerationBackend:
             while not _port_free(self._port) and time.monotonic() < deadline:
                 time.sleep(0.05)  # past the deadline the new one's start fails on the port, and is tried again
             weights, serial, version = trainer.weights_now()
-            self._start(weights, serial, version)
+            left = None if timeout_s is None else max(1.0, timeout_s - (time.monotonic() - started))
+            self._start(weights, serial, version, left)
             self._cond.notify_all()
 
     def stop(self) -> None:

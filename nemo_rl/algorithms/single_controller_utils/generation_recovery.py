@@ -126,8 +126,10 @@ class GenerationWorkerRecovery:
             self._history.append(time.monotonic())
             started = time.monotonic()
             try:
-                # The restart runs in a thread (Ray's calls block); a start past the bound stops the run.
-                await asyncio.wait_for(asyncio.to_thread(self.backend.restart, self.trainer), self.settings.timeout_s)
+                # The restart runs in a thread (Ray's calls block) bounded by the same time, so the thread ends
+                # too; a start past the bound stops the run.
+                await asyncio.wait_for(asyncio.to_thread(self.backend.restart, self.trainer, self.settings.timeout_s),
+                                       self.settings.timeout_s + 5.0)
                 return round(time.monotonic() - started, 3)
             except TimeoutError:
                 raise GenerationRecoveryFailed(self._failure(

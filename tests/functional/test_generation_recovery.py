@@ -182,6 +182,44 @@ def test_a_crash_loop_stops_the_run_naming_the_worker_and_its_log(tmp_path):
 
 
 @pytest.mark.alone
+def test_a_sigterm_while_the_worker_is_restarted_takes_a_final_snapshot_and_the_relaunch_finishes(tmp_path):
+    """The worker is SIGKILLed and, before its replacement is up, the run gets a SIGTERM: the final snapshot
+    commits without the worker (the model servers' held calls are in it as ever), the run exits 143 with
+    nothing left running, and the same command continues from that snapshot to the end, every group once."""
+    from tests.model_fixtures import llama_dir
+    from testkit.run_harness import run_env
+
+    dirs = RunDirs(tmp_path / "run")
+    model = llama_dir(tmp_path / "my-llama")
+    fault = WorkerFault(dirs)
+
+    def killed(elapsed: float) -> bool:
+        fault.tick(elapsed)
+        return bool(fault.sent)
+
+    def sigterm(proc) -> str:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        return "sigterm"
+
+    args = _args(dirs, model, "turn")
+    stopped = run_once(args, env=run_env(), kill_when=killed, stop=sigterm, timeout_s=540,
+                       stdout_path=tmp_path / "out1.txt", stderr_path=tmp_path / "err1.txt")
+    stderr = (tmp_path / "err1.txt").read_text(errors="replace")
+    assert fault.sent and stopped.returncode == 143, stderr[-3000:]
+    assert not stopped.leftover
+    final = [r for r in read_jsonl(dirs.logs / "snapshots.jsonl") if r.get("requested") == "SIGTERM"]
+    assert len(final) == 1 and final[0]["committed"], (final, stderr[-3000:])
+    relaunch = run_once(args, env=run_env(), timeout_s=540, stdout_path=tmp_path / "out2.txt",
+                        stderr_path=tmp_path / "err2.txt")
+    assert relaunch.returncode == 0, (tmp_path / "err2.txt").read_text(errors="replace")[-3000:]
+    assert dirs.restore_json()["snapshot"] == final[0]["path"]
+    groups = [g for r in read_jsonl(dirs.logs / "metrics.jsonl") for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == STEPS * PROMPTS
+    assert not relaunch.leftover
+
+
+@pytest.mark.alone
 def test_the_backend_restart_ends_a_refit_stuck_on_a_stopped_worker_and_gives_up_when_ray_cannot_place_one(
         tmp_path, ray_cluster):
     """``RayGenerationBackend`` itself: after a real GRPO step the worker is SIGSTOPped and a refit hangs on

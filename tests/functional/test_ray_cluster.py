@@ -487,8 +487,9 @@ def test_a_lost_worker_node_moves_its_replicas_rollouts_to_the_survivor_and_the_
         if "killed_at" in seen:
             return
         on_worker = [r for r, p in seen["placement"].items() if p["node"] == "worker"]
-        for s in dirs.records("snapshots.jsonl"):
-            turn = _turn_level(s["path"]) if s.get("committed") and s.get("saved") else None
+        committed = [s for s in dirs.records("snapshots.jsonl") if s.get("committed")]
+        for s in committed[-1:]:  # the newest only (what a recovery restores from): a stale one may hold
+            turn = _turn_level(s["path"]) if s.get("saved") else None  # rollouts that have ended since
             if turn and on_worker and turn.get(on_worker[0]):
                 cluster.worker.kill()
                 seen["killed_at"] = time.monotonic()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-# A test's own time (setup, call, teardown; not the wait for the machine) under three xdist workers on two
+# A test's own time (setup, call, teardown; not the wait for the machine) under two xdist workers on two
 # cores, where most functional tests take up to twice their time alone.
 BUDGET_S = 120.0
 

@@ -45,11 +45,14 @@ def _args(dirs: RunDirs, model: Path, level: str, *, lookahead: int = 0, extra: 
 
 class WorkerFault:
     """Sends ``sig`` to the generation worker once a committed snapshot (with a generation cut, at
-    ``prefix``) is the newest, up to ``times`` times, each once the last loss has its row."""
+    ``prefix``) is the newest, up to ``times`` times, each once the last loss has its row, and only while
+    fewer than ``kills_before_step`` steps are trained (a death after the last rollout ended needs no
+    recovery: the run may end before it is seen)."""
 
     def __init__(self, dirs: RunDirs, sig: int = signal.SIGKILL, *, cuts: bool = False, times: int = 1,
-                 wait_row: bool = True):
+                 wait_row: bool = True, kills_before_step: int | None = None):
         self.dirs, self.sig, self.cuts, self.times, self.wait_row = dirs, sig, cuts, times, wait_row
+        self.kills_before_step = kills_before_step
         self.sent: list[int] = []
         self.after: set[str] = set()  # the snapshots a kill followed
 
@@ -61,6 +64,9 @@ class WorkerFault:
             return False
         if self.cuts and any(r["calls_continued_from_cut"] for r in rows):
             return False  # a recovery continued a cut: enough
+        if (self.kills_before_step is not None
+                and len(read_jsonl(self.dirs.logs / "metrics.jsonl")) >= self.kills_before_step):
+            return False
         committed = [r for r in read_jsonl(self.dirs.logs / "snapshots.jsonl") if r.get("committed")]
         if not committed or (self.cuts and not committed[-1].get("cuts")) or committed[-1]["path"] in self.after:
             return False  # a newer snapshot each time
@@ -151,10 +157,12 @@ def test_turn_level_a_killed_worker_is_restarted_and_its_calls_sent_again(tmp_pa
 @pytest.mark.parametrize("lookahead", [0, 1], ids=["sync", "async"])
 def test_prefix_level_a_killed_worker_continues_each_call_from_its_own_cut(tmp_path, lookahead):
     # Under load a cut's calls may have ended by the kill: the worker is killed again (up to 3 times, after
-    # each newest snapshot with cuts) until a recovery has continued a cut.
-    dirs, fault, outcome, stderr = run_with_worker_fault(tmp_path, "prefix", {"cuts": True, "times": 3},
-                                                         lookahead=lookahead)
-    rows = check_generation_recovered(dirs, fault, outcome, stderr)
+    # each newest snapshot with cuts) until a recovery has continued a cut, during the first 3 of 5 steps (a
+    # kill in the last step's tail was not seen before the run ended, in CI).
+    dirs, fault, outcome, stderr = run_with_worker_fault(
+        tmp_path, "prefix", {"cuts": True, "times": 3, "kills_before_step": 3}, lookahead=lookahead,
+        extra=("grpo.max_num_steps=5",))
+    rows = check_generation_recovered(dirs, fault, outcome, stderr, steps=5)
     with_cuts = [r for r in rows if r["calls_continued_from_cut"] > 0]
     assert with_cuts and all(r["tokens_kept"] > 0 for r in with_cuts), rows
     own = resent_from_their_own_cut(dirs)

@@ -245,9 +245,10 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
     its model server is SIGKILLed. The recovery installs the cuts on the restarted replica and each continues
     from its tokens (same call id and token count), in the same run. A cut whose call had ended before the
     loss (its rollout sealed) is not continued; then the next snapshot with cuts is waited for and the server
-    killed again, up to three times, until a recovery has continued a cut."""
+    killed again, up to three times, until a recovery has continued a cut. Five steps, kills in the first
+    three: a run of two held no snapshot with a cut on the replica, in CI."""
     from tests.functional.rl_run import RunDirs
-    from tests.functional.test_prefix_recovery import PROMPTS, STEPS, _args, held_env
+    from tests.functional.test_prefix_recovery import PROMPTS, _args, held_env
     from tests.model_fixtures import llama_dir
     from testkit.run_harness import run_once
 
@@ -255,22 +256,31 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
     model = llama_dir(tmp_path / "my-llama")
     replica = "saving/replica-1"
     kills: list[str] = []  # the snapshot each kill followed
+    indexes: dict[str, dict] = {}  # its gym_checkpoint.json, read then (a bootstrap snapshot goes with step 1)
+    steps, kills_before_step = 5, 3
 
     def kill_after_cuts(_elapsed: float) -> bool:
         rows = read_jsonl(dirs.logs / "recoveries.jsonl")
         if len(rows) < len(kills) or len(kills) >= 3 or any(r["continued_prefix"] for r in rows):
             return False  # a recovery under way, enough kills, or a cut continued already
+        if len(read_jsonl(dirs.logs / "metrics.jsonl")) >= kills_before_step:
+            return False  # a loss in the last step's tail may not be seen before the run ends
         committed = [r for r in read_jsonl(dirs.logs / "snapshots.jsonl") if r.get("committed")]
         if not committed or not committed[-1].get("cuts") or committed[-1]["path"] in kills:
             return False  # the newest (what a recovery restores from) must hold cuts, a new one each time
-        index = json.loads((Path(committed[-1]["path"]) / "gym_checkpoint.json").read_text())
+        try:
+            index = json.loads((Path(committed[-1]["path"]) / "gym_checkpoint.json").read_text())
+        except FileNotFoundError:
+            return False  # pruned meanwhile: a newer one is committed
         pid = replica_server_pids(dirs.logs, replica).get("policy_model")
         if index.get("cut_tokens", {}).get(replica) and pid is not None:
             os.kill(pid, signal.SIGKILL)
             kills.append(committed[-1]["path"])
+            indexes[committed[-1]["path"]] = index
         return False
 
-    outcome = run_once(_args(dirs, model), env=held_env(), kill_when=kill_after_cuts, timeout_s=600,
+    outcome = run_once(_args(dirs, model) + [f"grpo.max_num_steps={steps}"], env=held_env(),
+                       kill_when=kill_after_cuts, timeout_s=600,
                        stdout_path=tmp_path / "out.txt", stderr_path=tmp_path / "err.txt")
     stderr = (tmp_path / "err.txt").read_text(errors="replace")
     assert kills, "no committed snapshot held a generation cut on the replica"
@@ -284,7 +294,9 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
     metrics = read_jsonl(dirs.logs / "metrics.jsonl")
     continued = {c["rollout_id"]: c for r in metrics for c in r.get("prefix_continuations", [])}
     for row in with_cuts:
-        index = json.loads((Path(row["snapshot"]) / "gym_checkpoint.json").read_text())
+        index = indexes.get(row["snapshot"])
+        if index is None:
+            index = json.loads((Path(row["snapshot"]) / "gym_checkpoint.json").read_text())
         cut_tokens = index["cut_tokens"].get(replica, {})
         assert set(row["continued_prefix"]) <= set(cut_tokens), row
         for key in row["continued_prefix"]:
@@ -293,7 +305,7 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
             assert use is not None, (key, sorted(continued))
             assert use["token_count"] == cut_tokens[key] and use["discarded"] is None, use
     groups = [g for r in metrics for g in r["groups"]]
-    assert len(groups) == len(set(groups)) == STEPS * PROMPTS
+    assert len(groups) == len(set(groups)) == steps * PROMPTS
     assert not outcome.leftover
 
 

@@ -1,58 +1,67 @@
 """Test-only instrument: each batch the torch generation worker decodes waits, mid-decode, for snapshots.
 
 ``NEMO_RL_TEST_ONLY_DECODE_HOLD=<tokens>`` in a run's environment, with this directory first on
-``PYTHONPATH`` (``tests/functional/test_prefix_recovery.py``, ``test_elastic_restore.py``). In the process
-that imports ``nemo_rl.models.generation.worker`` (the generation worker's Ray actor; every other process
-pays nothing), each batch stops after ``tokens`` decode steps until two generation-cut pins (two snapshots'
-cuts) have arrived since it stopped, then decodes to its end. So a prefix-level snapshot always finds the
-batch's calls with tokens decoded and not finished, on a fast machine as on a slow one: a test that kills the
-run once a committed snapshot holds a cut waits for that event, not for a run long enough to contain it.
-Nothing else changes: the tokens, the pins and the replies are the worker's own. The hold ends after
-``HOLD_LIMIT_S`` without pins (a run whose snapshots stopped is not held for ever).
+``PYTHONPATH`` (``tests/functional/test_prefix_recovery.py``, ``test_elastic_restore.py``,
+``test_gym_recovery.py``, ``test_generation_recovery.py``). In the process that imports
+``nemo_rl.models.generation.worker`` (the generation worker's Ray actor, and the driver, which never
+decodes), each batch stops after ``tokens`` decode steps until two cut pins that pinned a call in flight
+have arrived since it stopped, then decodes to its end. So a prefix-level snapshot finds the batch's calls
+with tokens decoded and not finished, on a fast machine as on a slow one: a test that kills the run once a
+committed snapshot holds a cut waits for that event, not for a run long enough to contain it. Nothing else
+changes: the tokens, the pins and the replies are the worker's own.
+
+The hold wraps the policy's ``HFPolicy.sample_batch`` (its ``between_steps`` callback), not a method of
+``GenerationServer``: Ray's actor class carries the methods it had when ``ray.remote`` wrapped it, so a
+patch of that class after its module ran never reaches the actor. A batch whose calls no snapshot pins
+(all on restart-only servers, which are not cut) goes on after ``HOLD_LIMIT_S``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
-import time
 
 ENV = "NEMO_RL_TEST_ONLY_DECODE_HOLD"
 PINS_PER_HOLD = 2
-HOLD_LIMIT_S = 120.0
+HOLD_LIMIT_S = 10.0
 
 
 def _install(module) -> None:
     tokens = int(os.environ[ENV])
-    server = module.GenerationServer
-    state = {"pins": 0, "steps": 0}
+    state = {"pins": 0}
     cond = threading.Condition()
-    decode_batch, between_steps = server._decode_batch, server._between_steps
+    policy_cls = sys.modules["nemo_rl.models.policy"].HFPolicy
+    sample_batch = policy_cls.sample_batch
 
-    def _decode_batch(self, jobs):
-        with cond:
-            state["steps"] = 0
-        return decode_batch(self, jobs)
+    def held_sample_batch(self, *args, between_steps=None, **kwargs):
+        steps = 0
 
-    def _between_steps(self):
-        with cond:
-            state["steps"] += 1
-            if state["steps"] == tokens:
-                seen = state["pins"]
-                cond.wait_for(lambda: state["pins"] >= seen + PINS_PER_HOLD, timeout=HOLD_LIMIT_S)
-        between_steps(self)
+        def between() -> None:
+            nonlocal steps
+            steps += 1
+            if steps == tokens:
+                with cond:
+                    seen = state["pins"]
+                    cond.wait_for(lambda: state["pins"] >= seen + PINS_PER_HOLD, timeout=HOLD_LIMIT_S)
+            if between_steps is not None:
+                between_steps()
+
+        return sample_batch(self, *args, between_steps=between, **kwargs)
 
     pins = module.CutPins.handle_pin
 
     async def handle_pin(self, request):
         reply = await pins(self, request)
-        with cond:
-            state["pins"] += 1
-            cond.notify_all()
+        owner = json.loads(await request.read()).get("owner") if reply.status == 200 else None
+        if owner is not None and self._pins.get(owner, ("", {}))[1]:  # it pinned a call in flight
+            with cond:
+                state["pins"] += 1
+                cond.notify_all()
         return reply
 
-    server._decode_batch, server._between_steps = _decode_batch, _between_steps
+    policy_cls.sample_batch = held_sample_batch
     module.CutPins.handle_pin = handle_pin
     print(f"decode hold: each batch waits at {tokens} tokens for {PINS_PER_HOLD} cut pins", file=sys.stderr,
           flush=True)

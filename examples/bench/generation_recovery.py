@@ -5,7 +5,10 @@ Each repeat is one real ``examples/run_grpo.py`` process per recovery level, on
 a cache shared by the repeats) on the torch worker, replies decoded to the token limit
 (``policy.generation.ignore_eos``) so model calls are in flight. Once a committed snapshot is the newest
 (at ``prefix``: one holding a generation cut), the benchmark SIGKILLs the generation worker's process and
-the run goes on by itself to the end.
+the run goes on by itself to the end. A loss that finds no call to send again (at ``prefix``: none from its
+cut), because the snapshot's calls ended between its commit and the kill, measures nothing: the new worker
+is lost again after the next such snapshot, up to ``MAX_LOSSES`` times and only while a step is left after
+the current one; the first recovery that sent calls again is the one measured.
 
 Read from the run's own records:
 
@@ -34,11 +37,16 @@ NAME = "generation_recovery"
 TITLE = "16. In-run recovery of the generation worker"
 CONFIG = "examples/configs/grpo_workplace_two_replicas_turn.yaml"
 LEVELS = ("turn", "prefix")
+MAX_LOSSES = 3
 
 
 def measure(*, repeats: int, workdir: Path, steps: int = 3, prompts: int = 4, generations: int = 4,
             interval_s: float = 0.3, max_new_tokens: int = 96, warm_start_steps: int = 20,
-            levels: tuple[str, ...] = LEVELS, log: Log | None = None) -> dict[str, Any]:
+            levels: tuple[str, ...] = LEVELS, log: Log | None = None,
+            run_env_kw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``run_env_kw``: more of each run's environment (``testkit.run_harness.run_env``'s keywords): the smoke
+    test's decode hold (``tests/functional/decode_hold``), so its one short run has calls in flight at the
+    loss on any machine; the measurement itself runs without it."""
     log = log or make_log("generation-recovery")
     workdir = Path(workdir).resolve()
     cache = workdir / "model_cache"
@@ -48,7 +56,8 @@ def measure(*, repeats: int, workdir: Path, steps: int = 3, prompts: int = 4, ge
         for level in levels:
             run_dir = fresh_dir(workdir / f"{level}-{repeat}")
             res = run_repeat(run_dir, level, cache=cache, steps=steps, prompts=prompts, generations=generations,
-                             interval_s=interval_s, max_new_tokens=max_new_tokens, warm_start_steps=warm_start_steps)
+                             interval_s=interval_s, max_new_tokens=max_new_tokens, warm_start_steps=warm_start_steps,
+                             run_env_kw=run_env_kw)
             res.update(level=level, repeat=repeat)
             log(f"{level} #{repeat}: exit {res['returncode']}, redispatch {res.get('seconds_to_redispatch')} s, "
                 f"start {res.get('seconds_to_start')} s, resent {res.get('calls_resent')}, "
@@ -75,37 +84,47 @@ def _args(run_dir: Path, level: str, cache: Path, steps: int, prompts: int, gene
 
 
 def run_repeat(run_dir: Path, level: str, *, cache: Path, steps: int, prompts: int, generations: int,
-               interval_s: float, max_new_tokens: int, warm_start_steps: int) -> dict[str, Any]:
+               interval_s: float, max_new_tokens: int, warm_start_steps: int,
+               run_env_kw: dict[str, Any] | None = None) -> dict[str, Any]:
     logs = run_dir / "logs"
-    seen: dict[str, Any] = {}
+    losses: list[dict[str, Any]] = []  # each loss: when, the pid, the snapshot it followed
+
+    def measured(row: dict[str, Any]) -> bool:
+        return row["calls_resent"] > 0 and (level == "turn" or row["calls_continued_from_cut"] > 0)
 
     def lose_the_worker(_elapsed: float) -> bool:
-        if seen:
-            return False
+        rows = read_jsonl(logs / "recoveries.jsonl")
+        if len(losses) >= MAX_LOSSES or len(rows) < len(losses) or any(measured(r) for r in rows):
+            return False  # enough, a recovery under way, or one measured
+        if len(read_jsonl(logs / "metrics.jsonl")) >= steps - 1:
+            return False  # a loss in the last step's tail may end with the run, unrecovered
         committed = [r for r in read_jsonl(logs / "snapshots.jsonl") if r.get("committed")]
         if not committed or (level == "prefix" and not committed[-1].get("cuts")):
             return False
+        if any(loss["after"] == committed[-1]["path"] for loss in losses):
+            return False  # a newer snapshot each time
         pid = generation_worker_pid(logs)
-        if pid is None:
+        if pid is None or any(loss["pid"] == pid for loss in losses):
             return False
         os.kill(pid, signal.SIGKILL)
-        seen.update(at=time.time(), pid=pid)
+        losses.append({"at": time.time(), "pid": pid, "after": committed[-1]["path"]})
         return False
 
     outcome = run_once(_args(run_dir, level, cache, steps, prompts, generations, interval_s, max_new_tokens,
                              warm_start_steps),
-                       env=run_env(marker=new_marker()), kill_when=lose_the_worker, timeout_s=600,
+                       env=run_env(marker=new_marker(), **(run_env_kw or {})), kill_when=lose_the_worker, timeout_s=600,
                        stdout_path=run_dir / "out.txt", stderr_path=run_dir / "err.txt")
-    res: dict[str, Any] = {"returncode": outcome.returncode, "lost_at": seen.get("at")}
+    res: dict[str, Any] = {"returncode": outcome.returncode, "losses": len(losses)}
     rows = read_jsonl(logs / "recoveries.jsonl")
-    if not rows:
-        why = "the worker was not lost (no snapshot in time)" if not seen else "no recovery row"
+    row = next((r for r in rows if measured(r)), None)
+    if row is None:
+        why = ("the worker was not lost (no snapshot in time)" if not losses
+               else f"{len(losses)} loss(es), {len(rows)} recovery row(s), none sent a call again")
         res["error"] = f"{why}; stderr: " + (run_dir / "err.txt").read_text(errors="replace")[-2000:]
         return res
-    row = rows[0]
     res.update({k: row[k] for k in ("seconds_to_redispatch", "seconds_to_start", "calls_resent",
                                     "calls_continued_from_cut", "tokens_kept")},
-               restarted_from_prompt=len(row["restarted_from_prompt"]))
+               restarted_from_prompt=sum(len(r["restarted_from_prompt"]) for r in rows))
     calls = [c for m in read_jsonl(logs / "metrics.jsonl") for c in m.get("prefix_continuations", [])]
     own = [c for c in calls if c["discarded"] is None and c["call_id"].rsplit(".", 1)[0] == c["rollout_id"]]
     res["per_call"] = [{"kept": c["token_count"], "tail": c["generation_tokens"] - c["token_count"]} for c in own]

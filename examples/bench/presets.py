@@ -127,7 +127,7 @@ RESTORE_IO_SMOKE: dict[str, dict[str, Any]] = {
 # on the torch worker (about 5 minutes on 2 cores); ``generation_recovery_smoke`` is one prefix-level run.
 GENERATION_RECOVERY: dict[str, dict[str, Any]] = {"generation_recovery": {"repeats": 3}}
 GENERATION_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
-    "generation_recovery": {"repeats": 1, "levels": ("prefix",), "steps": 2, "prompts": 2, "warm_start_steps": 5},
+    "generation_recovery": {"repeats": 1, "levels": ("prefix",), "steps": 3, "prompts": 2, "warm_start_steps": 5},
 }
 
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,

@@ -457,8 +457,14 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
 @pytest.mark.alone  # CPU-bound: the real trainer and the torch worker
 def test_generation_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     """Measurement 16 at its smallest: one prefix-level run whose worker is killed goes on by itself, its calls
-    sent again continue from cuts of themselves, and nothing goes back to its prompt."""
+    sent again continue from cuts of themselves, and nothing goes back to its prompt. The run's torch worker
+    holds each batch mid-decode until snapshots pinned its calls (the decode hold), so calls are in flight at
+    the loss however fast the machine decodes 96 tokens."""
+    from tests.functional.test_prefix_recovery import HOLD_DIR, HOLD_TOKENS
+
     res = generation_recovery.measure(workdir=tmp_path, log=_quiet,
+                                      run_env_kw={"pythonpath": [HOLD_DIR],
+                                                  "extra": {"NEMO_RL_TEST_ONLY_DECODE_HOLD": str(HOLD_TOKENS)}},
                                       **GENERATION_RECOVERY_SMOKE["generation_recovery"])
     (run,) = res["repeats"]
     assert not run.get("error") and run["returncode"] == 0, run

@@ -2,7 +2,7 @@
 
 ``NEMO_RL_TEST_ONLY_DECODE_HOLD=<tokens>`` in a run's environment, with this directory first on
 ``PYTHONPATH`` (``tests/functional/test_prefix_recovery.py``, ``test_elastic_restore.py``,
-``test_gym_recovery.py``, ``test_generation_recovery.py``). In the process that imports
+``test_gym_recovery.py``, ``test_generation_recovery.py``, ``test_bench_smoke.py``). In the process that imports
 ``nemo_rl.models.generation.worker`` (the generation worker's Ray actor, and the driver, which never
 decodes), each batch stops after ``tokens`` decode steps until two cut pins that pinned a call in flight
 have arrived since it stopped, then decodes to its end. So a prefix-level snapshot finds the batch's calls

@@ -460,12 +460,11 @@ def test_generation_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> No
     sent again continue from cuts of themselves, and nothing goes back to its prompt. The run's torch worker
     holds each batch mid-decode until snapshots pinned its calls (the decode hold), so calls are in flight at
     the loss however fast the machine decodes 96 tokens."""
-    from tests.functional.test_prefix_recovery import HOLD_DIR, HOLD_TOKENS
+    from tests.functional.test_prefix_recovery import assert_held, hold_env_kw
 
-    res = generation_recovery.measure(workdir=tmp_path, log=_quiet,
-                                      run_env_kw={"pythonpath": [HOLD_DIR],
-                                                  "extra": {"NEMO_RL_TEST_ONLY_DECODE_HOLD": str(HOLD_TOKENS)}},
+    res = generation_recovery.measure(workdir=tmp_path, log=_quiet, run_env_kw=hold_env_kw(),
                                       **GENERATION_RECOVERY_SMOKE["generation_recovery"])
+    assert_held(tmp_path / "prefix-0" / "logs")
     (run,) = res["repeats"]
     assert not run.get("error") and run["returncode"] == 0, run
     assert run["seconds_to_start"] <= run["seconds_to_redispatch"], run

@@ -173,7 +173,7 @@ def _newest_cut_on(dirs: RunDirs, replica: str) -> bool:
 def test_prefix_two_shards_of_two_replicas_to_one_each_continues_moved_cuts(llama, tmp_path):
     """``target_level: prefix`` on the torch worker (the scripted backend has no cuts): a rollout whose model
     call was cut on a vanished replica continues on the survivor from the cut's tokens, exactly once."""
-    from tests.functional.test_prefix_recovery import PROMPTS, _args, _previous_key, _saved_cuts, held_env
+    from tests.functional.test_prefix_recovery import PROMPTS, _args, _previous_key, _saved_cuts, assert_held, held_env
 
     dirs = RunDirs(tmp_path)
     # The killed run's generation worker holds each batch mid-decode until two snapshots' cuts pinned it
@@ -184,6 +184,7 @@ def test_prefix_two_shards_of_two_replicas_to_one_each_continues_moved_cuts(llam
     wide = [f"{a.split('=')[0]}={overrides[a.split('=')[0]]}" if a.split("=")[0] in overrides else a
             for a in _args(dirs, llama)]
     run_until_then_kill(wide, env=held_env(), until=lambda: _newest_cut_on(dirs, "saving/replica-1"), timeout_s=400)
+    assert_held(dirs.logs)
     # the cuts of every published snapshot, read now: the relaunch prunes the one it restores once newer
     # trainer steps are published
     saved = {row["path"]: _saved_cuts(Path(row["path"])) for row in dirs.records("snapshots.jsonl")

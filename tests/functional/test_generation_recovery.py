@@ -88,7 +88,7 @@ class WorkerFault:
 
 def run_with_worker_fault(tmp_path: Path, level: str, fault_kw: dict, *, env: dict | None = None,
                           **args_kw) -> tuple[RunDirs, WorkerFault, object, str]:
-    from tests.functional.test_prefix_recovery import held_env
+    from tests.functional.test_prefix_recovery import assert_held, held_env
     from tests.model_fixtures import llama_dir
     from testkit.run_harness import run_env
 
@@ -102,6 +102,8 @@ def run_with_worker_fault(tmp_path: Path, level: str, fault_kw: dict, *, env: di
                            stderr_path=tmp_path / "err.txt")
     finally:
         fault.release()
+    if level == "prefix" and env is None:
+        assert_held(dirs.logs)
     return dirs, fault, outcome, (tmp_path / "err.txt").read_text(errors="replace")
 
 

@@ -248,7 +248,7 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
     killed again, up to three times, until a recovery has continued a cut. Five steps, kills in the first
     three: a run of two held no snapshot with a cut on the replica, in CI."""
     from tests.functional.rl_run import RunDirs
-    from tests.functional.test_prefix_recovery import PROMPTS, _args, held_env
+    from tests.functional.test_prefix_recovery import PROMPTS, _args, assert_held, held_env
     from tests.model_fixtures import llama_dir
     from testkit.run_harness import run_once
 
@@ -283,6 +283,7 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
                        kill_when=kill_after_cuts, timeout_s=600,
                        stdout_path=tmp_path / "out.txt", stderr_path=tmp_path / "err.txt")
     stderr = (tmp_path / "err.txt").read_text(errors="replace")
+    assert_held(dirs.logs)
     assert kills, "no committed snapshot held a generation cut on the replica"
     assert outcome.returncode == 0, stderr[-5000:]
     assert not (dirs.logs / "restore.json").exists()  # no relaunch

@@ -48,9 +48,22 @@ def _args(dirs: RunDirs, model: Path) -> list[str]:
     ]
 
 
+def hold_env_kw() -> dict:
+    """``run_env``'s keywords for the decode hold (``decode_hold/sitecustomize.py``) at ``HOLD_TOKENS``."""
+    return {"pythonpath": [HOLD_DIR], "extra": {"NEMO_RL_TEST_ONLY_DECODE_HOLD": str(HOLD_TOKENS)}}
+
+
 def held_env() -> dict[str, str]:
-    """A run's environment with the decode hold (``decode_hold/sitecustomize.py``) at ``HOLD_TOKENS``."""
-    return run_env(pythonpath=[HOLD_DIR], extra={"NEMO_RL_TEST_ONLY_DECODE_HOLD": str(HOLD_TOKENS)})
+    """A run's environment with the decode hold."""
+    return run_env(**hold_env_kw())
+
+
+def assert_held(log_dir: Path) -> None:
+    """The hold really held a batch in a generation worker of the run (its log says so): a test that relies
+    on it must not pass by timing alone."""
+    logs = sorted((Path(log_dir) / "generation").glob("worker-*.log"))
+    assert any("decode hold: a batch was held" in p.read_text(errors="replace") for p in logs), \
+        f"the decode hold held no batch (worker logs: {[str(p) for p in logs]})"
 
 
 def _snapshot_with_cuts(dirs: RunDirs) -> bool:
@@ -90,6 +103,7 @@ def test_a_crash_after_a_snapshot_with_cuts_continues_each_cut_once(model, tmp_p
     dirs = RunDirs(tmp_path)
     args = _args(dirs, model)
     run_until_then_kill(args, env=held_env(), until=lambda: _snapshot_with_cuts(dirs), timeout_s=400)
+    assert_held(dirs.logs)
     killed_rows = dirs.records("snapshots.jsonl")
     # the cuts of every published snapshot, read now: the relaunch prunes the one it restores once its
     # newer trainer steps are published

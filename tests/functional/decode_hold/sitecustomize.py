@@ -12,8 +12,9 @@ changes: the tokens, the pins and the replies are the worker's own.
 
 The hold wraps the policy's ``HFPolicy.sample_batch`` (its ``between_steps`` callback), not a method of
 ``GenerationServer``: Ray's actor class carries the methods it had when ``ray.remote`` wrapped it, so a
-patch of that class after its module ran never reaches the actor. A batch whose calls no snapshot pins
-(all on restart-only servers, which are not cut) goes on after ``HOLD_LIMIT_S``.
+patch of that class after its module ran never reaches the actor (it did not hold for that reason once,
+unnoticed: each test that uses it now checks ``HELD_LINE`` in the worker's log). A batch whose calls no
+snapshot pins (all on restart-only servers, which are not cut) goes on after ``HOLD_LIMIT_S``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import threading
 ENV = "NEMO_RL_TEST_ONLY_DECODE_HOLD"
 PINS_PER_HOLD = 2
 HOLD_LIMIT_S = 10.0
+HELD_LINE = "decode hold: a batch was held"  # printed once per worker, in its log, when a batch first waits
 
 
 def _install(module) -> None:
     tokens = int(os.environ[ENV])
-    state = {"pins": 0}
+    state = {"pins": 0, "held": False}
     cond = threading.Condition()
     policy_cls = sys.modules["nemo_rl.models.policy"].HFPolicy
     sample_batch = policy_cls.sample_batch
@@ -43,6 +45,9 @@ def _install(module) -> None:
             steps += 1
             if steps == tokens:
                 with cond:
+                    if not state["held"]:
+                        state["held"] = True
+                        print(f"{HELD_LINE} at {tokens} tokens", file=sys.stderr, flush=True)
                     seen = state["pins"]
                     cond.wait_for(lambda: state["pins"] >= seen + PINS_PER_HOLD, timeout=HOLD_LIMIT_S)
             if between_steps is not None:

@@ -4,7 +4,9 @@ One definition of the wire, used by Gym's model server (the client) and by any
 generation backend that supports cuts (the server; NeMo-RL's torch and vLLM
 workers):
 
-* The model server sends each backend call with the header ``X-NG-Call-Id``. A call it sends again
+* The model server sends each backend call with the header ``X-NG-Call-Id``, and with
+  ``X-NG-Call-Index``: the call's index within its episode (a backend's deterministic sampling seeds
+  from it; Gym knows nothing of what it means). A call it sends again
   because the backend could not be reached (a generation worker lost and restarted under it) keeps its
   call id, carries the newest cut of itself it holds as ``ng_prefix`` (if any), and the header
   ``X-NG-Resend`` (the number of the resend), so the backend can count what came back to it.
@@ -44,6 +46,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 CALL_ID_HEADER = "X-NG-Call-Id"
 RESEND_HEADER = "X-NG-Resend"  # on a call sent again after the backend was unreachable: 1, 2, ...
+# The call's index within its episode: the replies the episode was delivered when the call was made (a restored
+# episode counts on from its record), so the same call of the same rollout has the same index on every attempt.
+CALL_INDEX_HEADER = "X-NG-Call-Index"
 CUT_ROUTE = "/ng-cuts"  # appended to the backend's base URL (``.../v1``): pin
 CUT_FETCH_ROUTE = "/ng-cuts/fetch"  # ... and fetch
 PREFIX_FIELD = "ng_prefix"  # the chat-completions body field that carries a cut to continue

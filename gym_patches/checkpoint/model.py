@@ -236,6 +236,11 @@ class PolicyModelParticipant(CheckpointParticipant):
         self._set_state(ticket, "writing")
         self.notify_changed()
 
+    def delivered_calls(self, episode: EpisodeId) -> int:
+        """Replies ``episode`` was delivered so far (a restored one counts on from its record): the index of
+        the call it makes now (``X-NG-Call-Index``)."""
+        return self._delivered.get(episode, 0)
+
     def delivered(self, ticket: ModelTicket) -> None:
         """The reply reached the caller: count it for the episode's record."""
         if ticket.episode is None or ticket.retired:

@@ -7,7 +7,10 @@ prompt masked and the generated tokens trained with that advantage. One call
 to ``train_step`` is one optimizer step and bumps ``weight_version`` by one;
 the caller ships ``state_dict_for_refit()`` to the generation workers. A step
 can also be fed group by group as groups complete (``open_step``: see
-``GRPOStreamingStep``); ``train_step`` is that with a single add.
+``GRPOStreamingStep``); ``train_step`` is that with a single add. With
+``grpo.deterministic`` the trainer takes each add's samples in one canonical
+order (group position, then sibling index: ``canonical_order``) and keeps what
+the step trained, sample by sample, as ``last_trace`` (``nemo_rl.parity.trace``).
 
 The policy is a Hugging Face causal LM (``nemo_rl.models.policy.HFPolicy``);
 the logprobs of the loss come from the same model class the generation worker
@@ -39,6 +42,7 @@ from nemo_rl.algorithms.loss_functions import clipped_pg_loss
 from nemo_rl.algorithms.single_controller_utils.interfaces import StepLedger, already_open
 from nemo_rl.experience.sample import RolloutSample
 from nemo_rl.models.policy import HFPolicy
+from nemo_rl.parity.trace import TracedSample, canonical_order, trace_samples
 from gym_patches.checkpoint.storage import StorageWriter
 from nemo_rl.utils.atomic_write import PLAIN_FILES, write_bytes_atomic, write_stream_atomic
 from nemo_rl.utils.write_errors import as_write_error, naming_write, newest_file
@@ -155,6 +159,7 @@ class GRPOTrainer:
         # Guards the open step and the weights' update against save/load from another thread.
         self._lock = threading.RLock()
         self._open: GRPOStreamingStep | None = None
+        self.last_trace: list[TracedSample] | None = None  # deterministic: the last finished step's samples
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.policy_cfg
@@ -178,11 +183,16 @@ class GRPOTrainer:
         self.reference = HFPolicy(model, self.policy.tokenizer, self.policy.max_seq_len)
 
     # ----- batching ------------------------------------------------------
-    def _build(self, samples: list[RolloutSample]) -> tuple[list[_Seq], list[list[float]]]:
-        """The training sequences of ``samples`` and each prompt group's advantages (first-seen order)."""
+    def _grouped(self, samples: list[RolloutSample]) -> "OrderedDict[str, list[RolloutSample]]":
+        """``samples`` by prompt group, groups in first-seen order; deterministic: canonical order first."""
         groups: "OrderedDict[str, list[RolloutSample]]" = OrderedDict()
-        for s in samples:
+        for s in canonical_order(samples) if self.grpo_cfg.deterministic else samples:
             groups.setdefault(s.group_id, []).append(s)
+        return groups
+
+    def _build(self, samples: list[RolloutSample]) -> tuple[list[_Seq], list[list[float]]]:
+        """The training sequences of ``samples`` and each prompt group's advantages (``_grouped`` order)."""
+        groups = self._grouped(samples)
         advs = compute_group_advantages(
             [[s.reward for s in g] for g in groups.values()], normalize=self.grpo_cfg.normalize_rewards
         )
@@ -411,6 +421,7 @@ class GRPOStreamingStep:
         self._loss_sum = self._lp_err = self._lp_err_n = self._busy_s = 0.0
         self._agg = dict.fromkeys(_TOKEN_METRICS, 0.0)
         self._min_version: int | None = None
+        self._trace: list[TracedSample] = []
 
     def add(self, samples: list[RolloutSample]) -> None:
         """Train on whole prompt groups (gradients accumulate); a group already in this step is a ValueError."""
@@ -426,6 +437,9 @@ class GRPOStreamingStep:
                 self._fail("add", exc)
                 raise
             self.ledger.commit(group_ids)
+            if self.trainer.grpo_cfg.deterministic:  # the statistics' sums too follow the canonical order
+                samples = [s for g in self.trainer._grouped(samples).values() for s in g]
+                self._trace += trace_samples(samples, [a for g in advs for a in g])
             self._samples.extend(samples)
             self._advs.extend(advs)
             self._n_adds += 1
@@ -492,6 +506,7 @@ class GRPOStreamingStep:
                 self._fail("finish", exc)
                 raise
             self.ledger.close("finished")
+            t.last_trace = self._trace if t.grpo_cfg.deterministic else None
             t._release(self)
             lag = float(t.weight_version - 1 - self._min_version) if self._min_version is not None else 0.0
             return {

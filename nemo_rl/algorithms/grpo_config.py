@@ -33,6 +33,13 @@ class GRPOConfig(_Section):
     val_period: int = Field(default=0, ge=0)
     val_at_start: bool = False
     max_val_samples: int = Field(default=16, ge=1)
+    # Deterministic mode: every model call's tokens depend only on its request and a seed from ``seed``, its
+    # rollout (prompt position, sibling) and its index in the rollout, never on timing, batching, restarts or
+    # attempts; the trainer takes each step's samples in one canonical order; each step's trained samples are
+    # written to <logger.log_dir>/trained/. What recovery parity (examples/recovery_parity.py) needs. Its cost:
+    # the generation worker decodes one call at a time (no batching) and loads new weights only between calls
+    # (see docs/benchmarks.md for steps per hour on and off). Refused with streaming train.
+    deterministic: bool = False
 
 
 class LossConfig(_Section):

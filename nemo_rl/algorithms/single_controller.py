@@ -66,6 +66,7 @@ from nemo_rl.experience.rollout_recovery import (
 )
 from nemo_rl.experience.rollouts import sample_from_run_reply
 from nemo_rl.utils.loggers import MetricLoggers
+from nemo_rl.parity.trace import trace_of_step, write_step_trace
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.algorithms.single_controller_utils.run_identity_check import record_run_identity
 from nemo_rl.utils.startup_clock import StartupClock
@@ -277,6 +278,9 @@ class SingleController:
         grpo, target = self.config.grpo, self.step + 1
         t0 = time.monotonic()
         groups, samples, metrics, wait_s, train_s = await self._consume_step(target)
+        if grpo.deterministic:  # before the checkpoint: a step whose checkpoint exists has its record
+            trace = trace_of_step(self.trainer, samples, grpo.normalize_rewards)
+            await asyncio.to_thread(write_step_trace, self.config.logger.log_dir, target, trace)
         # Versions behind the weights this step trains from, by when each group began (the sampler bounds it).
         lags = [target - 1 - v for g in groups if (v := self.ledger.groups[g].start_weight_version) is not None]
         self.hooks.reached("train")  # batch consumed, step not checkpointed

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from nemo_rl.models.generation.call_seeds import CallDraws, token_at
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_PROBE_TIMEOUT_S = 10.0
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
@@ -141,12 +143,20 @@ def _empty_outputs(outputs: list[SampleOutput] | None, rows: int) -> list[Sample
 
 
 def _pick_tokens(last: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor, generator: torch.Generator | None,
-                 k_max: int) -> tuple[torch.Tensor, list[int], list[float], tuple[list, list] | None]:
+                 k_max: int, uniforms: list[float | None] | None = None,
+                 ) -> tuple[torch.Tensor, list[int], list[float], tuple[list, list] | None]:
     """One decoding step's token per row (sampled, or the argmax for greedy rows), its logprob under
-    ``logits / temperature``, and the ``k_max`` most likely (ids, logprobs) when asked for.
-    Split out of ``sample_batch``."""
+    ``logits / temperature``, and the ``k_max`` most likely (ids, logprobs) when asked for. A row with a
+    value in ``uniforms`` is sampled by that draw (``call_seeds.token_at``: deterministic sampling), the
+    others from ``generator``. Split out of ``sample_batch``."""
     logp = torch.log_softmax(last / temps, dim=-1)
-    sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    if uniforms is None or any(u is None for u in uniforms):
+        sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    else:
+        sampled = torch.empty(logp.shape[0], dtype=torch.long, device=logp.device)
+    for i, u in enumerate(uniforms or ()):
+        if u is not None:
+            sampled[i] = token_at(logp[i], u)
     tok = torch.where(greedy, logp.argmax(-1), sampled)
     tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
     tok_l, lp_l = tok.tolist(), tok_lp.tolist()
@@ -247,7 +257,8 @@ class HFPolicy:
                      top_k: list[int] | None = None,
                      between_steps: Callable[[], None] | None = None,
                      outputs: list[SampleOutput] | None = None,
-                     ignore_eos: list[bool] | None = None) -> list[SampleOutput]:
+                     ignore_eos: list[bool] | None = None,
+                     draws: list[CallDraws | None] | None = None) -> list[SampleOutput]:
         """Decode several prompts at once (left padding, KV cache).
 
         A temperature <= 0 means greedy, scored at temperature 1. A row stops at
@@ -264,7 +275,9 @@ class HFPolicy:
         token id before logprob, so another thread may read a row's tokens so far
         while it decodes (a generation cut): the first ``len(logprobs)`` token ids
         are always complete. ``ignore_eos[i]`` decodes row i to its limit, as
-        vLLM's ``ignore_eos``.
+        vLLM's ``ignore_eos``. ``draws[i]`` (deterministic sampling,
+        ``nemo_rl.models.generation.call_seeds``) samples row i's token t by a draw
+        that depends only on the row's seed and t, not on ``generator``.
         """
         from transformers import DynamicCache
 
@@ -285,7 +298,9 @@ class HFPolicy:
         active = [lim > 0 for lim in limits]
         k_max = min(max(top_k or [0]), self.vocab_size)
         while any(active):
-            tok, tok_l, lp_l, top = _pick_tokens(last, temps, greedy, generator, k_max)
+            uniforms = None if draws is None else [
+                None if d is None else d.u(len(o.token_ids)) for d, o in zip(draws, outs)]
+            tok, tok_l, lp_l, top = _pick_tokens(last, temps, greedy, generator, k_max, uniforms)
             rows.record(outs, active, tok_l, lp_l, top)
             if not any(active):
                 break

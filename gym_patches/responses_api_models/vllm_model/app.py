@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from gym_patches.checkpoint.cuts import (
     CALL_ID_HEADER,
+    CALL_INDEX_HEADER,
     CUT_FETCH_ROUTE,
     CUT_ROUTE,
     PREFIX_FIELD,
@@ -290,14 +291,17 @@ class VLLMModelServer(GymServer):
         """The reply to write: the mapped completion, the backend's 4xx, or a 502
         naming the backend. Errors are held like replies, so no agent moves on
         while prepared. A tracked call is named to the backend (``X-NG-Call-Id``) so a
-        snapshot can cut it; a restored episode's call carries its saved cut, once."""
+        snapshot can cut it, with its index in its episode (``X-NG-Call-Index``); a restored episode's call
+        carries its saved cut, once."""
+        call_index = None
         if ticket.episode is not None:
             ticket.call_id = f"{ticket.episode.capture_key}.{uuid.uuid4().hex[:12]}"
+            call_index = self.gate.delivered_calls(ticket.episode)
             cut = self.gate.take_restored_cut(ticket.episode)
             if cut is not None:
                 chat_body = {**chat_body, PREFIX_FIELD: cut.model_dump()}
         try:
-            reply = await self.gate.run(ticket, self._post_backend(chat_body, ticket.call_id))
+            reply = await self.gate.run(ticket, self._post_backend(chat_body, ticket.call_id, call_index))
             out = chat_to_responses(
                 reply,
                 model=self.global_config.policy_model_name,
@@ -315,7 +319,8 @@ class VLLMModelServer(GymServer):
             )
         return web.json_response(out)
 
-    async def _post_backend(self, chat_body: dict[str, Any], call_id: str | None = None) -> Any:
+    async def _post_backend(self, chat_body: dict[str, Any], call_id: str | None = None,
+                            call_index: int | None = None) -> Any:
         """The backend's reply. A backend that cannot be reached (refused, reset, closed under the call: a
         generation worker lost and being restarted) is sent the call again, with growing waits, for up to
         ``policy_unreachable_retry_s``: same call id, ``X-NG-Resend``, and the newest cut of the call the gate
@@ -325,7 +330,7 @@ class VLLMModelServer(GymServer):
         resends, first_failed = 0, None
         while True:
             try:
-                return await self._post_once(chat_body, call_id, resends)
+                return await self._post_once(chat_body, call_id, resends, call_index)
             except _Unreachable as exc:
                 first_failed = loop.time() if first_failed is None else first_failed
                 if loop.time() - first_failed >= retry_s:
@@ -338,12 +343,15 @@ class VLLMModelServer(GymServer):
                 if cut is not None:
                     chat_body = {**chat_body, PREFIX_FIELD: cut.model_dump()}
 
-    async def _post_once(self, chat_body: dict[str, Any], call_id: str | None, resends: int) -> Any:
+    async def _post_once(self, chat_body: dict[str, Any], call_id: str | None, resends: int,
+                         call_index: int | None = None) -> Any:
         url = self.backend_url
         assert url is not None and self._session is not None
         headers = {"Authorization": f"Bearer {self.global_config.policy_api_key}"}
         if call_id is not None:
             headers[CALL_ID_HEADER] = call_id
+        if call_index is not None:
+            headers[CALL_INDEX_HEADER] = str(call_index)
         if resends:
             headers[RESEND_HEADER] = str(resends)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)

@@ -100,6 +100,7 @@ class RayGenerationBackend:
         self._new_actor = worker_cls.options(num_cpus=1, num_gpus=gpus, max_restarts=0).remote
         self._args = (config.policy.trainer_policy().model_dump(mode="json"), model_files(model_dir))
         self._seed = config.grpo.seed
+        self._deterministic = config.grpo.deterministic  # per-call seeds, one call at a time
         self._port = port
         self._log_dir = None if log_dir is None else Path(log_dir) / "generation"
         self._cond = threading.Condition()  # refit and restart, one at a time; a refit waits for a restart
@@ -112,7 +113,8 @@ class RayGenerationBackend:
     def _start(self, weights: bytes, serial: int, version: int, timeout_s: float | None = None) -> None:
         self.starts += 1
         self.log_path = None if self._log_dir is None else str(self._log_dir / f"worker-{self.starts}.log")
-        self._worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path)
+        self._worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path,
+                                       deterministic=self._deterministic)
         self.base_url = ray.get(self._worker.start.remote("127.0.0.1", self._port), timeout=timeout_s)
         self._serving = (serial, version)  # the weights the worker holds, and their version
 
@@ -180,6 +182,11 @@ class GRPOTrainerAdapter:
     @property
     def weights_serial(self) -> int:
         return self.inner.weights_serial
+
+    @property
+    def last_trace(self):
+        """grpo.deterministic: what the last finished step trained, sample by sample (nemo_rl.parity.trace)."""
+        return self.inner.last_trace
 
     def train_step(self, samples):
         step = self.open_step()

@@ -75,7 +75,15 @@ import ray
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from pydantic import ValidationError
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, PREFIX_FIELD, RESEND_HEADER, GenerationCut, prompt_digest
+from gym_patches.checkpoint.cuts import (
+    CALL_ID_HEADER,
+    CALL_INDEX_HEADER,
+    PREFIX_FIELD,
+    RESEND_HEADER,
+    GenerationCut,
+    prompt_digest,
+)
+from nemo_rl.models.generation.call_seeds import messages_key, offset_seed, parse_call_index, request_seed
 from nemo_rl.models.chat import parse_reply, template_messages, template_tools
 from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
 from nemo_rl.models.generation.worker_log import redirect_output
@@ -196,7 +204,12 @@ class VllmGenerationServer:
     extension_cls = EXTENSION_CLS  # vLLM's --worker-extension-cls: the refit's load, run in its workers
 
     def __init__(self, policy_cfg: PolicyConfig | dict, model: str | dict[str, bytes], weights: Any = None,
-                 weight_version: int = 0, seed: int = 0, model_name: str | None = None, log_path: str | None = None):
+                 weight_version: int = 0, seed: int = 0, model_name: str | None = None, log_path: str | None = None,
+                 deterministic: bool = False):
+        """``deterministic`` (``grpo.deterministic``): each request is sent with vLLM's per-request ``seed``,
+        derived as the torch worker derives it (``call_seeds``), a continuation after a cut with a seed of its
+        own (``offset_seed``: vLLM draws from a generator, not by counter), and a refit waits for the requests
+        in flight (a request's tokens all come from one version)."""
         if log_path is not None:  # the run's log dir names it when this worker is lost
             redirect_output(log_path)
         self.cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.model_validate(policy_cfg)
@@ -221,6 +234,7 @@ class VllmGenerationServer:
         elif not any(self._dir.glob("*.safetensors")):
             raise ValueError("VllmGenerationServer: no weights given and none in the model directory")
         self._seed = int(seed)
+        self.deterministic = bool(deterministic)
         self._version = int(weight_version)
         self._proc: subprocess.Popen | None = None
         self._vllm_url: str | None = None
@@ -365,6 +379,8 @@ class VllmGenerationServer:
                 await asyncio.get_running_loop().run_in_executor(None, _write_safetensors, weights, path)
                 self._gate.clear()
                 in_flight = self._inflight  # read with the gate closing: these were sent at the old version
+                while self.deterministic and self._inflight:  # each request's tokens from one version
+                    await asyncio.sleep(0.01)
                 try:
                     await self._vllm_post("/pause", mode="keep", clear_cache="false")
                     try:
@@ -446,6 +462,10 @@ class VllmGenerationServer:
         if bad_id is not None:
             return web.json_response(error_body(bad_id, CALL_ID_HEADER), status=400)
         try:
+            call_index = parse_call_index(request.headers.get(CALL_INDEX_HEADER))
+        except ValueError as e:
+            return web.json_response(error_body(str(e), CALL_INDEX_HEADER), status=400)
+        try:
             body = await request.json()
         except Exception:  # noqa: BLE001
             return web.json_response(error_body("request body is not valid JSON", "body"), status=400)
@@ -466,6 +486,8 @@ class VllmGenerationServer:
             msg = str(e)
             return web.json_response(error_body(msg, msg.split(":")[0]), status=400)
         self.stats["requests"] += 1
+        if self.deterministic:
+            vbody["seed"] = request_seed(self._seed, call_id, call_index, messages_key(vbody["messages"]))
         if call_id is None and cut is None:  # nothing can cut it or continue it: vLLM's plain reply
             async with self._sending() as version:
                 vbody["cache_salt"] = _versioned_salt(body.get("cache_salt"), version)
@@ -565,6 +587,8 @@ class VllmGenerationServer:
         if finish is not None:  # the cut already holds the whole reply: nothing to decode
             out = _Streamed(finish_reason=finish)
         else:
+            if self.deterministic:  # reproducible for this cut (vLLM cannot skip its generator to token len(ids))
+                vbody = {**vbody, "seed": offset_seed(vbody["seed"], len(ids))}
             status, out, sent_at = await self._decode_tail(body, vbody, live, prompt_ids + ids, budget, ignore_eos)
             if status != 200:
                 return status, out

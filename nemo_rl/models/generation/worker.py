@@ -42,8 +42,9 @@ import torch
 from aiohttp import web
 from pydantic import ValidationError
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, RESEND_HEADER, PrefixContinuation, prompt_digest
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CALL_INDEX_HEADER, RESEND_HEADER, PrefixContinuation, prompt_digest
 from nemo_rl.models.chat import parse_reply, render_prompt
+from nemo_rl.models.generation.call_seeds import CallDraws, parse_call_index, prompt_key, request_seed
 from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
@@ -69,6 +70,7 @@ class _Job:
     # Filled in place by the decode thread; a generation cut reads it from the event loop (through ``live``).
     out: SampleOutput = field(default_factory=lambda: SampleOutput([], [], "length"), repr=False)
     live: LiveCall | None = field(default=None, repr=False)  # its version is set as the batch starts
+    draws: CallDraws | None = None  # deterministic sampling: the call's seed and its first token's index
 
 
 @dataclass
@@ -140,7 +142,11 @@ class GenerationServer:
         seed: int = 0,
         model_name: str | None = None,
         log_path: str | None = None,
+        deterministic: bool = False,
     ):
+        """``deterministic`` (``grpo.deterministic``): each call is sampled by draws from its own seed
+        (``call_seeds``: ``seed``, its rollout, its index), decoded alone (batched floats differ from a
+        row decoded alone), and new weights load only between calls."""
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -178,6 +184,8 @@ class GenerationServer:
         self.tokenizer = self.policy.tokenizer
         self._version = int(weight_version)
         self._gen = torch.Generator(device=self.policy.device).manual_seed(seed)
+        self._run_seed = int(seed)
+        self.deterministic = bool(deterministic)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
         # The refit slot: the event loop fills it, the decode thread empties it (at a step boundary while a
         # batch decodes, else at once); the lock makes "is a batch decoding?" and "fill the slot" one step.
@@ -318,9 +326,10 @@ class GenerationServer:
 
     # ----- generation ----------------------------------------------------
     async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0,
-                       ignore_eos: bool = False, live: LiveCall | None = None) -> dict:
+                       ignore_eos: bool = False, live: LiveCall | None = None, draws: CallDraws | None = None) -> dict:
         """Queue one prompt; resolves to ``{token_ids, logprobs, finish_reason, weight_version}``.
-        ``live`` (a call a cut may name) is given the job, so a cut reads its tokens as they come."""
+        ``live`` (a call a cut may name) is given the job, so a cut reads its tokens as they come;
+        ``draws`` sample it deterministically."""
         if self._queue is None:
             raise RuntimeError("call start() before generate()")
         if len(prompt_ids) >= self.policy.max_seq_len:
@@ -332,7 +341,7 @@ class GenerationServer:
             )
         fut = asyncio.get_running_loop().create_future()
         job = _Job(list(prompt_ids), int(max_new_tokens), float(temperature), fut, int(top_k), bool(ignore_eos),
-                   live=live)
+                   live=live, draws=draws)
         if live is not None:  # a cut reads the job's output as the decode thread appends to it
             live.ids, live.lps = job.out.token_ids, job.out.logprobs
         await self._queue.put(job)
@@ -340,7 +349,8 @@ class GenerationServer:
 
     def _between_steps(self) -> None:
         self.stats["decode_steps"] += 1
-        self._apply_pending(True)
+        if not self.deterministic:  # deterministic: a call's tokens all come from the weights it started with
+            self._apply_pending(True)
 
     def _decode_batch(self, jobs: list[_Job]) -> tuple[list, int]:
         """Decode one batch; returns its outputs and the version that sampled its first tokens."""
@@ -362,6 +372,7 @@ class GenerationServer:
                 between_steps=self._between_steps,
                 outputs=[j.out for j in jobs],
                 ignore_eos=[j.ignore_eos for j in jobs],
+                draws=[j.draws for j in jobs] if self.deterministic else None,
             )
         finally:
             with self._slot_lock:
@@ -372,12 +383,14 @@ class GenerationServer:
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        window = self.cfg.generation.batch_window_ms / 1000.0
+        # Deterministic: one call at a time (a row's floats in a batch differ from the same row alone on CPU).
+        window = 0.0 if self.deterministic else self.cfg.generation.batch_window_ms / 1000.0
+        limit = 1 if self.deterministic else self.cfg.generation.max_batch_size
         while True:
             jobs = [await self._queue.get()]
             if window > 0:
                 await asyncio.sleep(window)
-            while not self._queue.empty() and len(jobs) < self.cfg.generation.max_batch_size:
+            while not self._queue.empty() and len(jobs) < limit:
                 jobs.append(self._queue.get_nowait())
             jobs = [j for j in jobs if not j.future.done()]  # client went away
             if not jobs:
@@ -415,6 +428,10 @@ class GenerationServer:
             if bad_id is not None:
                 raise _BadRequest(bad_id, CALL_ID_HEADER)
             try:
+                call_index = parse_call_index(request.headers.get(CALL_INDEX_HEADER))
+            except ValueError as e:
+                raise _BadRequest(str(e), CALL_INDEX_HEADER) from None
+            try:
                 body = await request.json()
             except Exception:
                 raise _BadRequest("request body is not valid JSON", "body") from None
@@ -444,9 +461,11 @@ class GenerationServer:
             if gen_cfg.ignore_eos:
                 req.ignore_eos = True
             live = None if call_id is None else LiveCall(prompt_digest(prompt_ids))
+            seed = request_seed(self._run_seed, call_id, call_index, prompt_key(prompt_ids)) \
+                if self.deterministic else None
             with self.cuts.tracking(call_id, live):
                 out, continuation = await self._generate_call(req, prompt_ids, max_new, temperature, live,
-                                                              call_id, request.headers.get(RESEND_HEADER))
+                                                              call_id, request.headers.get(RESEND_HEADER), seed)
         except _BadRequest as e:
             return web.json_response(error_body(str(e), e.param, e.code), status=400)
         body = self._completion_body(req, prompt_ids, out)
@@ -456,15 +475,18 @@ class GenerationServer:
 
     async def _generate_call(self, req: ChatCompletionRequest, prompt_ids: list[int], max_new: int,
                              temperature: float, live: LiveCall | None, call_id: str | None = None,
-                             resend: str | None = None) -> tuple[dict, PrefixContinuation | None]:
+                             resend: str | None = None, seed: int | None = None,
+                             ) -> tuple[dict, PrefixContinuation | None]:
         """Decode one call: from its start, or after the saved prefix ``ng_prefix`` when ``Continuation``
-        keeps it (else it is discarded and the call starts over)."""
+        keeps it (else it is discarded and the call starts over). ``seed``: deterministic sampling, the
+        tail's draws continuing after the prefix's tokens."""
         plan = Continuation.of(req.ng_prefix)
         if plan is not None:
             plan.check_prompt(prompt_ids)
         count_resend(self.stats, resend, call_id, plan)
         if plan is None or not plan.kept:
-            out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0, req.ignore_eos, live)
+            out = await self.generate(prompt_ids, max_new, temperature, req.top_logprobs or 0, req.ignore_eos, live,
+                                      None if seed is None else CallDraws(seed))
             return out, None if plan is None else plan.reply(self.stats)
         ids, lps = plan.ids, plan.lps
         plan.follow(live)
@@ -474,7 +496,7 @@ class GenerationServer:
             tail = {"token_ids": [], "logprobs": [], "top": [], "finish_reason": finish}
         else:
             tail = await self.generate(prompt_ids + ids, budget, temperature, req.top_logprobs or 0,
-                                       req.ignore_eos, live)
+                                       req.ignore_eos, live, None if seed is None else CallDraws(seed, len(ids)))
         continuation = plan.reply(self.stats)
         tops = tail.get("top") or [[] for _ in tail["token_ids"]]
         out = {"token_ids": ids + tail["token_ids"], "logprobs": lps + tail["logprobs"],

@@ -1,0 +1,200 @@
+"""Run a config to its end while a fault schedule strikes it from outside (``faults.Schedule``).
+
+The driver watches what the run writes (``snapshots.jsonl``, ``recoveries.jsonl``, each snapshot's
+``gym_checkpoint.json``) and acts by signals on pids (``processes``): it knows nothing of how the run
+recovers. A fault is due once ``after_snapshots`` committed snapshots that saved rollouts (for an in-run
+Gym fault: saved some on its replica) appeared since the previous fault was over; a relaunch fault is over
+when the same command has been started again, an in-run fault when ``recoveries.jsonl`` has a new row.
+Each delivered fault is a line of ``<root>/faults.jsonl`` (what, when, the pids it hit, the snapshot it
+followed). Faults left when the run ends are reported, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from nemo_rl.parity import processes
+from nemo_rl.parity.faults import Fault, Schedule
+from nemo_rl.parity.launch import Launch, RunCommand, RunPlace, new_marker
+
+FAULT_LOG = "faults.jsonl"
+POLL_S = 0.1
+# At prefix level a relaunch or a worker loss waits for a snapshot that cut a call in flight (so a cut is
+# continued), unless this many snapshots that saved rollouts came without one (a backend without cuts).
+PREFIX_CUT_PATIENCE = 10
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Complete JSON lines of ``path`` ([] when absent); a line torn by a kill is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+@dataclass
+class DriveOutcome:
+    launches: list[dict[str, Any]] = field(default_factory=list)  # n, argv, returncode, wall_s, output
+    delivered: list[dict[str, Any]] = field(default_factory=list)
+    undelivered: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+class FaultDriver:
+    """Runs ``command`` at ``place`` to its end under ``schedule``."""
+
+    def __init__(self, command: RunCommand, place: RunPlace, schedule: Schedule, *, shards: list[str],
+                 prefix: bool = False, launch_timeout_s: float = 3600.0, stop_wait_s: float = 60.0,
+                 log: Callable[[str], None] = print):
+        self.command, self.place, self.schedule, self.shards = command, place, schedule, shards
+        self.prefix = prefix
+        self.launch_timeout_s, self.stop_wait_s, self.log = launch_timeout_s, stop_wait_s, log
+        self.marker = new_marker()
+        self.extra: list[str] = []  # overrides a relaunch fault added (sticky)
+        self.outcome = DriveOutcome()
+        self._turn_levels: dict[str, dict[str, list[str]]] = {}
+        self._stopped: list[int] = []
+
+    # ------------------------------------------------------------------ what the run wrote
+    def _committed(self) -> list[dict[str, Any]]:
+        return [r for r in read_jsonl(self.place.logs / "snapshots.jsonl") if r.get("committed")]
+
+    def _turn_level(self, path: str | None) -> dict[str, list[str]]:
+        """A committed snapshot's saved rollouts per replica, read once as it appears (it may be pruned)."""
+        if not path:
+            return {}
+        if path not in self._turn_levels:
+            try:
+                data = json.loads((Path(path) / "gym_checkpoint.json").read_text())
+                self._turn_levels[path] = dict(data.get("turn_level") or {})
+            except (OSError, ValueError):
+                self._turn_levels[path] = {}
+        return self._turn_levels[path]
+
+    def _recoveries(self) -> int:
+        return len(read_jsonl(self.place.logs / "recoveries.jsonl"))
+
+    def _target_replica(self, fault: Fault) -> str | None:
+        found = processes.replicas(self.place.logs)
+        return fault.replica or (found[-1] if found else None)
+
+    def _due(self, fault: Fault, since: int) -> dict[str, Any] | None:
+        """The snapshot after which ``fault`` is due, or None yet."""
+        rows = [r for r in self._committed()[since:] if r.get("saved", 0) > 0]
+        if fault.kind in ("server", "stop", "replica"):
+            replica = self._target_replica(fault)
+            rows = [r for r in rows if self._turn_level(r.get("path")).get(replica)]
+        elif self.prefix:
+            with_cuts = [r for r in rows if r.get("cuts", 0) > 0]
+            rows = with_cuts if with_cuts or len(rows) < PREFIX_CUT_PATIENCE else rows
+        return rows[fault.after_snapshots - 1] if len(rows) >= fault.after_snapshots else None
+
+    # ------------------------------------------------------------------ acting
+    def _pids_for(self, fault: Fault) -> dict[str, int]:
+        logs = self.place.logs
+        if fault.kind == "worker":
+            pid = processes.generation_worker(logs)
+            return {} if pid is None else {"generation worker": pid}
+        replica = self._target_replica(fault)
+        if replica is None:
+            return {}
+        servers = processes.replica_servers(logs, replica)
+        if fault.kind == "replica":
+            actor = processes.parent_pid(next(iter(servers.values()))) if servers else None
+            return {} if actor is None else {"actor": actor, **servers}  # the actor first, then its servers
+        names = sorted(servers)
+        name = fault.server or (names[0] if fault.kind == "server" else names[-1]) if names else None
+        return {name: servers[name]} if name in servers else {}
+
+    def _launch(self) -> Launch:
+        n = len(self.outcome.launches) + 1
+        launch = Launch(self.command, self.place, n, list(self.extra), self.marker)
+        self.outcome.launches.append({"n": n, "argv": launch.argv, "returncode": None, "output": str(launch.out_path)})
+        self.log(f"launch {n}: {' '.join(launch.argv)}")
+        return launch
+
+    def _ended(self, launch: Launch, returncode: int | None) -> None:
+        row = self.outcome.launches[-1]
+        row["returncode"], row["wall_s"] = returncode, round(launch.elapsed(), 1)
+
+    def _record(self, fault: Fault, n: int, hit: dict[str, int], after: dict[str, Any]) -> None:
+        row = {"n": n, "fault": fault.spec, "what": fault.describe(), "time": time.time(), "pids": hit,
+               "launch": len(self.outcome.launches), "after_snapshot": after.get("path"),
+               "after_step": after.get("step")}
+        self.outcome.delivered.append(row)
+        with open(self.place.root / FAULT_LOG, "a") as out:
+            out.write(json.dumps(row) + "\n")
+        self.log(f"fault {n}: {fault.describe()} (pids {hit}) after {after.get('path')}")
+
+    def _relaunch_fault(self, launch: Launch, fault: Fault) -> int | None:
+        """Deliver a whole-run fault; returns the exit status it caused (None: killed)."""
+        if fault.kind == "kill":
+            launch.kill_all()
+            status = None
+        else:
+            status = launch.terminate(self.stop_wait_s)
+        self._ended(launch, status if status is not None else launch.returncode)
+        left = processes.reap(self.marker)
+        if left:
+            self.log(f"after the {fault.kind}: {len(left)} process(es) of the run outlived it and were killed")
+        if fault.replicas is not None:
+            self.extra = [o for o in self.extra if ".replicas=" not in o]
+            self.extra += [f"env.nemo_gym.shards.{i}.replicas={fault.replicas}" for i in range(len(self.shards))]
+        return status
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> DriveOutcome:
+        faults = list(self.schedule.faults)
+        launch = self._launch()
+        since, waiting_for = len(self._committed()), None  # waiting_for: recoveries.jsonl rows to reach
+        try:
+            while True:
+                code = launch.returncode
+                if code is not None:
+                    self._ended(launch, code)
+                    if code != 0:
+                        self.outcome.error = f"launch {launch.n} exited with {code}:\n{launch.tail()}"
+                    break
+                if launch.elapsed() > self.launch_timeout_s:
+                    launch.kill_all()
+                    self._ended(launch, None)
+                    self.outcome.error = f"launch {launch.n} ran past {self.launch_timeout_s:g} s:\n{launch.tail()}"
+                    break
+                if waiting_for is not None and self._recoveries() >= waiting_for:
+                    waiting_for, since = None, len(self._committed())
+                if faults and waiting_for is None:
+                    fault = faults[0]
+                    after = self._due(fault, since)
+                    pids = self._pids_for(fault) if after is not None and fault.in_run else {}
+                    if after is not None and (fault.relaunches or pids):
+                        faults.pop(0)
+                        n = len(self.outcome.delivered) + 1
+                        if fault.relaunches:
+                            status = self._relaunch_fault(launch, fault)
+                            self._record(fault, n, {"driver": launch.proc.pid, "exit": status}, after)
+                            launch = self._launch()
+                            since = len(self._committed())
+                        else:
+                            waiting_for = self._recoveries() + 1
+                            hit = processes.send(pids, fault.signal)
+                            if fault.signal == signal.SIGSTOP:
+                                self._stopped += list(hit.values())
+                            self._record(fault, n, hit, after)
+                time.sleep(POLL_S)
+        finally:
+            if launch.returncode is None:
+                launch.kill_all()
+            processes.send({str(p): p for p in self._stopped}, signal.SIGCONT)
+            processes.reap(self.marker)
+        self.outcome.undelivered = [f.spec for f in faults]
+        return self.outcome

@@ -48,6 +48,8 @@ Measurements (see docs/benchmarks.md for the method behind each):
   generation_recovery 16. in-run recovery of the generation worker at turn and prefix: loss to the first
                  call sent again, tokens kept from cuts (preset ``generation_recovery``, about 5 minutes;
                  ``generation_recovery_smoke``)
+  deterministic_cost 17. grpo.deterministic on against off on the main job: steps per hour, load average
+                 (preset ``deterministic_cost``, about 20 minutes; ``deterministic_cost_smoke``)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -79,6 +81,7 @@ from bench import (  # noqa: E402
     alternative,
     async_throughput,
     bookkeeping,
+    deterministic_cost,
     generation_recovery,
     gym_recovery,
     overhead,
@@ -97,7 +100,7 @@ from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
                                bookkeeping, async_throughput, prefix_work_lost, preemption, restore_io,
-                               gym_recovery, generation_recovery)}
+                               gym_recovery, generation_recovery, deterministic_cost)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -282,6 +285,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("15. " + restore_io.verdict(results["restore_io"]["goal"]))
     if "generation_recovery" in results:
         lines.append("16. " + generation_recovery.verdict(results["generation_recovery"]["goal"]))
+    if "deterministic_cost" in results:
+        lines.append("17. " + deterministic_cost.verdict(results["deterministic_cost"]["goal"]))
     return lines
 
 

@@ -130,9 +130,19 @@ GENERATION_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
     "generation_recovery": {"repeats": 1, "levels": ("prefix",), "steps": 3, "prompts": 2, "warm_start_steps": 5},
 }
 
+# Measurement 17, what grpo.deterministic costs the main job: 3 repeats of 12 steps, on and off interleaved
+# (about 20 minutes on 2 cores); ``deterministic_cost_smoke`` is one short pair.
+DETERMINISTIC_COST: dict[str, dict[str, Any]] = {"deterministic_cost": {"repeats": 3, "steps": 12}}
+DETERMINISTIC_COST_SMOKE: dict[str, dict[str, Any]] = {
+    "deterministic_cost": {"repeats": 1, "steps": 2, "timeout_s": 400.0,
+                           "overrides": ("grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+                                         "policy.warm_start.steps=5")},
+}
+
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
            "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
            "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE,
            "gym_recovery": GYM_RECOVERY, "gym_recovery_smoke": GYM_RECOVERY_SMOKE,
            "restore_io": RESTORE_IO, "restore_io_smoke": RESTORE_IO_SMOKE,
-           "generation_recovery": GENERATION_RECOVERY, "generation_recovery_smoke": GENERATION_RECOVERY_SMOKE}
+           "generation_recovery": GENERATION_RECOVERY, "generation_recovery_smoke": GENERATION_RECOVERY_SMOKE,
+           "deterministic_cost": DETERMINISTIC_COST, "deterministic_cost_smoke": DETERMINISTIC_COST_SMOKE}

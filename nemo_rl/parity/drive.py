@@ -112,8 +112,8 @@ class FaultDriver:
         if fault.kind == "replica":
             actor = processes.parent_pid(next(iter(servers.values()))) if servers else None
             return {} if actor is None else {"actor": actor, **servers}  # the actor first, then its servers
-        names = sorted(servers)
-        name = fault.server or (names[0] if fault.kind == "server" else names[-1]) if names else None
+        names = sorted(n for n in servers if n != processes.HEAD_SERVER)  # the head only publishes the config
+        name = fault.server or ((names[0] if fault.kind == "server" else names[-1]) if names else None)
         return {name: servers[name]} if name in servers else {}
 
     def _launch(self) -> Launch:

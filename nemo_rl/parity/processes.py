@@ -42,12 +42,6 @@ def replicas(log_dir: str | os.PathLike) -> list[str]:
                   for r in s.iterdir() if r.is_dir() and r.name.startswith("replica-")) if root.is_dir() else []
 
 
-def server_names(log_dir: str | os.PathLike, replica: str) -> list[str]:
-    """The Gym servers of ``replica`` (by their log files; the head server left out), sorted."""
-    directory = Path(log_dir) / GYM_LOGS / replica
-    return sorted(p.stem for p in directory.glob("*.log") if p.stem != HEAD_SERVER) if directory.is_dir() else []
-
-
 def replica_servers(log_dir: str | os.PathLike, replica: str) -> dict[str, int]:
     """The live server processes of ``replica``, by server name (after a restart: the new ones)."""
     logs = (Path(log_dir) / GYM_LOGS / replica).resolve()

@@ -31,11 +31,12 @@ from bench import (  # noqa: E402
     work_lost,
 )
 from bench import async_throughput, generation_recovery, gym_recovery, prefix_work_lost, restore_io  # noqa: E402
+from bench import deterministic_cost  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
 from bench.presets import ASYNC_TINY, GYM_RECOVERY_SMOKE, PREFIX_TINY, RESTORE_IO, RESTORE_IO_SMOKE  # noqa: E402
-from bench.presets import GENERATION_RECOVERY_SMOKE  # noqa: E402
+from bench.presets import DETERMINISTIC_COST_SMOKE, GENERATION_RECOVERY_SMOKE  # noqa: E402
 from nemo_rl.utils.startup_clock import PHASES  # noqa: E402
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(600)]
@@ -515,3 +516,25 @@ def test_product_flag_sets_the_checkout_of_restore_io() -> None:
     assert chosen == ["restore_io"] and preset["restore_io"]["product"] == "/tmp/before"
     with pytest.raises(ValueError, match="--product"):
         bench_recovery.plan(bench_recovery.parse_args(["--preset", "n8192", "--product", "/tmp/before"]))
+
+
+@pytest.mark.alone  # CPU-bound: the real trainer and the torch worker
+def test_deterministic_cost_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 17 at its smallest: one pair of 2-step main-job runs, deterministic mode off and on; both
+    finish, both rates are finite, only the deterministic run records what each step trained, and the table
+    prints the load average beside the rates."""
+    params = dict(DETERMINISTIC_COST_SMOKE["deterministic_cost"])
+    params["overrides"] = (*params["overrides"], f"policy.cache_dir={tmp_path / 'model_cache'}")
+    res = deterministic_cost.measure(workdir=tmp_path / "runs", log=_quiet, **params)
+    assert res["name"] == deterministic_cost.NAME
+    by_mode = {w["mode"]: w for w in res["runs"]}
+    assert set(by_mode) == {"off", "on"}
+    for mode, run in by_mode.items():
+        assert run["measured_steps"] == 1 and _finite(run["steps_per_hour"], run["mean_step_s"]), run
+        assert len(run["loadavg_1m"]) == 2 and not run["stragglers"], run
+    assert by_mode["on"]["trained_records"] == 2 and by_mode["off"]["trained_records"] == 0
+    assert res["goal"]["pct"]["n"] == 1
+    table = deterministic_cost.table(res)
+    assert "1-min load average" in table and "| on |" in table and "| off |" in table
+    assert any(line.startswith("17. Deterministic mode costs") for line in
+               bench_recovery.goal_lines({deterministic_cost.NAME: res}))

@@ -111,7 +111,7 @@ def test_turn_two_whole_run_kills_at_random_snapshots_train_exactly_the_referenc
     result, text = _parity(tmp_path, cache, turn_reference, "turn", "kill,kill", seed=1)
     _assert_parity(result, text)
     faulted = RunPlace(tmp_path / "faulted")
-    assert [launch["returncode"] for launch in result.faulted.launches] == [None, None, 0], text
+    assert [launch["returncode"] for launch in result.faulted.launches] == [-9, -9, 0], text
     assert _held(faulted)
     restored = _restored_samples(faulted)
     assert restored, "no trained sample came from a rollout restored at its turn: the kills saved nothing"
@@ -132,6 +132,10 @@ def test_turn_in_run_losses_of_each_kind_train_exactly_the_reference(tmp_path, c
     faulted = RunPlace(tmp_path / "faulted")
     rows = [json.loads(line) for line in (faulted.logs / "recoveries.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["part"] for r in rows} >= {"generation", "replica"}, rows
+    server, replica, worker, stop = (row["pids"] for row in result.faulted.delivered)
+    assert list(server) == ["policy_model"] and list(stop) == ["workplace_simple_agent"], result.faulted.delivered
+    assert {"actor", "policy_model", "workplace_assistant", "workplace_simple_agent"} <= set(replica)
+    assert list(worker) == ["generation worker"]
     assert len(result.faulted.launches) == 1 and result.faulted.launches[0]["returncode"] == 0
 
 

@@ -421,16 +421,21 @@ class GenerationServer:
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self._version})
 
-    async def _handle_chat(self, request: web.Request) -> web.Response:
+    @staticmethod
+    def _call_headers(request: web.Request) -> tuple[str | None, int | None]:
+        """The call's ``X-NG-Call-Id`` and ``X-NG-Call-Index`` (either may be absent); a bad one is refused."""
         call_id = request.headers.get(CALL_ID_HEADER)
+        bad_id = check_call_id(call_id)
+        if bad_id is not None:
+            raise _BadRequest(bad_id, CALL_ID_HEADER)
         try:
-            bad_id = check_call_id(call_id)
-            if bad_id is not None:
-                raise _BadRequest(bad_id, CALL_ID_HEADER)
-            try:
-                call_index = parse_call_index(request.headers.get(CALL_INDEX_HEADER))
-            except ValueError as e:
-                raise _BadRequest(str(e), CALL_INDEX_HEADER) from None
+            return call_id, parse_call_index(request.headers.get(CALL_INDEX_HEADER))
+        except ValueError as e:
+            raise _BadRequest(str(e), CALL_INDEX_HEADER) from None
+
+    async def _handle_chat(self, request: web.Request) -> web.Response:
+        try:
+            call_id, call_index = self._call_headers(request)
             try:
                 body = await request.json()
             except Exception:

@@ -53,7 +53,7 @@ from typing import Any, Iterable
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gym_patches.checkpoint.cuts import CALL_ID_HEADER, RESEND_HEADER
+from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CALL_INDEX_HEADER, RESEND_HEADER
 from gym_patches.utils.processes import signals_blocked
 
 FINAL_TEXT = "Done."
@@ -319,6 +319,7 @@ def build_app() -> web.Application:
                     "model": body.get("model"),
                     "authorization": request.headers.get("Authorization"),
                     "call_id": request.headers.get(CALL_ID_HEADER),
+                    "call_index": request.headers.get(CALL_INDEX_HEADER),
                     "resend": request.headers.get(RESEND_HEADER),
                 }
             )

@@ -252,6 +252,34 @@ async def test_prepare_holds_finished_reply_until_resume(backend, model_url, htt
     assert status_code == 200, reply
 
 
+async def test_each_tracked_call_carries_its_index_and_a_restored_episode_counts_on(backend, model_url, http,
+                                                                                    tmp_path):
+    """``X-NG-Call-Index``: the replies the episode was delivered when the call was made; a restored episode
+    (the next attempt) counts on from its record, so the same call keeps its index; untracked calls have none."""
+    user = "Count my calls"
+    backend.set_plans({user: [{"content": "one"}, {"content": "two"}, {"content": "three"}]})
+    url = f"{model_url}/ng-rollout/fi1/v1/responses"
+    for _ in range(2):
+        status, reply = await post(http, url, {"input": user})
+        assert status == 200, reply
+    status, _ = await post(http, f"{model_url}/v1/responses", {"input": user})
+    assert status == 200
+    await control(http, model_url, "prepare", checkpoint_id="ck-index")
+    await control(http, model_url, "commit", checkpoint_id="ck-index", checkpoint_dir=str(tmp_path),
+                  episode_ids=[{"rollout_id": "fi1"}])
+    await control(http, model_url, "resume", checkpoint_id="ck-index")
+    restored = await control(http, model_url, "restore", checkpoint_id="ck-index-restore",
+                             checkpoint_dir=str(tmp_path), episode_ids=[{"rollout_id": "fi1"}],
+                             source_checkpoint_id="ck-index")
+    assert restored["restored"] == ["fi1-a1"]
+    await control(http, model_url, "resume", checkpoint_id="ck-index-restore")
+    status, reply = await post(http, f"{model_url}/ng-rollout/fi1-a1/v1/responses", {"input": user})
+    assert status == 200, reply
+    calls = backend.calls(user)
+    assert [c["call_index"] for c in calls] == ["0", "1", None, "2"]
+    assert [c["call_id"].rsplit(".", 1)[0] if c["call_id"] else None for c in calls] == ["fi1", "fi1", None, "fi1-a1"]
+
+
 async def test_retire_cancels_an_inflight_call(backend, model_url, http):
     user = "Retire me"
     backend.set_plans({user: [{"content": "never seen"}]})

@@ -58,7 +58,7 @@ def test_unknown_mode_is_refused(hooks: CounterHooks) -> None:
 
 async def test_status_extra_and_counts(hooks: CounterHooks) -> None:
     p = ResourcesParticipant("exported", hooks)
-    assert p.status_extra() == {"mode": "exported"}
+    assert p.status_extra() == {"mode": "exported", "replayable": False}
     await seed(p, "r1", "s1")
     report = p.readiness()
     assert report.ready and report.counts["sessions"] == 1 and report.counts["inflight"] == 0
@@ -122,7 +122,7 @@ async def test_seeds_wait_while_closed_in_every_mode(hooks: CounterHooks) -> Non
 
 async def test_restart_only_block_and_best_effort(hooks: CounterHooks) -> None:
     p = ResourcesParticipant("restart_only", hooks)
-    assert p.status_extra() == {"mode": "restart_only"}
+    assert p.status_extra() == {"mode": "restart_only", "replayable": False}
     await seed(p, "r1", "s1")
     await seed(p, "r2-a1", "s2")
     await p.close_admission("block")

@@ -1,5 +1,6 @@
 """What a process that only checks a Gym config may know about each server implementation, without
-importing it: its config model and its checkpoint mode (docs/design.md §3, §5.2).
+importing it: its config model and its checkpoint mode, as a config declares it (``replayable``;
+docs/design.md §3, §5.2).
 
 The RL driver (its config check and ``--check``) and the launcher call ``check_servers``; only a Gym
 server process imports its implementation (``server_main.server_class``). Each implementation's
@@ -21,13 +22,26 @@ from gym_patches.server_configs import (
     parse_instance_config,
 )
 
-CheckpointMode = Literal["saves", "restart-only", "stateless"]
+# The implementation's own label, and what a config's ``replayable: true`` makes of it: a restart-only
+# server whose rollouts come back by replay is ``replayed``; a saving one says ``saves, replayable``.
+CheckpointMode = Literal["saves", "restart-only", "stateless", "replayed", "saves, replayable"]
 
 
 @dataclass(frozen=True)
 class ServerSpec:
     config_model: type[ServerConfigBase]
-    checkpoint_mode: CheckpointMode  # the launcher's and ``--check``'s label
+    checkpoint_mode: CheckpointMode  # the implementation's label (its ``checkpoint_mode_label()``)
+
+
+@dataclass(frozen=True)
+class DeclaredCheckpoint:
+    """One configured server's checkpoint mode as its config declares it: its label (the launcher's
+    table), whether it is restart-only, and whether its rollouts can come back by replay (declared with
+    ``replayable: true``, or by nature: ``stateless``)."""
+
+    mode: CheckpointMode
+    restart_only: bool
+    replayable: bool
 
 
 CATALOG: dict[tuple[str, str], ServerSpec] = {
@@ -49,13 +63,24 @@ def spec_of(server_type: str, implementation: str) -> ServerSpec:
     return spec
 
 
-def check_instance(instance: ServerInstanceConfig) -> CheckpointMode:
-    """Validate one server's implementation config (errors name the key); its checkpoint mode."""
+def declared_checkpoint(instance: ServerInstanceConfig) -> DeclaredCheckpoint:
+    """Validate one server's implementation config (errors name the key); its checkpoint mode as declared."""
     spec = spec_of(instance.server_type, instance.implementation)
-    parse_instance_config(spec.config_model, instance)
-    return spec.checkpoint_mode
+    parsed = parse_instance_config(spec.config_model, instance)
+    declared = getattr(parsed, "replayable", False) is True
+    base = spec.checkpoint_mode
+    if base == "restart-only":
+        return DeclaredCheckpoint("replayed" if declared else base, True, declared)
+    if base == "saves" and declared:
+        return DeclaredCheckpoint("saves, replayable", False, True)
+    return DeclaredCheckpoint(base, False, base == "stateless")
+
+
+def check_instance(instance: ServerInstanceConfig) -> CheckpointMode:
+    """Validate one server's implementation config (errors name the key); its checkpoint mode label."""
+    return declared_checkpoint(instance).mode
 
 
 def check_servers(config: GymGlobalConfig) -> dict[str, CheckpointMode]:
-    """Every server of a parsed Gym config validated; server name -> its checkpoint mode."""
+    """Every server of a parsed Gym config validated; server name -> its checkpoint mode label."""
     return {name: check_instance(instance) for name, instance in config.instances.items()}

@@ -35,6 +35,10 @@ class ResourcesServerConfig(ServerConfigBase):
 
     # tool name -> seconds to sleep before running it (tests use it to catch a call mid-flight)
     tool_delay_s: dict[str, float] = Field(default_factory=dict)
+    # "A session's state is a function of the tool calls it received, and those calls act nowhere else":
+    # a rollout on this server can come back by replaying its model calls into a fresh session
+    # (docs/design.md §4.5). A restart-only server that declares it reports checkpoint mode ``replayed``.
+    replayable: bool = Field(default=False, strict=True)
 
     @field_validator("tool_delay_s")
     @classmethod
@@ -55,6 +59,10 @@ class PythonSandboxConfig(ResourcesServerConfig):
 class VLLMModelConfig(ServerConfigBase):
     return_token_id_information: bool = True  # ask for and pass through token ids + logprobs
     request_timeout_s: float = Field(default=600.0, gt=0)  # per backend call
+    # Keep each episode's finished calls (request digests and replies) in its checkpoint record, so a
+    # rollout on replayable restart-only servers can come back by replay (``gym_patches.checkpoint.replay``).
+    # RL sets it per replica; off, a run pays nothing for it.
+    record_calls: bool = Field(default=False, strict=True)
 
 
 class LoopAgentConfig(ServerConfigBase):
@@ -65,6 +73,9 @@ class LoopAgentConfig(ServerConfigBase):
     model_call_timeout_s: float = Field(default=1800.0, gt=0, allow_inf_nan=False, strict=True)
     # Seed, tool calls and verify: a resources server that takes longer is taken as hung.
     resources_call_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False, strict=True)
+    # "Given the model's replies, this agent makes the same calls": a rollout on it can come back by
+    # running it again from its prompt while the model server replays its finished calls.
+    replayable: bool = Field(default=False, strict=True)
 
     @field_validator("model_server")
     @classmethod

@@ -30,13 +30,13 @@ from gym_patches.utils.collector import (
 )
 from gym_patches.server_configs import ServerConfigBase, parse_instance_config
 from gym_patches.utils.pacing import TurnPacer
-from gym_patches.wire_models import ACTIVITY_ROUTE
+from gym_patches.wire_models import ACTIVITY_ROUTE, REPLAY_STATS_ROUTE
 
 
 # Largest request body any Gym server reads (aiohttp's client_max_size).
 MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
-# Routes served at once, however busy the server: checkpoint control, liveness, the activity report.
-UNPACED_ROUTE_PREFIXES = (CHECKPOINT_ROUTE_PREFIX, "/health", ACTIVITY_ROUTE)
+# Routes served at once, however busy the server: checkpoint control, liveness, the activity and replay reports.
+UNPACED_ROUTE_PREFIXES = (CHECKPOINT_ROUTE_PREFIX, "/health", ACTIVITY_ROUTE, REPLAY_STATS_ROUTE)
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class RunErrorBody(BaseModel):
 
 
 ACTIVITY_ROUTE = "/ng-activity/v1/runs"
+REPLAY_STATS_ROUTE = "/ng-replay/v1/stats"  # a model server's replay counts (``gym_patches.checkpoint.replay``)
 
 RunPhase = Literal["seeding", "model_call", "tool_call", "verify", "between_calls"]
 

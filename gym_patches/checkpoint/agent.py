@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar, get_args
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Literal, TypeVar, get_args
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -36,6 +36,12 @@ _WAITING_ON_MODEL: frozenset[str] = frozenset({"awaiting_model", "holding_reply"
 _MUTABLE: frozenset[str] = frozenset({"seeding", "running"})  # the only phases in which the loop changes its state
 _NOT_STARTED: frozenset[str] = frozenset({"admitting", "seeding"})  # before the first boundary: nothing to save
 _AT_BOUNDARY: frozenset[str] = frozenset({"parked", *_WAITING_ON_MODEL})  # a commit exports these
+
+
+def declared_replayable(agent: Any) -> bool:
+    """The agent's ``replayable`` (its config): given the model's replies, its loop makes the same calls,
+    so its rollouts can come back by replay (only its status says so; RL decides)."""
+    return getattr(getattr(agent, "config", None), "replayable", False) is True
 
 
 def session_key(episode: EpisodeId) -> str:
@@ -207,6 +213,7 @@ class AgentSessionParticipant(CheckpointParticipant):
     def __init__(self, agent: Any = None):
         super().__init__()
         self.name: str = getattr(agent, "name", None) or "agent"
+        self.replayable = declared_replayable(agent)
         # The agent's bound on runs starting at once (one per server, shared with its loop).
         gate = getattr(agent, "start_gate", None)
         self.start_gate: StartGate = gate if isinstance(gate, StartGate) else StartGate()
@@ -229,7 +236,7 @@ class AgentSessionParticipant(CheckpointParticipant):
         self._ended = EndedRuns()
 
     def status_extra(self) -> dict[str, Any]:
-        return {"restart_only": False}
+        return {"restart_only": False, "replayable": self.replayable}
 
     # -- running sessions --------------------------------------------------
     def is_restored(self, capture_key: str) -> bool:
@@ -422,7 +429,8 @@ class AgentSessionParticipant(CheckpointParticipant):
             out.append(self._captured(s))
         return out + self._restored_records(None, ordered=False)
 
-    async def install(self, records: list[Record]) -> list[str]:
+    async def install(self, records: list[Record], replay: Collection[str] = ()) -> list[str]:
+        self.refuse_replay(replay, self.name)
         parsed: list[RestoredSession] = []
         seen: set[str] = set()
         for index, raw in enumerate(records):
@@ -486,12 +494,13 @@ class RestartOnlyAgentParticipant(CheckpointParticipant):
     def __init__(self, agent: Any = None):
         super().__init__()
         self.name: str = getattr(agent, "name", None) or "agent"
+        self.replayable = declared_replayable(agent)
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._retired_tasks: set[asyncio.Task[Any]] = set()
         self._ended = EndedRuns()
 
     def status_extra(self) -> dict[str, Any]:
-        return {"restart_only": True}
+        return {"restart_only": True, "replayable": self.replayable}
 
     @property
     def tracked(self) -> list[str]:
@@ -548,7 +557,8 @@ class RestartOnlyAgentParticipant(CheckpointParticipant):
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         return []  # nothing it runs can be saved
 
-    async def install(self, records: list[Record]) -> list[str]:
+    async def install(self, records: list[Record], replay: Collection[str] = ()) -> list[str]:
+        self.refuse_replay(replay, self.name)
         if records:
             raise CheckpointError(
                 f"{self.name}: restart-only agent cannot restore sessions ({len(records)} records given)"

@@ -151,13 +151,21 @@ class PersistCall(PersistRequest, _ScopedCall):
 
 
 class RestoreCall(RestoreRequest, _ScopedCall):
-    """Install saved episodes everywhere at once (undone on failure); scopes as for ``PersistCall``."""
+    """Install saved episodes everywhere at once (undone on failure); scopes as for ``PersistCall``.
+    ``replay_episode_ids`` is one list for the deployment: each server gets those in its own scope (a
+    replayed episode is in the model server's scope only, so its agent and tools start it fresh)."""
 
     route: ClassVar[str] = "restore"
     reply: ClassVar[type[BaseModel]] = RestoreReply
     wire: ClassVar[type[CheckpointRequest]] = RestoreRequest
 
     episode_ids: Scope  # type: ignore[assignment]
+
+    def body_for(self, server: str) -> CheckpointRequest:
+        scope = self.scope_for(server) or []
+        mine = set(scope)
+        return _body(self, self.wire, episode_ids=scope,
+                     replay_episode_ids=[e for e in self.replay_episode_ids if e in mine])
 
 
 class ResumeCall(ResumeRequest, _Call):

@@ -21,6 +21,9 @@ rollout among the prefix-level ones (``cut_rollouts``), the tokens its call in
 flight had decoded when admission closed (``gym_patches.checkpoint.cuts``). A
 restored episode's next call continues from its cut, once; a cut that cannot
 be taken never blocks the prepare (those calls regenerate at turn level).
+With ``record_calls`` the record also carries the episode's finished calls
+(``gym_patches.checkpoint.replay``): a restore that names the episode for
+replay answers its calls from them while the agent runs again from its prompt.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from gym_patches.checkpoint.cuts import CutSummary, GenerationCut
 from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId, next_attempt
 from gym_patches.checkpoint.participant import CheckpointParticipant, Record
-from gym_patches.checkpoint.records import CapturedRecord, capture_record, fragment
+from gym_patches.checkpoint.records import CapturedRecord, Fragment, capture_record, fragment, plain
+from gym_patches.checkpoint.replay import CallBook, CallPlan, RecordedCall, ReplayStats
 from gym_patches.checkpoint.wire import PrepareReport, RestartOnlyPolicy
 
 T = TypeVar("T")
@@ -75,8 +79,10 @@ def _observed(task: asyncio.Future) -> None:
 
 
 class ModelRecord(BaseModel):
-    """What the model saves per episode: replies delivered, and the cut of the call in flight, if any
-    (the call numbered ``delivered_calls``; ``cut_tokens`` is its token count, 0 without a cut)."""
+    """What the model saves per episode: replies delivered, the cut of the call in flight, if any
+    (the call numbered ``delivered_calls``; ``cut_tokens`` is its token count, 0 without a cut), and,
+    with ``record_calls``, the finished calls from call 0 on (``calls``: a gapless prefix of the
+    trajectory; more than ``delivered_calls`` while a replay has calls still queued)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -84,6 +90,7 @@ class ModelRecord(BaseModel):
     delivered_calls: int = Field(ge=0)
     cut: GenerationCut | None = None
     cut_tokens: int = Field(default=0, ge=0)
+    calls: list[RecordedCall] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _count_matches(self) -> "ModelRecord":
@@ -104,6 +111,7 @@ class ModelTicket:
     call_id: str | None = None  # the backend call's X-NG-Call-Id, set once it is sent
     task: asyncio.Future[Any] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    plan: CallPlan | None = None  # replayed or live (``plan_call``); None: not asked
 
     @property
     def capture_key(self) -> str | None:
@@ -133,19 +141,27 @@ class _CallCounts(dict):
         super().__delitem__(episode)
         self._written.add(episode)
 
+    def touch(self, episode: EpisodeId) -> None:
+        """Its record changed without a new count (a divergence dropped its queued calls)."""
+        self._written.add(episode)
+
     def take_written(self) -> set[EpisodeId]:
         written, self._written = self._written, set()
         return written
 
 
-def _model_record(episode: EpisodeId, delivered_calls: int, cut: GenerationCut | None = None) -> Record:
+def _model_record(episode: EpisodeId, delivered_calls: int, cut: GenerationCut | None = None,
+                  calls: tuple[Fragment, ...] = ()) -> Record:
     """The dump of a ``ModelRecord``, built directly (captures run while rollouts are held); a cut goes
-    in as a JSON fragment (its packed tokens are one string each)."""
+    in as a JSON fragment (its packed tokens are one string each), the recorded calls as the fragments
+    each was serialised to when it was delivered (a capture copies references, never their bytes)."""
     record: Record = {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
                       "delivered_calls": delivered_calls}
     if cut is not None:
         record["cut"] = fragment(cut)
         record["cut_tokens"] = cut.token_count
+    if calls:
+        record["calls"] = calls
     return record
 
 
@@ -176,6 +192,16 @@ class PolicyModelParticipant(CheckpointParticipant):
         # The newest fetched cut of each call still in flight (by call id): a call sent again because its
         # backend was lost continues from it (``newest_cut``); dropped as its call ends.
         self._live_cuts: dict[str, GenerationCut] = {}
+        # Each episode's finished calls (``record_calls``) and replay queue (``gym_patches.checkpoint.replay``).
+        self.calls = CallBook()
+
+    @property
+    def record_calls(self) -> bool:
+        return self.calls.recording
+
+    @record_calls.setter
+    def record_calls(self, on: bool) -> None:
+        self.calls.recording = bool(on)
 
     # -- the gate ----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -236,17 +262,27 @@ class PolicyModelParticipant(CheckpointParticipant):
         self._set_state(ticket, "writing")
         self.notify_changed()
 
-    def delivered_calls(self, episode: EpisodeId) -> int:
-        """Replies ``episode`` was delivered so far (a restored one counts on from its record): the index of
-        the call it makes now (``X-NG-Call-Index``)."""
-        return self._delivered.get(episode, 0)
+    def plan_call(self, ticket: ModelTicket, body: dict[str, Any]) -> CallPlan:
+        """Whether the admitted call ``ticket`` (its request ``body`` as sent) is answered from its
+        episode's record (a replay) or generated live; a divergence is noted here."""
+        episode = ticket.episode
+        if episode is None:
+            return CallPlan(index=-1)
+        plan = self.calls.plan(episode, self._delivered.get(episode, 0), body)
+        if plan.divergence is not None:
+            self._delivered.touch(episode)  # its record lost the calls it queued
+        ticket.plan = plan
+        return plan
 
-    def delivered(self, ticket: ModelTicket) -> None:
-        """The reply reached the caller: count it for the episode's record."""
+    def delivered(self, ticket: ModelTicket, reply: bytes | None = None) -> None:
+        """The reply reached the caller: count it for the episode's record, and record the call
+        (``reply``: its bytes as sent, without any replay annotation) when calls are recorded."""
         if ticket.episode is None or ticket.retired:
             return
         with contextlib.suppress(StaleAttemptError):
             self.check_attempt(ticket.episode)
+            if ticket.plan is not None:
+                self.calls.delivered(ticket.episode, ticket.plan, reply)
             self._delivered[ticket.episode] = self._delivered.get(ticket.episode, 0) + 1
 
     async def _wait_open(self, ticket: ModelTicket, state: TicketState | None = None) -> None:
@@ -406,7 +442,10 @@ class PolicyModelParticipant(CheckpointParticipant):
         return not any(t.episode is not None for t in self._by_state["writing"].values())
 
     def status_extra(self) -> dict[str, Any]:
-        return {"accepting": self.accepting}
+        return {"accepting": self.accepting, "replay": self.replay_stats().model_dump()}
+
+    def replay_stats(self) -> ReplayStats:
+        return self.calls.stats()
 
     def forget(self, rollout_ids: set[str]) -> int:
         gone = [e for e in self._delivered if e.rollout_id in rollout_ids]
@@ -415,7 +454,8 @@ class PolicyModelParticipant(CheckpointParticipant):
         cuts = [e for e in self._restored_cuts if e.rollout_id in rollout_ids]
         for episode in cuts:  # a trained or abandoned rollout's prefix is never continued
             del self._restored_cuts[episode]
-        return len(gone) + len(cuts) + super().forget(rollout_ids)
+        books = self.calls.drop(lambda e: e.rollout_id in rollout_ids)  # its calls are never replayed
+        return len(gone) + len(cuts) + books + super().forget(rollout_ids)
 
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
         """One record per episode. Without a scope: every episode with delivered
@@ -426,7 +466,7 @@ class PolicyModelParticipant(CheckpointParticipant):
         pending, self._cut = self._cut, None
         cuts, _, _ = await self._cuts_of(pending)
         if episodes is None:
-            chosen = {e: n for e, n in self._delivered.items() if n > 0}
+            chosen = {e: n for e, n in self._delivered.items() if n > 0 or self.calls.has_calls(e)}
             for episode in cuts:
                 chosen.setdefault(episode, self._delivered.get(episode, 0))
         else:
@@ -435,7 +475,8 @@ class PolicyModelParticipant(CheckpointParticipant):
                 with contextlib.suppress(StaleAttemptError):
                     self.check_attempt(episode)
                     chosen[episode] = self._delivered.get(episode, 0)
-        return [_model_record(e, n, cuts.get(e)) for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)]
+        return [_model_record(e, n, cuts.get(e), self.calls.calls_of(e))
+                for e, n in sorted(chosen.items(), key=lambda kv: kv[0].capture_key)]
 
     async def capture_records(self) -> list[Any]:
         """``export(None)`` as ``CapturedRecord``s, in no particular order (the capture keys them by
@@ -444,8 +485,9 @@ class PolicyModelParticipant(CheckpointParticipant):
         cache = self._capture_cache
         for episode in self._delivered.take_written():
             calls = self._delivered.get(episode, 0)
-            if calls > 0:
-                entry = capture_record(_model_record(episode, calls))
+            recorded = self.calls.calls_of(episode)  # references to the fragments made at delivery
+            if calls > 0 or recorded:
+                entry = capture_record(_model_record(episode, calls, calls=recorded))
                 assert entry is not None, f"the record of {episode} cannot be captured"
                 cache[episode] = entry
             else:
@@ -455,7 +497,8 @@ class PolicyModelParticipant(CheckpointParticipant):
             return list(cache.values())
         out: list[Any] = [entry for episode, entry in cache.items() if episode not in cuts]
         for episode in cuts:  # its cut joins after resume (``capture_completion``); never cached
-            entry = capture_record(_model_record(episode, self._delivered.get(episode, 0)))
+            entry = capture_record(_model_record(episode, self._delivered.get(episode, 0),
+                                                 calls=self.calls.calls_of(episode)))
             assert entry is not None, f"the record of {episode} cannot be captured"
             out.append(entry)
         return out
@@ -472,25 +515,36 @@ class PolicyModelParticipant(CheckpointParticipant):
 
         return fill
 
-    async def install(self, records: list[Record]) -> list[str]:
+    async def install(self, records: list[Record], replay: Collection[str] = ()) -> list[str]:
         """Install each record under ``next_attempt``; the old attempt is
-        superseded and refused from now on. All or nothing."""
-        parsed: list[ModelRecord] = []
+        superseded and refused from now on. All or nothing.
+
+        ``replay``: capture keys of saved episodes whose agent starts again from the prompt (their
+        restart-only servers are replayable): the new attempt counts its calls from 0 and answers
+        them from the record's ``calls`` while they match (``gym_patches.checkpoint.replay``). The
+        others continue at their turn, after ``delivered_calls``."""
+        parsed: list[tuple[ModelRecord, list[dict[str, Any]]]] = []
         for index, record in enumerate(records):
+            record = plain(record) if type(record) is dict else record
             try:
-                parsed.append(ModelRecord.model_validate(record))
+                parsed.append((ModelRecord.model_validate(record), list(record.get("calls") or [])))
             except ValidationError as exc:
                 fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<record>'}: {e['msg']}" for e in exc.errors())
                 raise CheckpointError(f"model record {index} is invalid: {fields}") from None
-        for rec in parsed:
+        unknown = set(replay) - {rec.episode_id.capture_key for rec, _ in parsed}
+        if unknown:
+            raise CheckpointError(f"replay names episodes this restore has no record of: {sorted(unknown)[:10]}")
+        for rec, _ in parsed:
             self.check_attempt(next_attempt(rec.episode_id))
         installed = []
-        for rec in parsed:
+        for rec, calls in parsed:
             self._cancel_covered(rec.episode_id)
             self.mark_retired(rec.episode_id)
             new = next_attempt(rec.episode_id)
-            self._delivered[new] = rec.delivered_calls
-            if rec.cut is not None:
+            replayed = rec.episode_id.capture_key in replay
+            self.calls.install(new, calls, rec.calls, replay=replayed, delivered=rec.delivered_calls)
+            self._delivered[new] = 0 if replayed else rec.delivered_calls
+            if rec.cut is not None:  # a replay reaches the cut call after replaying the calls before it
                 self._restored_cuts[new] = (rec.delivered_calls, rec.cut)
             installed.append(new.capture_key)
         return installed
@@ -514,4 +568,5 @@ class PolicyModelParticipant(CheckpointParticipant):
         for key in [e for e in self._restored_cuts
                     if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
             del self._restored_cuts[key]
+        self.calls.drop(lambda e: e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt)
         self.notify_changed()

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Awaitable, Callable, ClassVar, Collection
 
 from gym_patches.checkpoint.cuts import CutSummary
-from gym_patches.checkpoint.errors import StaleAttemptError
+from gym_patches.checkpoint.errors import CheckpointError, StaleAttemptError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import ParticipantKind, PrepareReport, RestartOnlyPolicy
 
@@ -72,9 +72,20 @@ class CheckpointParticipant(ABC):
         while prepared; must not include unsaved episodes."""
 
     @abstractmethod
-    async def install(self, records: list[Record]) -> list[str]:
+    async def install(self, records: list[Record], replay: Collection[str] = ()) -> list[str]:
         """Install records under ``next_attempt``; return the new capture keys.
-        All or nothing: on error nothing is installed."""
+        All or nothing: on error nothing is installed. ``replay``: capture keys of saved episodes
+        that start again from their prompt, answered from the model's recorded calls; only a model
+        server installs those (``refuse_replay`` for the others). The control plane passes it only
+        when not empty."""
+
+    def refuse_replay(self, replay: Collection[str], name: str) -> None:
+        """A server that is not a model server is never asked to install a replayed episode: its agent and
+        tools run that episode from its prompt, fresh."""
+        if replay:
+            raise CheckpointError(
+                f"{name}: episodes {sorted(replay)[:10]} are restored by replay: only the model server installs "
+                f"them (restore them on the model server's scope alone)")
 
     async def capture_records(self) -> list[Any]:
         """What a staged capture takes, the moment the participant is prepared: ``export(None)``.

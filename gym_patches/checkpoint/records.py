@@ -68,10 +68,17 @@ def decode_record(line: bytes) -> Any:
     return _DECODER.decode(line)
 
 
+def _fragments(value: Any) -> bool:
+    """A fragment, or a tuple of fragments (the model's recorded calls)."""
+    kind = type(value)
+    return kind is Fragment or (kind is tuple and all(type(v) is Fragment for v in value))
+
+
 def plain(record: dict[str, Any]) -> dict[str, Any]:
     """The record as plain Python objects (fragments parsed), as a restore will read it.
-    Participants put fragments only as a record's top-level values, so only those are looked for."""
-    if not any(isinstance(v, Fragment) for v in record.values()):
+    Participants put fragments only as a record's top-level values (alone, or a tuple of them), so
+    only those are looked for."""
+    if not any(_fragments(v) for v in record.values()):
         return record
     return _DECODER.decode(encode_record(record))
 
@@ -83,7 +90,7 @@ def frozen_copy(record: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
     """A copy of ``record`` that nothing running later can change, if one is cheap, and about the
     size of its JSON line (exact for strings and fragments, 12 bytes per name and number besides).
     Cheap: its ``episode_id`` (checked by the caller) rebuilt and every other value immutable (a
-    string, number, bool, None or JSON fragment), so encoding it can wait. ``(None, 0)``: some value
+    string, number, bool, None, JSON fragment or tuple of fragments), so encoding it can wait. ``(None, 0)``: some value
     could still change (a state given as Python objects); encode that record at once instead."""
     copy: dict[str, Any] = {}
     size = 0
@@ -91,6 +98,8 @@ def frozen_copy(record: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
         kind = type(value)
         if kind is Fragment or kind is str:
             size += len(value)
+        elif kind is tuple and all(type(v) is Fragment for v in value):
+            size += sum(map(len, value)) + len(value)
         elif name == "episode_id":
             value = {"rollout_id": value["rollout_id"], "attempt": value["attempt"]}
             size += len(value["rollout_id"]) + 40

@@ -10,6 +10,11 @@ and export all read one source of truth. A session is live from a successful
   same session id, all or nothing.
 - ``restart_only``: the state cannot leave the process. Under policy ``block``
   every live session blocks; under ``best_effort`` they are reported unsaved.
+- ``replayed``: restart-only in every respect here; it declares that a session's
+  state is a function of the tool calls it received and those calls act nowhere
+  else, so RL brings its rollouts back by replaying their model calls into fresh
+  sessions (``gym_patches.checkpoint.replay``). ``replayable`` says the same of an
+  ``exported`` server (``stateless`` ones are replayable by nature).
 
 In every mode, seeds that arrive while admission is closed wait for resume.
 """
@@ -22,7 +27,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, ClassVar, Literal
+from typing import Any, AsyncIterator, ClassVar, Collection, Literal
 
 from pydantic import ValidationError
 
@@ -37,11 +42,11 @@ from gym_patches.checkpoint.records import (
     check_plain_json,
     plain,
 )
-from gym_patches.checkpoint.wire import PrepareReport, ResourcesCheckpointMode, RestartOnlyPolicy
+from gym_patches.checkpoint.wire import RESTART_ONLY_MODES, PrepareReport, ResourcesCheckpointMode, RestartOnlyPolicy
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only")
+CHECKPOINT_MODES: tuple[str, ...] = ("stateless", "exported", "restart_only", "replayed")
 RETIRED_SESSIONS_KEPT = 10_000
 
 
@@ -94,11 +99,18 @@ class ResourcesParticipant(CheckpointParticipant):
 
     kind: ClassVar[Literal["resources"]] = "resources"
 
-    def __init__(self, mode: ResourcesCheckpointMode, hooks: SessionStateHooks, *, instance: str = "resources"):
+    def __init__(self, mode: ResourcesCheckpointMode, hooks: SessionStateHooks, *, instance: str = "resources",
+                 replayable: bool = False):
         super().__init__()
         if mode not in CHECKPOINT_MODES:
             raise ValueError(f"{instance}: checkpoint_mode must be one of {CHECKPOINT_MODES}, got {mode!r}")
+        if mode == "restart_only" and replayable:
+            mode = "replayed"  # the declaration is the mode: restart-only, and replayable
         self.mode: ResourcesCheckpointMode = mode
+        # Its rollouts can come back by replay: declared (``replayed``, or ``replayable`` on a saving
+        # server), or by nature (``stateless``). Only the status says it; nothing here acts on it.
+        self.replayable = mode in ("replayed", "stateless") or bool(replayable)
+        self.restart_only = mode in RESTART_ONLY_MODES
         self.hooks = hooks
         # A server whose session states name what only its process has (a local file, a handle) says so.
         self.records_portable = bool(getattr(hooks, "records_portable", True))
@@ -123,7 +135,7 @@ class ResourcesParticipant(CheckpointParticipant):
     @property
     def holds_session_calls(self) -> bool:
         """Only modes that save state must keep tool calls out of a snapshot."""
-        return self.mode != "restart_only"
+        return not self.restart_only
 
     async def close_admission(self, policy: RestartOnlyPolicy) -> None:
         self.policy = policy
@@ -161,7 +173,7 @@ class ResourcesParticipant(CheckpointParticipant):
         seeding = [s.episode.capture_key for s in self._seeding.values()]
         inflight = self._busy_calls + len(seeding)
         counts = {"inflight": inflight, "sessions": len(self.sessions), "waiting": self._waiting}
-        if self.mode == "restart_only":
+        if self.restart_only:
             live = [s.key for s in self.sessions.values()] + seeding
             if self.policy == "best_effort":
                 return PrepareReport.build([], unsaved=live, counts=counts)
@@ -172,12 +184,12 @@ class ResourcesParticipant(CheckpointParticipant):
         return PrepareReport.build(busy, counts=counts)
 
     def is_ready(self) -> bool:
-        if self.mode == "restart_only":
+        if self.restart_only:
             return self.policy == "best_effort" or not (self.sessions or self._seeding)
         return not self._busy
 
     def status_extra(self) -> dict[str, Any]:
-        return {"mode": self.mode}
+        return {"mode": self.mode, "replayable": self.replayable}
 
     # -- session lifecycle (called by the server's routes) --------------------
     @contextlib.asynccontextmanager
@@ -291,7 +303,7 @@ class ResourcesParticipant(CheckpointParticipant):
         return len(gone) + super().forget(rollout_ids)
 
     async def export(self, episodes: list[EpisodeId] | None) -> list[Record]:
-        if self.mode == "restart_only":
+        if self.restart_only:
             return []
         scope = None if episodes is None else {e.capture_key for e in episodes}
         records: list[Record] = []
@@ -307,7 +319,7 @@ class ResourcesParticipant(CheckpointParticipant):
     async def capture_records(self) -> list[Any]:
         """Each session's ``CapturedRecord``, kept while no call has begun on it (most were made as
         their last call ended); a state given as Python objects goes as a plain record."""
-        if self.mode == "restart_only":
+        if self.restart_only:
             return []
         if self._busy:
             session = next(s for s in self.sessions.values() if s.inflight)  # the first, as a scan finds it
@@ -353,10 +365,11 @@ class ResourcesParticipant(CheckpointParticipant):
             session.exported = (session.calls, state)
         return session.exported[1]
 
-    async def install(self, records: list[Record]) -> list[str]:
-        if records and self.mode == "restart_only":
+    async def install(self, records: list[Record], replay: Collection[str] = ()) -> list[str]:
+        self.refuse_replay(replay, self.instance)
+        if records and self.restart_only:
             raise CheckpointError(
-                f"{self.instance} is restart_only: its sessions cannot be restored "
+                f"{self.instance} is {self.mode}: its sessions cannot be restored "
                 f"({len(records)} record(s) offered)"
             )
         parsed = [self._parse_record(index, record) for index, record in enumerate(records)]

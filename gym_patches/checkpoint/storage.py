@@ -146,9 +146,15 @@ class FileSystemWriter(StorageWriter):
     def remove(self, path: Path) -> None:
         path = Path(path)
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, onerror=_gone_is_fine)
         else:
             path.unlink(missing_ok=True)
+
+
+def _gone_is_fine(function, path, exc_info) -> None:
+    """``rmtree``'s error handler: an entry already gone is what was asked for; any other error is raised."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
 
 
 _CLASS_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -24,7 +24,10 @@ ENDED_WINDOW_S = 10.0
 ParticipantKind = Literal["model", "agent", "resources"]
 Phase = Literal["idle", "preparing", "prepared", "committed", "restored"]
 RestartOnlyPolicy = Literal["block", "best_effort"]
-ResourcesCheckpointMode = Literal["stateless", "exported", "restart_only"]
+# ``replayed``: restart-only, but its session state is a function of the tool calls it received and those
+# calls act nowhere else, so a rollout on it comes back by replay (``gym_patches.checkpoint.replay``).
+ResourcesCheckpointMode = Literal["stateless", "exported", "restart_only", "replayed"]
+RESTART_ONLY_MODES: frozenset[str] = frozenset({"restart_only", "replayed"})
 
 # Gym prepares callers' callees first: the model holds replies before agents park.
 PREPARE_ORDER: tuple[ParticipantKind, ...] = ("model", "agent", "resources")
@@ -106,6 +109,20 @@ class RestoreRequest(CheckpointRequest):
     # episode's record must be in exactly one of ``checkpoint_dir`` and these.
     source_dirs: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(default_factory=list,
                                                                                    max_length=1024)
+    # Episodes of ``episode_ids`` whose agent starts again from the prompt (their restart-only servers are
+    # replayable): only a model server installs them, its record's calls queued for replay
+    # (``gym_patches.checkpoint.replay``); an agent or resources server refuses them.
+    replay_episode_ids: list[EpisodeId] = Field(default_factory=list, max_length=MAX_EPISODES_PER_REQUEST)
+
+    @model_validator(mode="after")
+    def _replay_in_scope(self) -> "RestoreRequest":
+        scope = self.episode_ids
+        named = ({e for episodes in scope.values() for e in episodes} if isinstance(scope, dict)
+                 else set(scope))
+        outside = sorted(e.capture_key for e in self.replay_episode_ids if e not in named)
+        if outside:
+            raise ValueError(f"replay_episode_ids names episodes outside episode_ids: {outside[:10]}")
+        return self
 
 
 class PrepareReport(BaseModel):

@@ -7,7 +7,8 @@ Subclasses only supply the session-state hooks; the session table and the
 checkpoint rules live in :class:`ResourcesParticipant`.
 
 ``checkpoint_mode`` defaults to ``restart_only`` so a server that says
-nothing never claims to save what it cannot.
+nothing never claims to save what it cannot; ``replayable: true`` in its config
+declares its tools replayable (a restart-only one then runs as ``replayed``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from gym_patches.wire_models import (
 logger = logging.getLogger(__name__)
 
 RESERVED_ROUTES = frozenset({"seed_session", "verify", "close_session", "health"})
-MODE_LABELS: dict[str, str] = {"exported": "saves", "stateless": "stateless", "restart_only": "restart-only"}
+MODE_LABELS: dict[str, str] = {"exported": "saves", "stateless": "stateless", "restart_only": "restart-only",
+                               "replayed": "replayed"}
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -91,7 +93,8 @@ class SimpleResourcesServer(GymServer, SessionStateHooks):
             )
         # The session table exists with or without checkpointing; the control plane
         # is wired to it only when checkpoint.enabled.
-        self.sessions = ResourcesParticipant(self.checkpoint_mode, self, instance=self.name)
+        self.sessions = ResourcesParticipant(self.checkpoint_mode, self, instance=self.name,
+                                             replayable=self.config.replayable)
 
     # -- hooks for subclasses ------------------------------------------------
     async def seed_state(self, row: dict[str, Any]) -> Any:

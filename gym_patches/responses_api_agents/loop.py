@@ -50,10 +50,10 @@ from gym_patches.wire_models import (
 
 logger = logging.getLogger(__name__)
 
-# Token information the model server attaches to the last output item; kept in
-# the rollout's output for training, not sent back to the model as input.
+# Token information the model server attaches to the last output item (and its ``replay`` note); kept
+# in the rollout's output for training, not sent back to the model as input.
 TOKEN_INFO_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_version",
-                   "prefix_continuation")
+                   "prefix_continuation", "replay")
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 # Routes every resources server has that a model must never reach as a "tool".
 _RESERVED_ROUTES = frozenset({"seed_session", "verify", "close_session", "health"})

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import socket
 import sys
+import time
+from typing import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,6 +33,52 @@ def process_state(pid: int) -> tuple[str, float] | None:
         return None
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live descendant of it on this host (read from ``/proc``: each process's parent)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    if pid not in parents:
+        return []
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def wait_gone(pids: list[int], deadline: float, stop: Callable[[], bool] = lambda: False) -> list[int]:
+    """Block until every process of ``pids`` has exited (each told by its pidfd), ``time.monotonic()``
+    passes ``deadline`` or ``stop()`` says so (looked at every 0.1 s); returns those still running."""
+    fds: dict[int, int] = {}
+    try:
+        for pid in pids:
+            try:
+                fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                continue
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        running = set(fds)
+        while running and not stop():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ in poller.poll(int(min(left, 0.1) * 1000)):
+                running.discard(fd)
+                poller.unregister(fd)
+        return sorted(fds[fd] for fd in running)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def signals_blocked() -> bool:
     """Whether SIGTERM is blocked here, and so in every child started from here: a launcher that
     stops such children with SIGTERM would wait in vain (docs/design.md §5.11)."""
@@ -42,6 +91,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on ``host:port``: a bind as a server would do it (``SO_REUSEADDR``) succeeds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def listening_socket(host: str = "127.0.0.1", backlog: int = 4096) -> socket.socket:

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -281,11 +281,19 @@ class GRPOTrainer:
     def state_dict_bytes(self) -> bytes:
         return _torch_bytes(self.state_dict_for_refit())
 
-    def weights_now(self) -> tuple[bytes, int, int]:
+    def weights_now(self, deadline: float | None = None, stop: Callable[[], bool] = lambda: False
+                    ) -> tuple[bytes, int, int]:
         """The weights as bytes with their ``weights_serial`` and ``weight_version``, read together while no
-        step updates them: what a generation worker started mid-step is given (docs/design.md §5.13)."""
-        with self._lock:
+        step updates them: what a generation worker started mid-step is given (docs/design.md §5.12). A
+        step or a checkpoint save holds them for as long as it runs: past ``deadline`` (``time.monotonic()``)
+        or once ``stop()`` says so, ``TimeoutError``, so a restart never waits on them unbounded."""
+        while not self._lock.acquire(timeout=0.1):
+            if stop() or (deadline is not None and time.monotonic() >= deadline):
+                raise TimeoutError("the trainer's weights were busy (a step or a checkpoint save) past the deadline")
+        try:
             return self.state_dict_bytes(), self.weights_serial, self.weight_version
+        finally:
+            self._lock.release()
 
     # ----- checkpoint ----------------------------------------------------
     def save(self, directory: str | os.PathLike, dataloader_state: dict | None = None, *,

@@ -38,14 +38,13 @@ from nemo_rl.algorithms.single_controller_utils.admission import InOrderAdmissio
 from nemo_rl.algorithms.single_controller_utils.config import MasterConfig
 from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
 from nemo_rl.algorithms.single_controller_utils.dispatch import LedgerChanges
-from nemo_rl.algorithms.single_controller_utils.generation_recovery import GenerationWorkerRecovery
-from nemo_rl.algorithms.single_controller_utils.gym_recovery import GymReplicaRecovery
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import (
     GymCheckpointCoordinator,
     GymCheckpointOperationError,
     is_transient_gym_checkpoint_failure,
 )
 from nemo_rl.algorithms.single_controller_utils.interfaces import GenerationBackend, Trainer
+from nemo_rl.algorithms.single_controller_utils.recovery import build_recovery
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.algorithms.single_controller_utils.stall_watchdog import StallWatchdog
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
@@ -54,9 +53,10 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot import (
     RunRestorer,
     SnapshotInputs,
 )
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.snapshotter import RELAUNCH
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore, TrainerBookkeeping
 from nemo_rl.data.dataloader import PromptDataloader
-from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymReplicaLost, GymRolloutError, NemoGymShardSet
+from nemo_rl.environments.nemo_gym import GymCheckpointParked, GymRolloutError, NemoGymShardSet
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import (
     PromptGroupStatus,
@@ -115,11 +115,10 @@ def prefix_continuations(samples: list) -> dict[str, Any]:
             "prefix_discarded_calls": len(calls) - len(kept), "prefix_continuations": calls}
 
 
-async def _prune_steps(store: RunStore, keep_top_k: int | None, newest: int, spare: int | None,
-                       checkpoint_dir: Path) -> None:
+async def _prune_steps(store: RunStore, keep_top_k: int | None, newest: int, checkpoint_dir: Path) -> None:
     """``store.prune_steps`` off the event loop; a read-only or failing disk names what it could not remove."""
     try:
-        await asyncio.to_thread(store.prune_steps, keep_top_k, newest, spare)
+        await asyncio.to_thread(store.prune_steps, keep_top_k, newest)
     except OSError as exc:
         raise as_write_error(exc, None if exc.filename else checkpoint_dir) from exc
 
@@ -170,7 +169,7 @@ class SingleController:
         self._rollout_on: dict[str, str] = {}  # rollout in flight -> the replica running it
         self.coverage = SnapshotCoverage(config.rollout_checkpointing.snapshot_attempt_interval_s)
         self.snapshot_counts = {"committed": 0, "failed": 0}
-        self._spared: int | None = None  # the anchor the last prune kept for the newest snapshot (§5.4)
+        self._pruned_sparing: frozenset[int] = frozenset()  # the anchors the last trainer-step prune spared (§5.4)
         recovery = config.rollout_recovery
         self.coordinator = (
             GymCheckpointCoordinator(
@@ -190,8 +189,9 @@ class SingleController:
         self._snapshot_request = asyncio.Event()
         self._requested_by: str | None = None
         self.stop_budget_s: Callable[[], float] = lambda: config.rollout_checkpointing.stop_grace_s
-        self.recovery: GymReplicaRecovery | None = None  # built in ``run`` (docs/design.md §5.12)
-        self.generation_recovery: GenerationWorkerRecovery | None = None  # ... and this one (§5.13)
+        # In-run recovery (docs/design.md §5.12): one object, a null one when rollout_recovery.in_run is off.
+        self.recovery = build_recovery(config, shard_set, self.coordinator, generation, trainer, store,
+                                       self.records, _Host(self), self.hooks)
         self.watchdog = StallWatchdog(
             config.async_rl.stall_watchdog, in_flight=lambda: len(self._rollouts),
             transitions=lambda: self.changes.count, activity=self._gym_activity,
@@ -218,39 +218,19 @@ class SingleController:
                     generation_cuts=self.config.rollout_recovery.generation_cuts_enabled,
                 ),
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
-                store=self.store,
-                recovering=(lambda: self.recovery.busy_now) if self.config.rollout_recovery.in_run.enabled else None,
-                spare=lambda: self.recovery.holding() if self.recovery is not None else frozenset(),
-            )
-        if self.config.rollout_recovery.in_run.enabled and hasattr(self.generation, "restart"):
-            self.generation_recovery = GenerationWorkerRecovery(
-                self.config.rollout_recovery.in_run, self.generation, self.trainer, self.records)
-        if self.config.rollout_recovery.in_run.enabled:
-            self.recovery = GymReplicaRecovery(
-                self.config.rollout_recovery.in_run, self.shard_set, self.coordinator, self.store, self.records,
-                ledger=lambda: self.ledger, stop_rollouts=self._stop_rollouts_on, notify=self.changes.notify,
-                request_snapshot=self.request_snapshot,
-                busy=self.snapshotter.busy if self.snapshotter is not None else None,
+                store=self.store, lost=self.recovery.lost,
             )
         try:
             async with asyncio.TaskGroup() as tasks:
-                pump = tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump")
-                watchdog = tasks.create_task(self.watchdog.run(), name="stall-watchdog")
-                stopper = tasks.create_task(self._stop_when_asked(), name="stop-on-signal")
-                recoveries = [tasks.create_task(self.recovery.run(), name="gym-recovery")] \
-                    if self.recovery is not None else []
-                if self.generation_recovery is not None:
-                    recoveries.append(tasks.create_task(self.generation_recovery.run(), name="generation-recovery"))
+                background = [tasks.create_task(self._snapshot_pump(), name="rollout-snapshot-pump"),
+                              tasks.create_task(self.watchdog.run(), name="stall-watchdog"),
+                              tasks.create_task(self._stop_when_asked(), name="stop-on-signal"),
+                              tasks.create_task(self.recovery.run(), name="in-run-recovery")]
                 try:
                     await self._train(tasks)
                 finally:
-                    pump.cancel()
-                    watchdog.cancel()
-                    stopper.cancel()
-                    for recovery in recoveries:
-                        recovery.cancel()
-                    for rollout in list(self._rollouts.values()):
-                        rollout.cancel()
+                    for task in [*background, *self._rollouts.values()]:
+                        task.cancel()
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
@@ -259,8 +239,8 @@ class SingleController:
         return {"step": self.step, "trained_groups": self.ledger.trained_count,
                 "trained_positions": [list(r) for r in self.ledger.trained_positions],
                 "snapshot_coverage": self.coverage.share(),
-                "gym_recoveries": self.recovery.count if self.recovery is not None else 0,
-                "generation_recoveries": self.generation_recovery.count if self.generation_recovery is not None else 0}
+                "gym_recoveries": self.recovery.counts().get("gym_replica", 0),
+                "generation_recoveries": self.recovery.counts().get("generation", 0)}
 
     async def _train(self, tasks: asyncio.TaskGroup) -> None:
         grpo = self.config.grpo
@@ -306,6 +286,7 @@ class SingleController:
             "snapshots_committed": self.snapshot_counts["committed"],
             "snapshots_failed": self.snapshot_counts["failed"],
             **prefix_continuations(samples),
+            **self.recovery.step_metrics(),
             **{k: v for k, v in metrics.items() if k not in ("step",)},
         }
         if grpo.val_period and self.step % grpo.val_period == 0 and self.val_rows:
@@ -404,16 +385,17 @@ class SingleController:
             if instance is None:
                 logger.warning("validation rollout %d skipped: every replica of its shard is being recovered", i)
                 return None
+            handle = self.shard_set.handle_for(instance)
             try:
                 reply = await self.shard_set.run_rollout(instance, row, rollout_ids[i])
             except GymRolloutError as exc:
                 if not exc.infra:
                     raise
+                self.recovery.claims(instance, handle, exc)  # a dead server is recovered; the rollout is lost
                 logger.warning("validation rollout %d failed on %s: %s", i, instance, exc)
                 return None
             except ray.exceptions.RayActorError as exc:
-                if self.recovery is None:
-                    raise GymReplicaLost(instance, exc, self.shard_set.placement.get(instance)) from None
+                self.recovery.actor_lost(instance, handle, exc)  # without in-run recovery: the run stops
                 logger.warning("validation rollout %d failed on %s: its replica was lost", i, instance)
                 return None
             self.hooks.reached("validate", self.step)
@@ -507,8 +489,7 @@ class SingleController:
             return  # every replica of its shard is being recovered (``_placeable`` normally holds it back)
         self.ledger.mark_dispatched(req.rollout_id, instance, weight_version=self.step)
         self.startup.mark("first_dispatch")
-        if self.recovery is not None:
-            self.recovery.dispatched(req.rollout_id)
+        self.recovery.dispatched(req.rollout_id)
         self.coverage.in_flight(len(self._rollouts) + 1)
         self._rollout_on[req.rollout_id] = instance
         self._rollouts[req.rollout_id] = tasks.create_task(
@@ -528,10 +509,9 @@ class SingleController:
             try:
                 reply = await self.shard_set.run_rollout(instance, row, rollout_id)
             except ray.exceptions.RayActorError as lost:
-                if self.recovery is None:
-                    raise GymReplicaLost(instance, lost, self.shard_set.placement.get(instance)) from None
-                # The recovery takes its attempt over, with every other one on that replica (§5.12).
-                self.recovery.report(instance, handle, "replica", "its Ray actor died")
+                # The recovery takes its attempt over, with every other one on that replica (§5.12); without
+                # in-run recovery the run stops, naming the replica.
+                self.recovery.actor_lost(instance, handle, lost)
                 return
             except GymCheckpointParked:
                 refusals = self.ledger.mark_refused(rollout_id, MAX_REFUSALS_PER_ATTEMPT)
@@ -543,15 +523,12 @@ class SingleController:
                     return
                 if not exc.infra:
                     raise
-                if self.recovery is not None and (exc.code == "server_dead" or self.recovery.owns(instance)):
-                    # A server of the replica died: a recovery, not a failure of this rollout (§5.12).
-                    self.recovery.report(instance, handle, exc.server, "died")
-                    return
+                if self.recovery.claims(instance, handle, exc):
+                    return  # a server of the replica died: a recovery, not a failure of this rollout (§5.12)
                 reason = str(getattr(exc, "cause", None) or exc)  # not Ray's traceback wrapper
                 logger.warning("rollout %s failed on %s of %s (%s); retrying from the prompt", rollout_id,
                                exc.server, instance, reason)
-                if self.generation_recovery is not None:
-                    self.generation_recovery.went_to_prompt(rollout_id)
+                self.recovery.went_to_prompt(rollout_id)
                 if exc.code in _UNANSWERED_CODES:
                     self.shard_set.mark_unhealthy(instance, reason)  # the retry prefers a healthy replica
                 try:
@@ -592,16 +569,14 @@ class SingleController:
             if requested is None and not any(
                     g.status is PromptGroupStatus.GENERATING for g in self.ledger.groups.values()):
                 continue
-            if self.recovery is not None:
-                await self.recovery.wait_idle()  # never a snapshot that leaves a recovering replica out
+            # Replicas being recovered sit the snapshot out; the others go on (docs/design.md §5.12).
             outcome = await self.snapshotter.attempt(requested=requested)
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
-            if outcome.committed and self.recovery is not None:
-                self.recovery.snapshot_committed(outcome.path, outcome.saved_on)
             if outcome.committed:
+                self.recovery.snapshot_committed(outcome.path, outcome.saved_on)
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
-                if self._spared is not None and outcome.anchor_step != self._spared:
-                    await self._prune_spared()
+                if self.store.held_anchors() != self._pruned_sparing:
+                    await self._prune_again()
 
     async def _next_snapshot(self, interval: float | None) -> str | None:
         """Wait for the next scheduled snapshot (None; ``interval`` None: no schedule) or a request
@@ -730,31 +705,32 @@ class SingleController:
         # Step durable, no snapshot under it yet: here, not after the prune below, which waits for an
         # attempt in flight, and that attempt may publish under this step (re-anchored, §5.9).
         self.hooks.reached("checkpointed")
-        # Older anchors go, but not under a snapshot that is still being persisted, nor the one
-        # holding the newest snapshot while a restore may need it: until one is published under a
-        # newer step (the pump then prunes it, ``_prune_spared``), and not once the run is complete
-        # (its last step is durable: a relaunch restores nothing). A snapshot begun before this
-        # publish and published after it under its own, older anchor is that newest one: the
-        # snapshotter notes its anchor before it releases ``busy`` (§5.9).
-        complete = step >= self.config.grpo.max_num_steps
+        # Older anchors go, but not under a snapshot that is still being persisted (``busy``), nor one
+        # holding a snapshot the run store holds for a restore (the relaunch's newest until one is
+        # published under a newer step, when the pump prunes again; a replica's, a recovery's), and none
+        # once the run is complete (its last step is durable: a relaunch restores nothing). A snapshot
+        # begun before this publish and published after it under its own, older anchor is that newest
+        # one: the snapshotter holds it before it releases ``busy`` (§5.9).
+        if step >= self.config.grpo.max_num_steps:
+            self.store.hold(RELAUNCH, None)  # the run is complete: its last step is durable, a relaunch restores nothing
         async with (self.snapshotter.busy if self.snapshotter is not None else contextlib.nullcontext()):
-            spare = None if complete or self.snapshotter is None else self.snapshotter.newest_anchor
             t1 = time.monotonic()
-            await _prune_steps(self.store, self.config.checkpointing.keep_top_k, step, spare, self.checkpoint_dir)
-            self._spared = spare
-            self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
+            await self._prune(step)
             return checkpoint_s + (time.monotonic() - t1)
 
-    async def _prune_spared(self) -> None:
-        """A snapshot was published under a newer anchor than the one the last prune spared for the newest
-        snapshot: a restore now takes that newer one, so the spared anchor goes unless it is one of the
-        newest ``checkpointing.keep_top_k``."""
+    async def _prune_again(self) -> None:
+        """What a restore may need has moved since the last trainer-step prune (a snapshot was published under
+        a newer anchor, a recovery let go of an older one): the anchors nobody holds any more go, unless they
+        are among the newest ``checkpointing.keep_top_k``."""
         async with self.snapshotter.busy:
-            spare = self.snapshotter.newest_anchor
-            await _prune_steps(self.store, self.config.checkpointing.keep_top_k, self.anchor_step, spare,
-                               self.checkpoint_dir)
-            self._spared = spare
-            self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
+            await self._prune(self.anchor_step)
+
+    async def _prune(self, newest: int) -> None:
+        """Under ``busy``: trainer steps beyond ``keep_top_k`` go, except anchors holding a snapshot the run
+        store holds for a restore (the relaunch's newest, each replica's, a recovery's: ``RunStore.hold``)."""
+        self._pruned_sparing = self.store.held_anchors()
+        await _prune_steps(self.store, self.config.checkpointing.keep_top_k, newest, self.checkpoint_dir)
+        self.coverage.pruned(lambda kept: self.store.anchor(kept).is_dir())
 
     async def _forget_trained(self) -> None:
         """Trained groups whose step is durable leave the ledger, and Gym forgets their rollouts:
@@ -809,3 +785,22 @@ class SingleController:
             # the step is durable but its row was not (the append failed after the checkpoint): write it now
             self.records.metrics({**restored.metrics_row, "row_restored": True})
         print(restored.message, flush=True)
+
+
+class _Host:
+    """What the in-run recovery asks of the controller (``recovery.RecoveryHost``)."""
+
+    def __init__(self, controller: SingleController):
+        self.controller = controller
+
+    def ledger(self) -> RolloutRecoveryLedger:
+        return self.controller.ledger
+
+    async def stop_rollouts(self, instance: str) -> None:
+        await self.controller._stop_rollouts_on(instance)
+
+    async def notify(self) -> None:
+        await self.controller.changes.notify()
+
+    def request_snapshot(self, by: str) -> None:
+        self.controller.request_snapshot(by)

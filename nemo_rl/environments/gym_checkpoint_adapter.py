@@ -31,10 +31,10 @@ from gym_patches.checkpoint.calls import (
 )
 from gym_patches.checkpoint.coordination import Participants, PrepareResult
 from gym_patches.checkpoint.identity import EpisodeId
-from gym_patches.checkpoint.wire import StatusReply
+from gym_patches.checkpoint.wire import RESTART_ONLY_MODES, StatusReply
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-RESOURCES_MODES = ("stateless", "exported", "restart_only")
+RESOURCES_MODES = ("stateless", "exported", "restart_only", "replayed")
 
 
 class GymStatusError(ValueError):
@@ -106,7 +106,7 @@ def _is_restart_only(name: str, status: StatusReply) -> bool:
             raise GymStatusError(
                 f"Gym resources server {name!r}: unknown checkpoint mode {mode!r} (expected one of {RESOURCES_MODES})"
             )
-        return mode == "restart_only"
+        return mode in RESTART_ONLY_MODES
     return False
 
 

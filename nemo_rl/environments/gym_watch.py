@@ -97,6 +97,29 @@ async def watch_servers(pids: dict[str, int], exit_code: Callable[[str], int | N
             os.close(fd)
 
 
+async def first_exit(pids: list[int], within_s: float) -> int | None:
+    """The first of ``pids`` to exit within ``within_s`` (told by its pidfd: no poll), or None."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[int] = loop.create_future()
+    fds = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return pid
+            fds.append(fd)
+            loop.add_reader(fd, lambda p=pid: exited.done() or exited.set_result(p))
+        try:
+            return await asyncio.wait_for(exited, within_s)
+        except TimeoutError:
+            return None
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
     try:
         async with session.get(url + "/health") as resp:

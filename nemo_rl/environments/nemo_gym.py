@@ -32,24 +32,27 @@ from gym_patches.server_catalog import check_servers
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
-from nemo_rl.environments.gym_watch import watch_servers
+from nemo_rl.environments.gym_watch import describe_exit, first_exit, watch_servers
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.gym_control import NemoGymControl, ServerProcesses
 
 
 class GymRolloutError(RuntimeError):
-    """A rollout did not finish. ``infra`` = a server failed (retry from the prompt)."""
+    """A rollout did not finish. ``infra`` = a server failed (retry from the prompt). ``detail``: what became
+    of ``server`` when its process exited (``died (exit -9, SIGKILL)``), for the in-run recovery's row."""
 
-    def __init__(self, message: str, *, rollout_id: str, server: str, infra: bool, code: str | None = None):
+    def __init__(self, message: str, *, rollout_id: str, server: str, infra: bool, code: str | None = None,
+                 detail: str | None = None):
         super().__init__(message)
-        self.rollout_id, self.server, self.infra, self.code = rollout_id, server, infra, code
+        self.rollout_id, self.server, self.infra, self.code, self.detail = rollout_id, server, infra, code, detail
 
     def __reduce__(self):  # keeps the subclass across Ray: a refusal (``GymCheckpointParked``) stays one
-        return (_rebuild_rollout_error, (type(self), str(self), self.rollout_id, self.server, self.infra, self.code))
+        return (_rebuild_rollout_error,
+                (type(self), str(self), self.rollout_id, self.server, self.infra, self.code, self.detail))
 
 
-def _rebuild_rollout_error(cls, message, rollout_id, server, infra, code):
-    return cls(message, rollout_id=rollout_id, server=server, infra=infra, code=code)
+def _rebuild_rollout_error(cls, message, rollout_id, server, infra, code, detail=None):
+    return cls(message, rollout_id=rollout_id, server=server, infra=infra, code=code, detail=detail)
 
 
 def parse_run_error(body: Any) -> RunError | None:
@@ -232,10 +235,10 @@ class NemoGym:
 
     async def _settle_exits(self, within_s: float = 0.5) -> None:
         """A call that lost its connection may beat its server's exit by a moment (the socket closes
-        before the process is reaped): wait that moment, so the error names the dead server."""
-        deadline = time.monotonic() + within_s
-        while not self.dead_servers() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        before the process exits): wait for a server's exit, told by its pidfd, at most ``within_s``, so
+        the error names the dead server."""
+        if not self.dead_servers():
+            await first_exit(list(self._pids().values()), within_s)
 
     def _infra_error(self, message: str, rollout_id: str, server: str, code: str | None = None) -> GymRolloutError:
         """A failed ``/run``, blaming ``server``; if a server process of this deployment has exited or
@@ -254,6 +257,7 @@ class NemoGym:
         return GymRolloutError(
             f"Gym server {names} of {self.instance.instance_id} is dead (its process exited); {message}",
             rollout_id=rollout_id, server=dead[0], infra=True, code="server_dead",
+            detail=f"died ({describe_exit(self.deployment.exit_code(dead[0]))})",
         )
 
     async def activity(self, timeout_s: float) -> dict[str, AgentActivity | str]:
@@ -343,6 +347,76 @@ class ReplicaNotPlaced(RuntimeError):
     """Ray did not place a new replica in time (its node, or the resources it asks for, are gone)."""
 
 
+@dataclass(frozen=True)
+class StartedReplica:
+    """A replica whose servers are up: its actor, its control actor (turn-level checkpointing only), the
+    restart-only servers the control actor found, the Ray node it runs on and its servers' pids."""
+
+    handle: Any
+    control: Any
+    restart_only: list[str]
+    where: dict[str, str]
+    pids: dict[str, int]
+
+
+async def start_replica(spec: ReplicaSpec, instance: GymCheckpointInstance,
+                        placement_timeout_s: float | None = None) -> StartedReplica:
+    """The one way a replica starts, at setup and when a lost one is replaced: a new ``NemoGym`` actor,
+    its Gym deployment, and its control actor when the run checkpoints at turn level. ``placement_timeout_s``
+    (a replacement): ``ReplicaNotPlaced`` when Ray does not place the actor within it. A start that fails or
+    is cancelled leaves nothing running."""
+    handle, control = spec.new_actor(instance), None
+    try:
+        if placement_timeout_s is not None:
+            try:
+                await asyncio.wait_for(handle.ping.remote(), placement_timeout_s)
+            except TimeoutError:
+                raise ReplicaNotPlaced(
+                    f"Ray did not place a new {instance.instance_id} within {placement_timeout_s:g} s "
+                    f"(rollout_recovery.in_run.placement_timeout_s; resources {spec.ray_resources or 'none'})"
+                ) from None
+        await handle.spinup.remote(spec.spinup_timeout_s)
+        where = await handle.where.remote()
+        restart_only: list[str] = []
+        if spec.with_control:
+            restart_only, control = await handle.start_control.remote()
+        pids = await handle.server_pids.remote()
+    except BaseException:
+        kill_replica(handle, control)
+        raise
+    return StartedReplica(handle, control, sorted(restart_only), where, pids)
+
+
+def kill_replica(handle: Any, control: Any) -> None:
+    """End a replica's actors, the control actor first (no checkpoint call reaches servers that die); its
+    servers die with their actor (their parent-death signal)."""
+    for actor in (control, handle):
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
+
+async def processes_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until every process of ``pids`` (on this host) has exited, told by a pidfd each (no poll);
+    returns those still running after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    waiting: dict[int, asyncio.Future] = {}
+    fds = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # gone already
+            fds.append(fd)
+            waiting[pid] = loop.create_future()
+            loop.add_reader(fd, lambda f=waiting[pid]: f.done() or f.set_result(None))
+        if waiting:
+            await asyncio.wait(waiting.values(), timeout=timeout_s)
+        return [pid for pid, f in waiting.items() if not f.done()]
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
 @dataclass
 class NemoGymShardSet:
     """All replicas of all shards; ``restart_only_servers`` is filled by setup."""
@@ -364,6 +438,7 @@ class NemoGymShardSet:
     control_handles: dict[str, Any] = field(default_factory=dict)
     specs: dict[str, ReplicaSpec] = field(default_factory=dict)  # shard -> how its replicas start (§5.12)
     recovering: set[str] = field(default_factory=set)  # replicas being recovered: no new rollout goes there
+    server_pids: dict[str, dict[str, int]] = field(default_factory=dict)  # instance id -> server -> pid
 
     @property
     def checkpoint_handles(self) -> dict[str, Any]:
@@ -384,52 +459,48 @@ class NemoGymShardSet:
         return [iid for iid in self.checkpoint_handles
                 if iid != instance_id and self.instances[iid].shard_name == shard]
 
-    async def start_replacement(self, instance_id: str, placement_timeout_s: float) -> dict[str, Any]:
-        """Stop the replica's actor (its servers die with it) and start a new one under the same name,
-        servers on ports of their own, control actor included; it takes the old one's slot. Returns where
-        it runs. ``ReplicaNotPlaced`` when Ray cannot place it within ``placement_timeout_s``."""
+    def install(self, instance_id: str, started: StartedReplica) -> None:
+        """``started`` takes ``instance_id``'s slot (setup, or a replacement)."""
         inst = self.instances[instance_id]
-        spec = self.specs[inst.shard_name]
-        old, control = self.handles[inst.shard_name][inst.replica_index], self.control_handles.pop(instance_id, None)
-        for actor in (control, old):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        new = spec.new_actor(inst)
-        try:
-            try:
-                await asyncio.wait_for(new.ping.remote(), placement_timeout_s)
-            except TimeoutError:
-                raise ReplicaNotPlaced(
-                    f"Ray did not place a new {instance_id} within {placement_timeout_s:g} s "
-                    f"(rollout_recovery.in_run.placement_timeout_s; resources {spec.ray_resources or 'none'})"
-                ) from None
-            await new.spinup.remote(spec.spinup_timeout_s)
-            where = await new.where.remote()
-            restart_only, new_control = ([], None)
-            if spec.with_control:
-                restart_only, new_control = await new.start_control.remote()
-        except BaseException:
-            ray.kill(new, no_restart=True)
-            raise
-        finally:
-            self.handles[inst.shard_name][inst.replica_index] = None  # until the new one is in: no dead slot
-        self.handles[inst.shard_name][inst.replica_index] = new
-        if new_control is not None:
-            self.control_handles[instance_id] = new_control
-            self.restart_only_servers[instance_id] = sorted(restart_only)
-        self.placement[instance_id] = where
-        return where
+        self.handles[inst.shard_name][inst.replica_index] = started.handle
+        if started.control is not None:
+            self.control_handles[instance_id] = started.control
+            self.restart_only_servers[instance_id] = started.restart_only
+        self.placement[instance_id] = started.where
+        self.server_pids[instance_id] = started.pids
+
+    async def replace(self, instance_id: str, placement_timeout_s: float, gone_within_s: float) -> dict[str, Any]:
+        """Stop the replica (its servers die with its actor), wait until its processes on this host are
+        gone (``gone_within_s``: a successor never starts beside them), and start a new one in its slot
+        (``start_replica``: same name and config, ports of its own). Returns where it runs;
+        ``ReplicaNotPlaced`` when Ray cannot place it within ``placement_timeout_s``."""
+        inst = self.instances[instance_id]
+        self._stop_slot(instance_id)
+        left = await processes_gone(self._local_pids(instance_id), gone_within_s)
+        if left:
+            raise TimeoutError(f"the old processes of {instance_id} ({', '.join(map(str, left))}) were still "
+                               f"running {gone_within_s:.1f} s after its actor was killed")
+        started = await start_replica(self.specs[inst.shard_name], inst, placement_timeout_s)
+        self.install(instance_id, started)
+        return started.where
 
     def drop(self, instance_id: str) -> None:
-        """Give a replica up: its actor is stopped and its slot left empty (no rollout goes there again)."""
-        inst = self.instances[instance_id]
-        old, control = self.handles[inst.shard_name][inst.replica_index], self.control_handles.pop(instance_id, None)
-        for actor in (control, old):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        self.handles[inst.shard_name][inst.replica_index] = None
+        """Give a replica up: its actors are stopped and its slot left empty (no rollout goes there again)."""
+        self._stop_slot(instance_id)
         self.recovering.discard(instance_id)
         self.placement.pop(instance_id, None)
+
+    def _stop_slot(self, instance_id: str) -> None:
+        inst = self.instances[instance_id]
+        kill_replica(self.handles[inst.shard_name][inst.replica_index], self.control_handles.pop(instance_id, None))
+        self.handles[inst.shard_name][inst.replica_index] = None  # until a new one is in: no dead slot
+
+    def _local_pids(self, instance_id: str) -> list[int]:
+        """The replica's server pids, if it ran on this host (a pid elsewhere says nothing here)."""
+        where = self.placement.get(instance_id) or {}
+        if where.get("node_id") != _this_node():
+            return []
+        return list(self.server_pids.get(instance_id, {}).values())
 
     def handle_for(self, instance_id: str) -> Any:
         try:
@@ -500,3 +571,11 @@ class NemoGymShardSet:
             pass
         for h in running:
             ray.kill(h, no_restart=True)
+
+
+def _this_node() -> str | None:
+    """The Ray node this process runs on (None without Ray)."""
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - no Ray here: nothing is local to compare with
+        return None

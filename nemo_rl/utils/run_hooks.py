@@ -20,6 +20,8 @@ PHASES: dict[str, str] = {
     "refit": "the trained weights are about to go to generation (rollouts of later steps in flight in async mode)",
     "checkpointed": "a trainer checkpoint was just published, before any snapshot under it",
     "validate": "a validation rollout has finished, others of the same validation may still run",
+    "watch": "the in-run recovery starts a watch of a part (scope: the part's name); an error raised here is "
+             "a watch that failed",
 }
 
 

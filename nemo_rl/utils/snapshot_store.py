@@ -42,7 +42,7 @@ import re
 import stat
 import time
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Collection, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -394,6 +394,17 @@ def resolve_latest_snapshot(anchor_dir: str | Path, required: tuple[str, ...] = 
 
 
 # ----- trainer anchors -----------------------------------------------------
+def anchor_step_of(snapshot: str | Path) -> int:
+    """The trainer step (0: ``bootstrap/``) whose anchor holds ``snapshot`` (``<anchor>/rollout_snapshots/<name>``)."""
+    name = Path(snapshot).parent.parent.name
+    if name == BOOTSTRAP_DIRNAME:
+        return 0
+    match = _STEP_DIR.match(name)
+    if match is None:
+        raise SnapshotStoreError(f"{snapshot}: not under a trainer step or bootstrap/ anchor")
+    return int(match["step"])
+
+
 def anchor_dir(checkpoint_dir: str | Path, step: int) -> Path:
     """``bootstrap/`` anchors snapshots before the first trainer step, else ``step_N/``."""
     if step < 0:
@@ -457,7 +468,7 @@ def publish_trainer_step(
 
 
 def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newest: int | None = None,
-                        spare: int | None = None, writer: StorageWriter = PLAIN_FILES) -> list[Path]:
+                        spare: Collection[int] = (), writer: StorageWriter = PLAIN_FILES) -> list[Path]:
     """Delete all but the newest ``keep_top_k`` trusted trainer steps (``checkpointing.keep_top_k`` with
     no metric: the latest k), each with its rollout snapshots; ``bootstrap/`` counts as the oldest
     anchor, so it goes once k steps exist (until then its snapshots may still be restored with step 1:
@@ -466,8 +477,8 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
     Trust is the commit marker (``list_trainer_steps``): no checkpoint is read. ``newest`` is the step
     just saved: steps above it (ones a restore skipped as corrupt) neither count nor go. A directory
     is first renamed to a ``.tmp-`` name, so a crash mid-delete leaves nothing that looks valid
-    (startup removes the rest). ``spare``: an anchor kept beyond the k (the one holding the newest
-    rollout snapshot: until a snapshot is published under a newer step, a restore needs it)."""
+    (startup removes the rest). ``spare``: anchors kept beyond the k (those holding a snapshot some
+    restore may still need: ``RunStore``'s retention, docs/design.md §5.4.7)."""
     if keep_top_k is None:
         return []
     if keep_top_k < 1:
@@ -475,9 +486,10 @@ def prune_trainer_steps(checkpoint_dir: str | Path, keep_top_k: int | None, newe
     steps = [s for s in list_trainer_steps(checkpoint_dir) if s > 0 and (newest is None or s <= newest)]
     if not steps:
         return []
-    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k] if s != spare]
+    spare = set(spare)
+    doomed = [anchor_dir(checkpoint_dir, s) for s in steps[:-keep_top_k] if s not in spare]
     bootstrap = anchor_dir(checkpoint_dir, 0)
-    if bootstrap.exists() and len(steps) >= keep_top_k and spare != 0:
+    if bootstrap.exists() and len(steps) >= keep_top_k and 0 not in spare:
         doomed.append(bootstrap)
     removed = []
     for path in doomed:

@@ -59,10 +59,11 @@ def test_launch_prints_servers_and_ctrl_c_stops_them(tmp_path):
         assert set(table) == {"policy_model", "workplace_assistant", "python_sandbox", "workplace_simple_agent",
                               "workplace_restart_only_agent", "sandbox_simple_agent"}, lines
         assert table["workplace_restart_only_agent"][1:2] == ["agent"]
-        assert table["workplace_restart_only_agent"][-1] == "restart-only"
-        assert table["python_sandbox"][-1] == "restart-only"
-        assert table["workplace_assistant"][-1] == "saves"
-        assert table["workplace_simple_agent"][-1] == "saves"
+        mode = {name: " ".join(row[3:]) for name, row in table.items()}  # the last column (may hold spaces)
+        assert mode["workplace_restart_only_agent"] == "replayed"  # restart-only, declared replayable
+        assert mode["python_sandbox"] == "replayed"
+        assert mode["workplace_assistant"] == "saves, replayable"
+        assert mode["workplace_simple_agent"] == "saves, replayable"
         assert all(row[2].startswith("http://127.0.0.1:") for row in table.values())
         servers = [pid for pid in _children(proc.pid) if "gym_patches.server_main" in
                    Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]

@@ -439,7 +439,7 @@ async def test_retire_cancels_the_run_refuses_the_attempt_and_drops_restored_sta
     assert not p.is_restored("r2-a1")
     with pytest.raises(CheckpointError, match="retired"):
         await p.install([make_record(EpisodeId(rollout_id="r2"), "B0", _state())])
-    assert p.status_extra() == {"restart_only": False}
+    assert p.status_extra() == {"restart_only": False, "replayable": False}
 
 
 async def test_duplicate_run_is_refused():
@@ -499,7 +499,7 @@ async def test_restart_only_best_effort_is_ready_with_unsaved_and_keeps_running(
     gate.set()  # runs go on while closed
     assert await run1 == "r1" and await run2 == "r2-a1"
     assert p.readiness().unsaved == []
-    assert p.status_extra() == {"restart_only": True}
+    assert p.status_extra() == {"restart_only": True, "replayable": False}
 
 
 async def test_restart_only_install_and_retire():

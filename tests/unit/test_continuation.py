@@ -2,7 +2,7 @@
 the live call a cut reads (``cut_pins.LiveCall``), on real cuts in their wire form."""
 
 from gym_patches.checkpoint.cuts import GenerationCut, prompt_digest
-from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
+from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats, stats_now
 from nemo_rl.models.generation.cut_pins import LiveCall
 
 PROMPT = [11, 12, 13, 14]
@@ -64,11 +64,11 @@ def test_a_call_sent_again_is_counted_with_the_cut_of_itself_it_continues_from()
     continued, with the tokens it keeps; a restored cut (another call's id) or a discarded one does not."""
     stats = _stats()
     count_resend(stats, None, "key.1", None)  # not sent again: nothing
-    assert stats["resent_calls"] == 0 and "first_resent_at" not in stats
+    assert stats["resent_calls"] == 0 and "first_resent_age_s" not in stats_now(stats)
     own = Continuation.of(_cut())
     own.check_prompt(PROMPT)
     count_resend(stats, "1", "key.1", own)
-    first = stats["first_resent_at"]
+    first = stats["first_resent_mono"]
     other = Continuation.of(_cut())
     other.check_prompt(PROMPT)
     count_resend(stats, "2", "key-a1.2", other)  # a restored attempt's call continuing an older call's cut
@@ -77,7 +77,9 @@ def test_a_call_sent_again_is_counted_with_the_cut_of_itself_it_continues_from()
     count_resend(stats, "1", "key.1", mismatch)
     count_resend(stats, "1", "key.3", None)
     assert (stats["resent_calls"], stats["resent_from_cut"], stats["resent_cut_tokens"]) == (4, 1, 3)
-    assert stats["first_resent_at"] == first  # the first one's time
+    assert stats["first_resent_mono"] == first  # the first one's time, on this process's monotonic clock
+    now = stats_now(stats)  # what get_stats hands the recovery: an age, read against its own clock
+    assert "first_resent_mono" not in now and 0 <= now["first_resent_age_s"] < 60
 
 
 def test_a_prefix_ending_in_a_stop_token_ends_the_reply_unless_eos_is_ignored():

@@ -156,7 +156,7 @@ def test_a_relocated_restored_attempt_is_pinned_to_the_replica_that_installed_it
     r0, r1 = _dispatch_all(ledger, instance=R1)
     triple = _triple(ledger, r0)
     assert triple[0] == R1
-    summary = ledger.prepare_for_restart({triple}, {triple[1]: R0})
+    summary = ledger.bring_back({triple}, {triple[1]: R0})
     assert summary.restored_turn == [f"{r0}-a1"] and len(summary.restarted_from_prompt) == 1
     attempt = ledger.groups["grp0"].siblings[0].current_attempt
     assert (attempt.status, attempt.gym_attempt, attempt.gym_instance_id) == (S.RESERVED, 1, R0)

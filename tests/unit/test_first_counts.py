@@ -97,7 +97,7 @@ def test_rollouts_restored_at_their_turn_were_counted_by_the_start_that_saved_th
     assert earlier.snapshot()["new_saved"] == 2
     # The relaunch: a fresh FirstCounts; Gym restored both at attempt 1, and a new group starts.
     ledger = RolloutRecoveryLedger.from_state_dict(earlier.ledger.state_dict())
-    ledger.prepare_for_restart({(IID, key, 1) for key in keys})
+    ledger.bring_back({(IID, key, 1) for key in keys})
     run = Run(ledger)
     run.groups = earlier.groups
     for key in keys:

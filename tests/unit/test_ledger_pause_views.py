@@ -115,7 +115,7 @@ def step(ledger: RolloutRecoveryLedger, rng: random.Random, counter: list[int]) 
             for key in list(keys)[::2]:  # Gym restored every other one, at the next attempt
                 episode = EpisodeId.from_capture_key(key)
                 restored.add((iid, episode.rollout_id, episode.attempt + 1))
-        ledger.prepare_for_restart(restored)
+        ledger.bring_back(restored)
     elif op == "load":
         ledger = RolloutRecoveryLedger.from_state_dict(json.loads(ledger.state_json()))
     elif op == "adopt":

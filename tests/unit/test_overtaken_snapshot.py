@@ -66,8 +66,8 @@ def test_a_snapshot_cut_before_the_publish_stays_under_its_anchor_which_prune_sp
     inputs = SnapshotInputs(ledger, DataPlaneStore(), PromptDataloader(ROWS, seed=0), lambda: 1,
                             lambda: anchor["now"], lambda: anchor_dir(ckpt, anchor["now"]))
     records = RunRecords(tmp_path / "logs")
-    snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(),
-                                     RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k),
+    store = RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k)
+    snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(), store,
                                      hooks=PublishAt(ckpt, anchor, "persist"))  # after the cut, before the publish
     outcome = asyncio.run(snapshotter.attempt())
     assert outcome.committed and outcome.reason == "committed"
@@ -76,12 +76,12 @@ def test_a_snapshot_cut_before_the_publish_stays_under_its_anchor_which_prune_sp
     assert ControllerState.read(Path(outcome.path)).anchor_step == 0
     [row] = records.read("snapshots.jsonl")
     assert row["committed"] and row["anchor_step"] == 0 and row["overtaken_by"] == 1
-    assert snapshotter.newest_anchor == 0
+    assert store.held() == {Path(outcome.path)} and store.held_anchors() == {0}  # held for a relaunch
     # keep_top_k=1 would take bootstrap with step 1 published; the newest snapshot's anchor is spared
-    assert prune_trainer_steps(ckpt, 1, 1, snapshotter.newest_anchor) == []
+    assert store.prune_steps(1, 1) == []
     point = resolve_restore_point(ckpt, ("controller_state.json",))
     assert point.step == 1 and point.snapshot.path == Path(outcome.path)
-    assert prune_trainer_steps(ckpt, 1, 1, None) == [anchor_dir(ckpt, 0)]  # without the spare it would go
+    assert prune_trainer_steps(ckpt, 1, 1) == [anchor_dir(ckpt, 0)]  # without the spare it would go
 
 
 def test_an_attempt_not_overtaken_has_no_overtaken_by(tmp_path):
@@ -90,10 +90,10 @@ def test_an_attempt_not_overtaken_has_no_overtaken_by(tmp_path):
     inputs = SnapshotInputs(RolloutRecoveryLedger(), DataPlaneStore(), PromptDataloader(ROWS, seed=0), lambda: 0,
                             lambda: 0, lambda: anchor_dir(ckpt, 0))
     records = RunRecords(tmp_path / "logs")
-    snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(),
-                                     RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k))
+    store = RunStore(ckpt, FileSystemWriter(), keep_latest_k=RolloutCheckpointConfig().keep_latest_k)
+    snapshotter = RolloutSnapshotter(inputs, None, records, RolloutCheckpointConfig(), LedgerChanges(), store)
     outcome = asyncio.run(snapshotter.attempt())
-    assert outcome.committed and outcome.overtaken_by is None and snapshotter.newest_anchor == 0
+    assert outcome.committed and outcome.overtaken_by is None and store.held_anchors() == {0}
     assert "overtaken_by" not in records.read("snapshots.jsonl")[0]
 
 

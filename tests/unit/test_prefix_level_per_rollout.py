@@ -83,6 +83,9 @@ class OneReplica:
     """The shard set as the coordinator sees it: one replica whose checkpoint calls go to the coordination
     library (what the Gym actor runs) over HTTP."""
 
+    recovering: set[str] = set()  # no replica is being recovered in-run
+    control_handles: dict[str, object] = {}  # calls go through ``send_checkpoint``
+
     def __init__(self, participants: Participants):
         self.participants = participants
         self.prepare_policy_overrides: dict = {}

@@ -321,6 +321,9 @@ class HungReplicaShardSet:
     prepare (its servers answer each probe, one busy) and its resumes raise ``resume_error``, or
     wait for ``resume_hold``."""
 
+    recovering: set[str] = set()  # no replica is being recovered in-run
+    control_handles: dict[str, object] = {}  # calls go through ``send_checkpoint``
+
     def __init__(self, resume_error: BaseException | None = None, resume_hold: asyncio.Event | None = None):
         self.resume_error = resume_error
         self.resume_hold = resume_hold

@@ -99,6 +99,20 @@ async def test_sessions_are_isolated():
         await b.close()
 
 
+async def test_two_interpreters_running_the_same_cells_print_the_same_sets_and_hashes(monkeypatch):
+    """What a replay relies on: a fresh session that runs a session's cells again ends in the same state,
+    also where string hashing shows (set order, ``hash``), whatever the server's own environment says."""
+    monkeypatch.setenv("PYTHONHASHSEED", "random")
+    monkeypatch.setenv("PYTHONSTARTUP", "/nonexistent")  # a server's PYTHON* variables never reach user code
+    cell = "s = {'alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta'}\nprint(list(s), hash('alpha'))"
+    outputs = []
+    for _ in range(2):
+        async with await InterpreterSession.start() as s:
+            outputs.append(await s.run(cell))
+            assert await s.evaluate("__import__('os').environ.get('PYTHONSTARTUP')") == "None"
+    assert outputs[0] == outputs[1] and "alpha" in outputs[0]
+
+
 async def test_exceptions_are_reported_and_session_survives(session):
     out = await session.run("print('before')\n1 / 0")
     assert out == "before\nError: ZeroDivisionError: division by zero"

@@ -1,4 +1,4 @@
-"""The ledger's side of an in-run recovery (docs/design.md §5.12): ``live_on`` and ``recover_rollouts``.
+"""The ledger's side of an in-run recovery (docs/design.md §5.12): ``live_on`` and ``bring_back(..., lost=...)``.
 
 Only the lost replica's live attempts change: a restored one continues at the next attempt, pinned where Gym
 installed it; the rest restart from their prompt as new attempts, no failure counted; a stray restored
@@ -42,7 +42,7 @@ def test_live_on_lists_the_replicas_dispatched_and_restored_attempts():
 def test_restored_attempts_continue_pinned_and_the_rest_restart_from_the_prompt_without_a_failure():
     ledger, _ = _ledger()
     lost = ledger.live_on(B)
-    summary = ledger.recover_rollouts(lost, {_restored(lost[0], B)})
+    summary = ledger.bring_back({_restored(lost[0], B)}, lost=lost)
     continued = EpisodeId(rollout_id=EpisodeId.from_capture_key(lost[0]).rollout_id, attempt=1).capture_key
     assert summary.restored_turn == [continued]
     assert len(summary.restarted_from_prompt) == 1
@@ -62,7 +62,7 @@ def test_moved_attempts_are_pinned_to_the_survivor():
     ledger, _ = _ledger()
     lost = ledger.live_on(B)
     base = EpisodeId.from_capture_key(lost[0]).rollout_id
-    summary = ledger.recover_rollouts(lost, {_restored(lost[0], B)}, relocated={base: A})
+    summary = ledger.bring_back({_restored(lost[0], B)}, relocated={base: A}, lost=lost)
     reserved = {r.rollout_id: r for r in ledger.reserved_attempts()}
     assert reserved[summary.restored_turn[0]].gym_instance_id == A
 
@@ -71,7 +71,7 @@ def test_moved_attempts_are_pinned_to_the_survivor():
 def test_coarser_levels_restart_the_lost_siblings_only(level):
     ledger, _ = _ledger(level)
     lost = ledger.live_on(B)
-    summary = ledger.recover_rollouts(lost, set())
+    summary = ledger.bring_back(set(), lost=lost)
     assert len(summary.restarted_from_prompt) == len(lost) and not summary.redone_groups
     assert all(ledger.attempt_status(k) is RolloutAttemptStatus.DISPATCHED for k in ledger.live_on(A))
 
@@ -82,5 +82,5 @@ def test_a_stray_restored_episode_is_refused_before_anything_changes():
     before = ledger.state_json()
     other = ledger.live_on(A)[0]  # not on the lost replica
     with pytest.raises(ValueError, match="no recovered rollout consumes"):
-        ledger.recover_rollouts(lost, {_restored(other, A)})
+        ledger.bring_back({_restored(other, A)}, lost=lost)
     assert ledger.state_json() == before

@@ -58,7 +58,7 @@ def test_unknown_mode_is_refused(hooks: CounterHooks) -> None:
 
 async def test_status_extra_and_counts(hooks: CounterHooks) -> None:
     p = ResourcesParticipant("exported", hooks)
-    assert p.status_extra() == {"mode": "exported"}
+    assert p.status_extra() == {"mode": "exported", "replayable": False}
     await seed(p, "r1", "s1")
     report = p.readiness()
     assert report.ready and report.counts["sessions"] == 1 and report.counts["inflight"] == 0
@@ -120,9 +120,15 @@ async def test_seeds_wait_while_closed_in_every_mode(hooks: CounterHooks) -> Non
         assert "s9" in p.sessions, mode
 
 
-async def test_restart_only_block_and_best_effort(hooks: CounterHooks) -> None:
-    p = ResourcesParticipant("restart_only", hooks)
-    assert p.status_extra() == {"mode": "restart_only"}
+@pytest.mark.parametrize("mode, replayable, shown", [
+    ("restart_only", False, ("restart_only", False)),
+    ("restart_only", True, ("replayed", True)),  # a declared replayable restart-only server
+    ("replayed", False, ("replayed", True)),
+])
+async def test_restart_only_block_and_best_effort(hooks: CounterHooks, mode, replayable, shown) -> None:
+    """A ``replayed`` server behaves exactly as a restart-only one: only its status differs."""
+    p = ResourcesParticipant(mode, hooks, replayable=replayable)
+    assert p.status_extra() == {"mode": shown[0], "replayable": shown[1]}
     await seed(p, "r1", "s1")
     await seed(p, "r2-a1", "s2")
     await p.close_admission("block")
@@ -140,8 +146,16 @@ async def test_restart_only_block_and_best_effort(hooks: CounterHooks) -> None:
     assert report.ready and report.blockers == [] and report.unsaved == ["r1", "r2-a1"]
     assert p.is_ready() is True
     assert await p.export(None) == []
-    with pytest.raises(CheckpointError, match="restart_only"):
+    with pytest.raises(CheckpointError, match=shown[0]):
         await p.install([{"episode_id": {"rollout_id": "r1", "attempt": 0}, "session_id": "x", "state": None}])
+    with pytest.raises(CheckpointError, match="only the model server installs them"):
+        await p.install([], replay={"r1"})
+
+
+def test_saving_servers_declare_replayable_and_a_stateless_one_is_by_nature(hooks: CounterHooks) -> None:
+    assert ResourcesParticipant("exported", hooks, replayable=True).status_extra() == \
+        {"mode": "exported", "replayable": True}
+    assert ResourcesParticipant("stateless", hooks).status_extra() == {"mode": "stateless", "replayable": True}
 
 
 async def test_stateless_exports_routing_only(hooks: CounterHooks) -> None:

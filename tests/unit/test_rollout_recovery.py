@@ -189,7 +189,7 @@ def test_restart_turn_restored_goes_back_to_its_replica():
     r0, r1 = _dispatch_all(ledger)
     ledger.mark_sealed(r1, 1.0)
     uuid_before = ledger.groups["grp0"].siblings[0].current_attempt.attempt_uuid
-    summary = ledger.prepare_for_restart({_triple(ledger, r0)})
+    summary = ledger.bring_back({_triple(ledger, r0)})
     assert summary.restored_turn == [f"{r0}-a1"]
     assert summary.kept_siblings == [r1]
     assert summary.restarted_from_prompt == [] and summary.redone_groups == []
@@ -211,9 +211,9 @@ def test_restart_turn_twice_bumps_again():
     ledger = RolloutRecoveryLedger()
     _reserve(ledger, n=1)
     (r0,) = _dispatch_all(ledger)
-    ledger.prepare_for_restart({_triple(ledger, r0)})
+    ledger.bring_back({_triple(ledger, r0)})
     # crashed again before redispatch: the RESERVED a1 episode was saved again
-    ledger.prepare_for_restart({(INST, r0, 2)})
+    ledger.bring_back({(INST, r0, 2)})
     assert ledger.reserved_attempts()[0].rollout_id == f"{r0}-a2"
 
 
@@ -222,7 +222,7 @@ def test_restart_turn_not_restored_restarts_from_prompt():
     _reserve(ledger, n=2)
     r0, r1 = _dispatch_all(ledger)
     ledger.mark_sealed(r1, 1.0)
-    summary = ledger.prepare_for_restart(set())
+    summary = ledger.bring_back(set())
     assert summary.restored_turn == []
     assert summary.kept_siblings == [r1]
     (fresh,) = summary.restarted_from_prompt
@@ -240,7 +240,7 @@ def test_restart_sibling_keeps_sealed_and_untouched_reserved():
     ledger.mark_dispatched(reqs[0].rollout_id, INST)
     ledger.mark_dispatched(reqs[1].rollout_id, INST)
     ledger.mark_sealed(reqs[1].rollout_id, 1.0)
-    summary = ledger.prepare_for_restart()
+    summary = ledger.bring_back()
     assert summary.kept_siblings == [reqs[1].rollout_id]
     assert len(summary.restarted_from_prompt) == 1
     assert ledger.reserved_attempts()[1].rollout_id == reqs[2].rollout_id  # never started
@@ -253,7 +253,7 @@ def test_restart_sibling_level_refuses_restored_triple():
     (r0,) = _dispatch_all(ledger)
     before = ledger.state_dict()
     with pytest.raises(ValueError, match=r0):
-        ledger.prepare_for_restart({(INST, r0, 1)})
+        ledger.bring_back({(INST, r0, 1)})
     assert ledger.state_dict() == before  # nothing changed
 
 
@@ -262,9 +262,9 @@ def test_restart_unknown_restored_triple_is_named():
     _reserve(ledger, n=1)
     (r0,) = _dispatch_all(ledger)
     with pytest.raises(ValueError, match="no ledger attempt consumes.*replica-9"):
-        ledger.prepare_for_restart({(INST, r0, 1), ("nemo_gym/replica-9", r0, 1)})
+        ledger.bring_back({(INST, r0, 1), ("nemo_gym/replica-9", r0, 1)})
     with pytest.raises(ValueError, match="no ledger attempt consumes"):
-        ledger.prepare_for_restart({(INST, r0, 3)})  # wrong attempt
+        ledger.bring_back({(INST, r0, 3)})  # wrong attempt
 
 
 def test_restart_prompt_group_redoes_everything():
@@ -276,7 +276,7 @@ def test_restart_prompt_group_redoes_everything():
     ledger.mark_dispatched(r0, INST)
     ledger.mark_dispatched(r1, INST)
     ledger.mark_sealed(r0, 1.0)
-    summary = ledger.prepare_for_restart()
+    summary = ledger.bring_back()
     assert summary.redone_groups == ["grp0"]
     assert summary.discarded_rollout_ids == [r0]  # the sealed sibling is redone too
     assert summary.kept_siblings == [] and summary.restored_turn == []
@@ -293,7 +293,7 @@ def test_prompt_group_untouched_group_is_not_redone():
     ledger = RolloutRecoveryLedger()
     _reserve(ledger, level=L.PROMPT_GROUP, n=2)
     ids = [r.rollout_id for r in ledger.reserved_attempts()]
-    summary = ledger.prepare_for_restart()
+    summary = ledger.bring_back()
     assert summary.redone_groups == []
     assert [r.rollout_id for r in ledger.reserved_attempts()] == ids
 
@@ -303,7 +303,7 @@ def test_complete_groups_survive_restart():
     _reserve(ledger, level=L.PROMPT_GROUP, n=1)
     (r0,) = _dispatch_all(ledger)
     ledger.mark_sealed(r0, 1.0)
-    summary = ledger.prepare_for_restart()
+    summary = ledger.bring_back()
     assert summary.redone_groups == [] and summary.discarded_rollout_ids == []
     assert [g.group_id for g in ledger.complete_groups()] == ["grp0"]
 
@@ -444,7 +444,7 @@ class _Run:
             for i, ep in enumerate(eps)
             if (a >> (i % 6)) & 1
         }
-        summary = self.ledger.prepare_for_restart(restored)
+        summary = self.ledger.bring_back(restored)
         assert len(summary.restored_turn) == len(restored)
         self.store.discard(summary.discarded_rollout_ids)
 
@@ -518,7 +518,7 @@ def test_a_refused_restored_attempt_keeps_its_replica_and_stays_in_the_inventory
     ledger = RolloutRecoveryLedger()
     _reserve(ledger, n=1)
     (r0,) = _dispatch_all(ledger)
-    ledger.prepare_for_restart({_triple(ledger, r0)})
+    ledger.bring_back({_triple(ledger, r0)})
     (req,) = ledger.reserved_attempts()
     ledger.mark_dispatched(req.rollout_id, INST)
     ledger.mark_refused(req.rollout_id, max_refusals=3)

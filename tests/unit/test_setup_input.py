@@ -52,6 +52,7 @@ def status(kind: str, **extra: Any) -> StatusReply:
         ("agent", {"restart_only": True}, True),
         ("agent", {"restart_only": False}, False),
         ("resources", {"mode": "restart_only"}, True),
+        ("resources", {"mode": "replayed", "replayable": True}, True),  # restart-only, declared replayable
         ("resources", {"mode": "exported"}, False),
         ("resources", {"mode": "stateless"}, False),
         ("model", {}, False),

@@ -231,7 +231,7 @@ class SnapshotBookkeeping(RuleBasedStateMachine):
                 nxt = EpisodeId(rollout_id=episode.rollout_id, attempt=episode.attempt + 1)
                 self.gym.restored[iid].add(nxt.capture_key)
                 restored.add((iid, nxt.rollout_id, nxt.attempt))  # Gym's attempt numbers, as it reports them
-        summary = self.ledger.prepare_for_restart(restored)
+        summary = self.ledger.bring_back(restored)
         self.data_plane.discard(summary.discarded_rollout_ids)
         assert len(summary.restored_turn) == len(restored)
         event("restore continued turn-level rollouts" if restored else "restore without turn-level saves")

@@ -271,7 +271,7 @@ def test_prune_spares_the_anchor_of_the_newest_snapshot(tmp_path):
     ensure_bootstrap_anchor(tmp_path)
     for step in (1, 2, 3):
         _trainer_step(tmp_path, step)
-    assert sorted(p.name for p in prune_trainer_steps(tmp_path, 1, 3, spare=1)) == ["bootstrap", "step_2"]
+    assert sorted(p.name for p in prune_trainer_steps(tmp_path, 1, 3, spare={1})) == ["bootstrap", "step_2"]
     assert list_trainer_steps(tmp_path) == [1, 3]
     assert [p.name for p in prune_trainer_steps(tmp_path, 1, 3)] == ["step_1"]  # a newer snapshot: it goes
 

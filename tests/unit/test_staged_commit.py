@@ -224,16 +224,17 @@ class FakePersistCoordinator:
     """Test-only stand-in for ``GymCheckpointCoordinator.persist``: isolates the snapshotter's check
     of what Gym wrote from Ray and the servers (the real path runs in the functional tests)."""
 
-    def __init__(self, written: dict[str, dict[str, list[str]]], agents: dict[str, list[str]]):
-        self.written, self.agents, self.calls = written, agents, []
+    def __init__(self, written: dict[str, dict[str, list[str]]], agents: dict[str, list[str]],
+                 left: dict[str, str] | None = None):
+        self.written, self.agents, self.calls, self.left = written, agents, [], left or {}
 
-    async def persist(self, checkpoint_id, root, scope):
+    async def persist(self, checkpoint_id, root, scope, handles=None):
         from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointCommitSummary
 
         self.calls.append((checkpoint_id, root, {iid: {s: [e.capture_key for e in eps] for s, eps in by.items()}
                                                  for iid, by in scope.items()}))
-        return {iid: GymCheckpointCommitSummary(root, by_server, sorted(self.agents[iid]))
-                for iid, by_server in self.written.items()}
+        return ({iid: GymCheckpointCommitSummary(root, by_server, sorted(self.agents[iid]))
+                 for iid, by_server in self.written.items() if iid not in self.left}, dict(self.left))
 
 
 async def test_a_staged_snapshot_indexes_what_gym_wrote_and_refuses_a_lost_capture(tmp_path):
@@ -253,6 +254,27 @@ async def test_a_staged_snapshot_indexes_what_gym_wrote_and_refuses_a_lost_captu
     stager.coordinator = FakePersistCoordinator({iid: {"agent": ["r1"], "model": ["r1", "r2"]}}, {iid: ["r1"]})
     with pytest.raises(GymOwnershipError, match=r"captured \['r2'\] at prepare but did not write them"):
         await stager.persist("c1", tmp_path, pending)
+
+
+async def test_a_replica_that_leaves_during_the_persist_is_left_out_of_the_index_and_the_row(tmp_path):
+    """A replica the coordinator let go while persisting (lost, taken over by the in-run recovery, a stopped
+    server) saves nothing: its rollouts are not in the index (they restart from the prompt if restored), the
+    other replica's are, and the row counts them as left out, not saved."""
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import SnapshotOutcome
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import PendingPersist, StagedStager
+
+    r0, r1 = "nemo_gym/replica-0", "nemo_gym/replica-1"
+    pending = PendingPersist(scopes={r0: {"agent": ["a"]}, r1: {"agent": ["b", "c"]}},
+                             exported={r0: {"a"}, r1: {"b", "c"}}, unsaved={r0: [], r1: ["d"]})
+    stager = StagedStager.__new__(StagedStager)
+    stager.coordinator = FakePersistCoordinator({r0: {"agent": ["a"]}, r1: {"agent": ["b", "c"]}},
+                                                {r0: ["a"], r1: ["b", "c"]}, left={r1: "Gym server 'agent' stopped"})
+    outcome = SnapshotOutcome("c1", "staged", 1)
+    outcome.saved = 3
+    index = await stager.persist("c1", tmp_path, pending, outcome)
+    assert index.turn_level == {r0: ["a"]} and r1 not in index.instances and r1 not in index.unsaved
+    assert outcome.left_out == {r1: "Gym server 'agent' stopped"} and outcome.left_out_rollouts == 2
+    assert outcome.saved == 1
 
 
 # -- the persist write is a job of its capture ------------------------------------------------

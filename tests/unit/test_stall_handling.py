@@ -276,6 +276,9 @@ class SlowReplicaShardSet:
     Ray and the servers): one replica whose prepare takes ``prepare_s`` while every server answers
     each status probe at once; it records every request the coordinator sends."""
 
+    recovering: set[str] = set()  # no replica is being recovered in-run
+    control_handles: dict[str, object] = {}  # calls go through ``send_checkpoint``
+
     def __init__(self, prepare_s: float):
         self.prepare_s = prepare_s
         self.sent: list[object] = []
@@ -320,7 +323,7 @@ async def test_a_slow_replica_that_answers_every_probe_is_probed_again_and_stays
     left_out: dict[str, str] = {}
     leavers: dict[str, asyncio.Task] = {}
     results = await coordinator._prepare_replicas("c1", ["nemo_gym/replica-0"], time.time() + 10.0, gc.PrepareAsk(),
-                                                  left_out, leavers)
+                                                  left_out, leavers, {})
     probes = [r for r in shards.sent if not hasattr(r, "restart_only_policy")]
     assert len(probes) >= 2 and all(type(p) is ProbeCall and p.timeout_s == 1.5 for p in probes)
     assert results["nemo_gym/replica-0"].prepared and left_out == {} and leavers == {}

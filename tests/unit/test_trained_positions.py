@@ -126,7 +126,7 @@ def test_restart_keeps_the_ranges():
     _reserve(ledger, 1, n=2)
     (req, _) = ledger.reserved_attempts()
     ledger.mark_dispatched(req.rollout_id, INST)
-    ledger.prepare_for_restart(set())
+    ledger.bring_back(set())
     assert ledger.trained_positions == [(0, 1)]
     again = RolloutRecoveryLedger.from_state_dict(json.loads(ledger.state_json()))
     assert again.trained_positions == [(0, 1)] and again.is_trained_position(0) and not again.is_trained_position(1)

@@ -389,6 +389,7 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
         config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2), grpo=SimpleNamespace(max_num_steps=10),
                                to_yaml=lambda: "grpo:\n  seed: 7\n"),
     )
+    controller._prune = lambda newest: SingleController._prune(controller, newest)
     seconds = []
     for step in (1, 2, 3):
         controller.step = step
@@ -403,28 +404,33 @@ def test_save_trainer_checkpoint_returns_checkpoint_s_and_reads_no_checkpoint(tm
 
 # ----- retention: the spare anchor goes once no restore can need it ------------------------------
 def _stand_in(tmp_path, max_num_steps: int, newest_snapshot_under: int):
-    """A stand-in controller (the recording trainer, the real store, keep_top_k=2) with a stand-in snapshotter
-    that says its newest snapshot is under ``newest_snapshot_under`` (pruning reads only that number)."""
+    """A stand-in controller (the recording trainer, the real store, keep_top_k=2) whose run store holds, for a
+    relaunch, a snapshot under ``newest_snapshot_under`` (pruning reads only the holds)."""
     import asyncio
     from types import SimpleNamespace
 
     from nemo_rl.algorithms.recording_trainer import RecordingTrainer
+    from nemo_rl.algorithms.single_controller import SingleController
     from nemo_rl.algorithms.single_controller_utils.coverage import SnapshotCoverage
     from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
     from nemo_rl.experience.data_plane import DataPlaneStore
     from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
     from nemo_rl.utils.run_hooks import RunHooks
+    from nemo_rl.utils.snapshot_store import anchor_dir
 
     ckpt = tmp_path / "ckpt"
-    return SimpleNamespace(
-        step=0, anchor_step=0, checkpoint_dir=ckpt, store=RunStore(ckpt, FileSystemWriter(), keep_latest_k=1),
-        snapshotter=SimpleNamespace(busy=asyncio.Lock(), newest_anchor=newest_snapshot_under),
+    store = RunStore(ckpt, FileSystemWriter(), keep_latest_k=1)
+    store.hold("relaunch", anchor_dir(ckpt, newest_snapshot_under) / "rollout_snapshots" / "snapshot_000001")
+    controller = SimpleNamespace(
+        step=0, anchor_step=0, checkpoint_dir=ckpt, store=store, snapshotter=SimpleNamespace(busy=asyncio.Lock()),
         trainer=RecordingTrainer(tmp_path / "logs"), dataloader=SimpleNamespace(state_dict=lambda: {"position": 0}),
         ledger=RolloutRecoveryLedger(), data_plane=DataPlaneStore(), _trained_pending={}, _rollouts={},
-        hooks=RunHooks(), coverage=SnapshotCoverage(None), _spared=None,
+        hooks=RunHooks(), coverage=SnapshotCoverage(None), _pruned_sparing=frozenset(),
         config=SimpleNamespace(checkpointing=SimpleNamespace(keep_top_k=2),
                                grpo=SimpleNamespace(max_num_steps=max_num_steps), to_yaml=lambda: "a: 1\n"),
     )
+    controller._prune = lambda newest: SingleController._prune(controller, newest)
+    return controller
 
 
 def _save_steps(controller, steps) -> None:
@@ -441,14 +447,33 @@ def test_the_spare_anchor_stays_while_a_restore_needs_it_and_goes_once_a_newer_s
     import asyncio
 
     from nemo_rl.algorithms.single_controller import SingleController
+    from nemo_rl.utils.snapshot_store import anchor_dir
 
     controller = _stand_in(tmp_path, max_num_steps=10, newest_snapshot_under=1)
     _save_steps(controller, (1, 2, 3))
     ckpt = controller.checkpoint_dir
-    assert list_trainer_steps(ckpt) == [1, 2, 3] and controller._spared == 1  # step 1 holds the newest snapshot
-    controller.snapshotter.newest_anchor = 3  # a snapshot published under step 3: a restore takes that one
-    asyncio.run(SingleController._prune_spared(controller))
-    assert list_trainer_steps(ckpt) == [2, 3] and controller._spared == 3
+    assert list_trainer_steps(ckpt) == [1, 2, 3] and controller._pruned_sparing == {1}  # it holds the newest snapshot
+    # a snapshot published under step 3: a relaunch takes that one
+    controller.store.hold("relaunch", anchor_dir(ckpt, 3) / "rollout_snapshots" / "snapshot_000002")
+    controller.anchor_step = 3
+    asyncio.run(SingleController._prune_again(controller))
+    assert list_trainer_steps(ckpt) == [2, 3] and controller._pruned_sparing == {3}
+
+
+def test_the_snapshot_a_recovery_needs_survives_a_trainer_step_prune_at_keep_top_k_1(tmp_path):
+    """One retention rule: a snapshot held for an in-run recovery (the newest that saved a replica's rollouts,
+    while newer ones left that replica out) keeps its trainer step, whatever ``keep_top_k`` says."""
+    from nemo_rl.utils.snapshot_store import anchor_dir
+
+    controller = _stand_in(tmp_path, max_num_steps=10, newest_snapshot_under=3)
+    controller.config.checkpointing.keep_top_k = 1
+    ckpt = controller.checkpoint_dir
+    controller.store.hold("gym:nemo_gym/replica-1", anchor_dir(ckpt, 1) / "rollout_snapshots" / "snapshot_000001")
+    _save_steps(controller, (1, 2, 3))
+    assert list_trainer_steps(ckpt) == [1, 3]  # step 2 went; step 1 holds what a recovery of replica-1 needs
+    controller.store.hold("gym:nemo_gym/replica-1", None)  # a newer snapshot saved replica-1 again
+    _save_steps(controller, (4,))
+    assert list_trainer_steps(ckpt) == [3, 4]  # step 1 went with it; step 3 holds the relaunch's newest
 
 
 def test_a_complete_run_keeps_only_keep_top_k_steps(tmp_path):
@@ -456,52 +481,4 @@ def test_a_complete_run_keeps_only_keep_top_k_steps(tmp_path):
     _save_steps(controller, (1, 2))
     assert list_trainer_steps(controller.checkpoint_dir) == [1, 2]
     _save_steps(controller, (3,))  # the last step: the run is complete, no restore needs step 1
-    assert list_trainer_steps(controller.checkpoint_dir) == [2, 3] and controller._spared is None
-
-
-# ----- a save holds no second copy of the optimizer ----------------------------------------------
-_SAVE_PEAK = r"""
-import json, resource, sys
-from pathlib import Path
-import torch
-from nemo_rl.algorithms.grpo import GRPOTrainer
-from nemo_rl.algorithms.grpo_config import GRPOConfig, LossConfig, PolicyConfig
-from nemo_rl.models.policy import load_policy
-from tests.model_fixtures import tiny_qwen_dir
-
-tmp = Path(sys.argv[1])
-model = tiny_qwen_dir(tmp / "model", hidden_size=1024, intermediate_size=4096, num_heads=16, num_kv_heads=16,
-                      head_dim=64)
-trainer = GRPOTrainer(PolicyConfig(device="cpu", max_seq_len=64), LossConfig(), GRPOConfig(seed=0),
-                      load_policy(str(model), "float32", "cpu", 64))
-for p in trainer.policy.parameters():
-    p.grad = torch.zeros_like(p)
-trainer.optimizer.step()  # Adam's two moments per parameter now exist
-trainer.optimizer.zero_grad(set_to_none=True)
-optimizer = sum(t.nbytes for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-# the high-water mark of what else a save does: Hugging Face's own write of the weights (which serialises
-# them in memory first), the imports
-trainer.policy.model.save_pretrained(tmp / "weights_only")
-trainer.tokenizer.save_pretrained(tmp / "weights_only")
-before = peak()
-trainer.save(tmp / "step")
-print(json.dumps({"optimizer": optimizer, "growth": peak() - before}))
-"""
-
-
-@needs_proc_io
-def test_a_trainer_save_holds_no_second_copy_of_the_optimizer(tmp_path):
-    """Peak memory of a save grows by far less than the optimizer over that of Hugging Face's write of the
-    same weights: ``optimizer.pt`` streams through the writer, never as bytes (a bytes copy grows it by
-    the whole optimizer less the weights' serialisation). In a process of its own, whose peak is this."""
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(tmp_path)], cwd=repo, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen["optimizer"] > 200 * MB  # two moments of a 33M-parameter model
-    assert seen["growth"] < seen["optimizer"] / 4, seen
+    assert list_trainer_steps(controller.checkpoint_dir) == [2, 3] and controller._pruned_sparing == frozenset()

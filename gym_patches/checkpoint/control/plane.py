@@ -328,14 +328,16 @@ class ParticipantControlPlane:
     async def _restore(self, req: RestoreRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
         wanted = _keys(req.episode_ids) or ()
-        args = (req.checkpoint_dir, wanted, req.source_checkpoint_id, tuple(req.source_dirs))
+        replay = _keys(req.replay_episode_ids) or ()
+        args = (req.checkpoint_dir, wanted, req.source_checkpoint_id, tuple(req.source_dirs), replay)
         async with self._lock:
             stored = self._replay(cid, "restore", args)
             if stored is not None:
                 return stored
             self._phases.admit(cid, "restore")
             selected = await asyncio.to_thread(read_selected, self.participant.kind, self.instance, req, set(wanted))
-            restored = await self.participant.install(selected)
+            restored = await (self.participant.install(selected, replay=frozenset(replay)) if replay
+                              else self.participant.install(selected))
             self._phases.move("restore", cid)
             self._scope = TaskScope(f"checkpoint {cid!r}", self.instance)  # closed by its resume, like any
             self._lease.extend(req.deadline_ts)

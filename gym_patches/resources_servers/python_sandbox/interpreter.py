@@ -53,6 +53,16 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(121)
 
 
+def interpreter_env() -> dict[str, str]:
+    """The interpreter's environment: this process's without any ``PYTHON*`` variable (as ``-I`` would
+    ignore them), and a fixed hash seed, so the same cells print sets and hashes of strings the same way
+    in every process: a fresh session that runs a session's cells again ends in the same state (what a
+    replay relies on, docs/design.md §4.5)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
 class InterpreterSession:
     """One ``python -u`` subprocess with a persistent namespace."""
 
@@ -73,7 +83,8 @@ class InterpreterSession:
     async def start(cls, *, start_timeout_s: float = START_TIMEOUT_S) -> "InterpreterSession":
         parent = os.getpid()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-u", "-I", str(DRIVER_PATH),
+            sys.executable, "-u", "-s", "-P", str(DRIVER_PATH),
+            env=interpreter_env(),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,

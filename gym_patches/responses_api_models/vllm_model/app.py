@@ -4,7 +4,9 @@ Upstream counterpart: ``responses_api_models/vllm_model``. Agents call
 ``/ng-rollout/<capture_key>/v1/responses`` so every generation belongs to an
 episode; the checkpoint gate (``gym_patches.checkpoint.model``) holds replies
 while a checkpoint is being taken. Plain ``/v1/responses`` is not tracked by
-checkpoints but still waits while admission is closed.
+checkpoints but still waits while admission is closed. An episode restored for
+replay is answered from its recorded calls while its requests match
+(``gym_patches.checkpoint.replay``; counts at ``GET /ng-replay/v1/stats``).
 
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``
 so the ``openai`` client raises its usual exceptions:
@@ -54,6 +56,7 @@ from gym_patches.checkpoint.cuts import (
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.model import ModelTicket, PolicyModelParticipant
+from gym_patches.checkpoint.replay import REPLAY_STATS_ROUTE, CallPlan, ReplayAnnotation, annotated
 from gym_patches.config import GymGlobalConfig, ServerInstanceConfig
 from gym_patches.responses_api_models.vllm_model.converter import (
     BackendReplyError,
@@ -125,6 +128,11 @@ def _param(loc: tuple[Any, ...]) -> str:
 
 
 def parse_responses_request(raw: bytes) -> ResponsesRequest:
+    return parse_request_body(raw)[1]
+
+
+def parse_request_body(raw: bytes) -> tuple[dict[str, Any], ResponsesRequest]:
+    """The body as the agent sent it (what a replay's digest is taken of) and as this server reads it."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -132,7 +140,7 @@ def parse_responses_request(raw: bytes) -> ResponsesRequest:
     if not isinstance(data, dict):
         raise RequestError(400, "invalid_request", "request body must be a JSON object")
     try:
-        return ResponsesRequest.model_validate(data)
+        return data, ResponsesRequest.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         message = "; ".join(f"{_param(e['loc']) or '<body>'}: {e['msg']}" for e in errors)
@@ -213,6 +221,7 @@ class VLLMModelServer(GymServer):
         # The gate always runs; with checkpointing off nobody ever closes it.
         self.gate = PolicyModelParticipant()
         self.gate.cut_source = BackendCuts(self)
+        self.gate.record_calls = self.config.record_calls  # each episode's finished calls, for a replay
         self._session: aiohttp.ClientSession | None = None
 
     def make_participant(self) -> PolicyModelParticipant:
@@ -225,6 +234,7 @@ class VLLMModelServer(GymServer):
     def setup_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post(f"{ROLLOUT_PREFIX}/{{capture_key}}/v1/responses", self._responses)
+        app.router.add_get(REPLAY_STATS_ROUTE, self._replay_stats)
 
     async def on_startup(self) -> None:
         # No cap on open connections (aiohttp's default is 100): every rollout in flight may hold a
@@ -261,7 +271,7 @@ class VLLMModelServer(GymServer):
             raise RequestError(
                 413, "payload_too_large", f"request body is over the {MAX_REQUEST_BODY_BYTES}-byte limit"
             ) from None
-        body = parse_responses_request(raw)
+        data, body = parse_request_body(raw)
         try:
             chat_body = responses_to_chat(
                 body,
@@ -277,15 +287,27 @@ class VLLMModelServer(GymServer):
             )
         try:
             async with self.gate.call(key) as ticket:
-                resp = await self._generate(ticket, chat_body, body)
+                plan = self.gate.plan_call(ticket, data)  # answered from the episode's record, or live
+                if plan.recorded is not None:
+                    resp = web.json_response(plan.reply_for_agent())
+                    recorded = None  # its call is in the record already
+                else:
+                    resp = await self._generate(ticket, chat_body, body)
+                    recorded = resp.body if resp.status == 200 else None
+                    if plan.divergence is not None and recorded is not None:
+                        resp = diverged_reply(recorded, plan)
                 await self.gate.release_response(ticket)  # held here while a checkpoint is open
                 await resp.prepare(request)
                 await resp.write_eof()
                 if resp.status == 200:
-                    self.gate.delivered(ticket)
+                    self.gate.delivered(ticket, recorded)
                 return resp
         except CheckpointError as exc:
             return openai_error(exc.status, exc.detail, code=exc.code)
+
+    async def _replay_stats(self, _: web.Request) -> web.Response:
+        """Read only and unauthenticated, like ``/health``: what replays did here (``ReplayReport``)."""
+        return web.json_response(self.gate.calls.report().model_dump(mode="json"))
 
     async def _generate(self, ticket: ModelTicket, chat_body: dict[str, Any], request: ResponsesRequest) -> web.Response:
         """The reply to write: the mapped completion, the backend's 4xx, or a 502
@@ -296,7 +318,8 @@ class VLLMModelServer(GymServer):
         call_index = None
         if ticket.episode is not None:
             ticket.call_id = f"{ticket.episode.capture_key}.{uuid.uuid4().hex[:12]}"
-            call_index = self.gate.delivered_calls(ticket.episode)
+            if ticket.plan is not None and ticket.plan.index >= 0:  # its delivered count when planned
+                call_index = ticket.plan.index
             cut = self.gate.take_restored_cut(ticket.episode)
             if cut is not None:
                 chat_body = {**chat_body, PREFIX_FIELD: cut.model_dump()}
@@ -376,6 +399,12 @@ class VLLMModelServer(GymServer):
             raise _Unreachable(f"policy backend {url} is unreachable: {exc or type(exc).__name__}") from None
         except aiohttp.ClientError as exc:
             raise BackendError(f"policy backend {url} is unreachable: {exc}") from None
+
+
+def diverged_reply(body: bytes, plan: CallPlan) -> web.Response:
+    """The first live reply after a divergence, annotated with it (the record keeps it unannotated)."""
+    note = ReplayAnnotation(replayed=False, call=plan.index, divergence=plan.divergence)
+    return web.json_response(annotated(json.loads(body), note))
 
 
 class _Unreachable(Exception):

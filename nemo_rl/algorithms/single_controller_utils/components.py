@@ -14,16 +14,15 @@ directory, or a hub id.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
 from gym_patches.checkpoint.storage import StorageWriter
-from gym_patches.utils.processes import free_port
+from gym_patches.utils.processes import free_port, port_is_free, process_tree, wait_gone
 from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, ConfigError, MasterConfig
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RestorePoint
 
@@ -51,17 +50,6 @@ class ScriptedTestGeneration:
 
     def stop(self) -> None:
         self._backend.stop()
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Nothing listens on ``host:port`` (a bind as the worker's server would do it succeeds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class RayGenerationBackend:
@@ -108,14 +96,26 @@ class RayGenerationBackend:
         self.log_path: str | None = None
         self.restart_wait_s: float | None = None  # set by the recovery: a refit whose worker died waits this long
         version = trainer.weight_version if weight_version is None else weight_version
+        self._gpus = gpus
         self._start(trainer.state_dict_bytes(), trainer.weights_serial, version)
 
-    def _start(self, weights: bytes, serial: int, version: int, timeout_s: float | None = None) -> None:
+    def _start(self, weights: bytes, serial: int, version: int, deadline: float | None = None,
+               stop: Callable[[], bool] = lambda: False) -> None:
+        """A new worker serving ``weights``; past ``deadline`` (``time.monotonic()``) or once ``stop()`` says so
+        it is killed and ``TimeoutError`` raised: a start never outlives whoever waits for it."""
         self.starts += 1
         self.log_path = None if self._log_dir is None else str(self._log_dir / f"worker-{self.starts}.log")
-        self._worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path,
-                                       deterministic=self._deterministic)
-        self.base_url = ray.get(self._worker.start.remote("127.0.0.1", self._port), timeout=timeout_s)
+        worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path,
+                                 deterministic=self._deterministic)
+        started = worker.start.remote("127.0.0.1", self._port)
+        while not ray.wait([started], timeout=0.1)[0]:
+            if stop() or (deadline is not None and time.monotonic() >= deadline):
+                ray.kill(worker, no_restart=True)
+                raise TimeoutError(f"a new {self.actor_class} did not start in time (is the cluster short of "
+                                   f"{'GPUs' if self._gpus else 'CPUs'}?)")
+        self._worker = worker
+        self.base_url = ray.get(started)
+        self._process = ray.get(worker.process.remote())  # its pid and Ray node: what a restart waits out
         self._serving = (serial, version)  # the weights the worker holds, and their version
 
     @property
@@ -141,25 +141,34 @@ class RayGenerationBackend:
                 return
             self._serving = serving
 
-    def restart(self, trainer: Any, timeout_s: float | None = None, dead_wait_s: float = 30.0) -> None:
-        """Replace the worker: stop the old actor (a wedged one is killed), wait until Ray has it dead (its
-        port is free), and start a new one on the same port with the trainer's weights now. The kill comes
-        before the lock: a refit waiting on a wedged worker holds it, and fails (then waits for this) once
-        the worker is gone. A new worker not up within ``timeout_s`` (Ray cannot place it) raises
-        ``GetTimeoutError``, so this thread never outlives the recovery that waits for it."""
-        started = time.monotonic()
-        old = self._worker
+    def restart(self, trainer: Any, deadline: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Replace the worker: kill the old actor (a wedged one too), wait until its whole process tree on
+        this host is gone and its port free (a killed vLLM engine's children can hold the device's memory),
+        and start a new one on the same port with the trainer's weights now. The kill comes before the
+        lock: a refit waiting on a wedged worker holds it, and fails (then waits for this) once the worker
+        is gone. Every wait ends by ``deadline`` (``time.monotonic()``) or once ``stop()`` says so, with
+        ``TimeoutError``: this thread never outlives the recovery that waits for it (docs/design.md §5.12)."""
+        old, tree = self._worker, self._old_tree()
         ray.kill(old, no_restart=True)
         with self._cond:
-            # Ray calls the actor dead as soon as it is asked to kill it; its process (a stopped one later than
-            # a running one) lets go of the port only once it is gone. Until then a new one could not bind it.
-            deadline = time.monotonic() + dead_wait_s
-            while not _port_free(self._port) and time.monotonic() < deadline:
-                time.sleep(0.05)  # past the deadline the new one's start fails on the port, and is tried again
-            weights, serial, version = trainer.weights_now()
-            left = None if timeout_s is None else max(1.0, timeout_s - (time.monotonic() - started))
-            self._start(weights, serial, version, left)
+            left = wait_gone(tree, deadline, stop)
+            if left:
+                raise TimeoutError(f"the old worker's processes {left} were still running at the deadline")
+            while not port_is_free(self._port):
+                if stop() or time.monotonic() >= deadline:
+                    raise TimeoutError(f"port {self._port} was still taken at the deadline")
+                time.sleep(0.05)  # Ray calls the actor dead before the kernel has closed its socket
+            weights, serial, version = trainer.weights_now(deadline, stop)
+            self._start(weights, serial, version, deadline, stop)
             self._cond.notify_all()
+
+    def _old_tree(self) -> list[int]:
+        """The worker's process and its descendants, if it runs on this host (elsewhere Ray's process-group
+        cleanup, enabled before Ray starts, ends them)."""
+        process = getattr(self, "_process", None) or {}
+        if process.get("node_id") != ray.get_runtime_context().get_node_id():
+            return []
+        return process_tree(process["pid"])
 
     def stop(self) -> None:
         try:
@@ -224,8 +233,9 @@ class GRPOTrainerAdapter:
     def state_dict_bytes(self) -> bytes:
         return self.inner.state_dict_bytes()
 
-    def weights_now(self) -> tuple[bytes, int, int]:
-        return self.inner.weights_now()
+    def weights_now(self, deadline: float | None = None, stop: Callable[[], bool] = lambda: False
+                    ) -> tuple[bytes, int, int]:
+        return self.inner.weights_now(deadline, stop)
 
     def save(self, directory: Path, extra_state: dict[str, Any], writer: StorageWriter) -> None:
         self.inner.save(directory, dataloader_state=extra_state, writer=writer)

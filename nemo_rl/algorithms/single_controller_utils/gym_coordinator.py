@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import ray
 
@@ -52,12 +52,14 @@ from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.wire import MAX_EPISODES_PER_REQUEST, RestartOnlyPolicy
 from gym_patches.checkpoint.coordination import CoordinationError, PrepareResult
 from nemo_rl.algorithms.single_controller_utils.prepare_rounds import (
+    PersistStragglers,
     PrepareRound,
     ReplicaPrepare,
     RoundClock,
     finished_error,
     unwrap,
 )
+from nemo_rl.algorithms.single_controller_utils.replica_guards import ReplicaGuards
 from nemo_rl.algorithms.single_controller_utils.reopenings import Reopenings
 from nemo_rl.environments.gym_checkpoint_adapter import (
     GymCheckpointCommitSummary,
@@ -145,6 +147,9 @@ class PreparedGym:
     deadline_ts: float
     results: dict[str, PrepareResult]
     left_out: dict[str, str] = field(default_factory=dict)
+    # instance -> the control actor it was prepared through: every later call of this snapshot goes there, so a
+    # replica replaced meanwhile (docs/design.md §5.12) is never asked about a checkpoint its new servers never saw
+    handles: dict[str, Any] = field(default_factory=dict)
 
     @property
     def instance_ids(self) -> list[str]:
@@ -178,6 +183,10 @@ class GymCheckpointCoordinator:
                  park_grace_s: float = 1.5, recovers_lost: bool = False):
         self.shard_set = shard_set
         self.recovers_lost = recovers_lost  # the in-run recovery replaces a lost replica (§5.12)
+        self.guards = ReplicaGuards()  # a snapshot's pause and a recovery's install never overlap on a replica
+        # replicas the in-run recovery took over (-> why): any snapshot call to them stops and they leave it
+        self._abandoned: dict[str, str] = {}
+        self.on_lost: Callable[[str, str], None] = lambda iid, why: None  # a replica's actor is gone (§5.12)
         self.prepare_timeout_s = prepare_timeout_s
         self.policy = restart_only_policy
         self.park_grace_s = park_grace_s
@@ -190,15 +199,17 @@ class GymCheckpointCoordinator:
     def instance_ids(self) -> list[str]:
         return sorted(self.shard_set.checkpoint_handles)
 
-    async def _collect(self, operation: str, calls: dict[str, Awaitable[Any]], deadline_ts: float) -> dict[str, Any]:
+    async def _collect(self, operation: str, calls: dict[str, Awaitable[Any]], deadline_ts: float,
+                       handles: dict[str, Any] | None = None) -> dict[str, Any]:
         """Await every replica until the deadline plus a short grace; name the failures."""
-        out, failures = await self._gather_replicas(operation, calls, deadline_ts)
+        out, failures = await self._gather_replicas(operation, calls, deadline_ts, handles)
         if failures:
             raise GymCheckpointOperationError(operation, failures)
         return out
 
     async def _gather_replicas(
-        self, operation: str, calls: dict[str, Awaitable[Any]], deadline_ts: float
+        self, operation: str, calls: dict[str, Awaitable[Any]], deadline_ts: float,
+        handles: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], dict[str, BaseException]]:
         """Every replica's answer or error (a lost replica is raised as ``GymReplicaLost``)."""
         grace = min(self.prepare_timeout_s, _MAX_REPLY_GRACE_S)
@@ -223,24 +234,36 @@ class GymCheckpointCoordinator:
                 out[iid] = task.result()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        self._raise_if_lost(failures)
+        self._raise_if_lost(failures, handles)
         return out, failures
+
+    def abandon(self, instance_id: str, why: str) -> None:
+        """The in-run recovery took ``instance_id`` over (a server or its actor was lost): a snapshot's calls
+        to it stop at once and it leaves that snapshot, until ``forget_instance`` (docs/design.md §5.12)."""
+        self._abandoned[instance_id] = why
 
     def forget_instance(self, instance_id: str) -> None:
         """A replica was replaced or given up (docs/design.md §5.12): nothing is owed to its old servers."""
         self._unresumed.pop(instance_id, None)
         self._unforgotten.pop(instance_id, None)
+        self._abandoned.pop(instance_id, None)
 
-    def _raise_if_lost(self, failures: dict[str, BaseException]) -> None:
+    def _raise_if_lost(self, failures: dict[str, BaseException], handles: dict[str, Any] | None = None) -> None:
         """A replica whose actor died is lost: the run stops naming it, unless the in-run recovery
-        replaces it (``recovers_lost``), for which it is one more replica that did not answer."""
-        if self.recovers_lost:
-            return
+        replaces it (``recovers_lost``): then the recovery is told (``on_lost``; not about an actor
+        ``handles`` pinned that was replaced since) and it is one more replica that did not answer."""
         for iid, exc in sorted(failures.items()):
             if isinstance(exc, ray.exceptions.RayActorError):
-                raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
+                if not self.recovers_lost:
+                    raise GymReplicaLost(iid, exc, self.shard_set.placement.get(iid)) from None
+                if handles is None or handles.get(iid) is self.shard_set.control_handles.get(iid):
+                    self.on_lost(iid, f"its Ray actor died ({_first_line(exc)})")
 
-    def _send(self, iid: str, request: GymCall) -> Any:
+    def _send(self, iid: str, request: GymCall, handles: dict[str, Any] | None = None) -> Any:
+        """``request`` to one replica's checkpoint entry: the control actor ``handles`` pins (a snapshot's),
+        else the replica's current one."""
+        if handles is not None and iid in handles:
+            return handles[iid].checkpoint.remote(request)
         return self.shard_set.send_checkpoint(iid, request)
 
     async def retire(self, checkpoint_id: str, episodes: dict[str, list[EpisodeId]]) -> None:
@@ -265,32 +288,42 @@ class GymCheckpointCoordinator:
         renewer: asyncio.Task | None = None
         leavers: dict[str, asyncio.Task] = {}  # left-out replicas being resumed meanwhile
         left_out = self._sit_out_unresumed(leavers)
+        left_out.update(self._sit_out_recovering(left_out))
         asked = [iid for iid in self.instance_ids if iid not in left_out]
-        try:
-            results = await self._prepare_replicas(checkpoint_id, asked, deadline, ask, left_out, leavers)
-            not_ready = {iid: r.blockers for iid, r in results.items() if not r.prepared}
-            if not_ready:
-                raise GymCheckpointNotReady(not_ready, left_out)
-            if not results:
-                raise GymReplicasLeftOut(left_out)
-            for iid in results:
-                self.shard_set.mark_healthy(iid)
-            renewer = asyncio.create_task(self._renew_until_stopped(checkpoint_id, sorted(results)),
-                                          name=f"gym-renew:{checkpoint_id}")
-            yield PreparedGym(checkpoint_id, deadline, results, dict(left_out))
-        finally:
-            if renewer is not None:
-                renewer.cancel()
-                await asyncio.gather(renewer, return_exceptions=True)
-                if (exc := finished_error(renewer)) is not None:
-                    logger.error("lease renewal for %s stopped: %s: %s", checkpoint_id, type(exc).__name__, exc)
+        handles = {iid: self.shard_set.control_handles[iid] for iid in asked if iid in self.shard_set.control_handles}
+        async with self.guards.hold(asked):  # free: ``_sit_out_recovering`` passed over the held ones
             try:
-                await self.resume(checkpoint_id, [iid for iid in asked if iid not in leavers])
+                results = await self._prepare_replicas(checkpoint_id, asked, deadline, ask, left_out, leavers, handles)
+                not_ready = {iid: r.blockers for iid, r in results.items() if not r.prepared}
+                if not_ready:
+                    raise GymCheckpointNotReady(not_ready, left_out)
+                if not results:
+                    raise GymReplicasLeftOut(left_out)
+                for iid in results:
+                    self.shard_set.mark_healthy(iid)
+                renewer = asyncio.create_task(self._renew_until_stopped(checkpoint_id, sorted(results), handles),
+                                              name=f"gym-renew:{checkpoint_id}")
+                yield PreparedGym(checkpoint_id, deadline, results, dict(left_out), handles)
             finally:
-                # Left-out replicas finish reopening in the background (each call is short); until
-                # then they sit snapshots out. ``aclose`` stops what is left when the run ends.
-                for iid, task in leavers.items():
-                    self._reopenings.adopt(iid, task, left_out.get(iid, "a server did not answer"))
+                if renewer is not None:
+                    renewer.cancel()
+                    await asyncio.gather(renewer, return_exceptions=True)
+                    if (exc := finished_error(renewer)) is not None:
+                        logger.error("lease renewal for %s stopped: %s: %s", checkpoint_id, type(exc).__name__, exc)
+                try:
+                    await self.resume(checkpoint_id, [iid for iid in asked if iid not in leavers], handles)
+                finally:
+                    # Left-out replicas finish reopening in the background (each call is short); until
+                    # then they sit snapshots out. ``aclose`` stops what is left when the run ends.
+                    for iid, task in leavers.items():
+                        self._reopenings.adopt(iid, task, left_out.get(iid, "a server did not answer"))
+
+    def _sit_out_recovering(self, left_out: dict[str, str]) -> dict[str, str]:
+        """Replicas the in-run recovery holds (being replaced, or installing saved episodes) sit this
+        snapshot out: their rollouts are the recovery's (docs/design.md §5.12)."""
+        held = set(self.instance_ids) - set(self.guards.free(self.instance_ids))
+        busy = (set(self.shard_set.recovering) | set(self._abandoned) | held) - set(left_out)
+        return {iid: f"{iid} is being recovered (in-run recovery)" for iid in sorted(busy)}
 
     async def reopened(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the replicas being reopened after they left a snapshot."""
@@ -302,28 +335,32 @@ class GymCheckpointCoordinator:
 
     async def _prepare_replicas(
         self, checkpoint_id: str, asked: list[str], deadline: float, ask: PrepareAsk,
-        left_out: dict[str, str], leavers: dict[str, asyncio.Task],
+        left_out: dict[str, str], leavers: dict[str, asyncio.Task], handles: dict[str, Any],
     ) -> dict[str, PrepareResult]:
         """Prepare ``asked`` at once; probe the servers of replicas that take long; move replicas
-        that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``).
-        Each tick drives the round's transitions in this order (``prepare_rounds.py``)."""
-        calls = {iid: self._send(iid, self._prepare_call(checkpoint_id, deadline, ask, iid)) for iid in asked}
-        round_ = PrepareRound.start(checkpoint_id, calls, self._round_clock(deadline))
+        that cannot be parked into ``left_out`` (each resumed at once by a task in ``leavers``), and
+        those the in-run recovery takes over meanwhile. Each tick drives the round's transitions in
+        this order (``prepare_rounds.py``)."""
+        calls = {iid: self._send(iid, self._prepare_call(checkpoint_id, deadline, ask, iid), handles)
+                 for iid in asked}
+        round_ = PrepareRound.start(checkpoint_id, calls, self._round_clock(deadline),
+                                    lost_actor_leaves=self.recovers_lost)
         probe = ProbeCall(timeout_s=self.park_grace_s)
         try:
             while round_.waiting():
                 await round_.next_event(_TICK_S)
                 now = time.monotonic()
-                self._let_go(checkpoint_id, round_.read_answers(), left_out, leavers)
+                self._let_go(checkpoint_id, round_.read_answers(), left_out, leavers, handles)
+                self._let_go(checkpoint_id, round_.abandon(self._abandoned), left_out, leavers, handles)
                 round_.start_grace(now)
                 for replica in round_.due_for_probe(now):
-                    replica.probe_sent(self._send(replica.iid, probe), now)
-                self._let_go(checkpoint_id, round_.stragglers(now), left_out, leavers)
+                    replica.probe_sent(self._send(replica.iid, probe, handles), now)
+                self._let_go(checkpoint_id, round_.stragglers(now), left_out, leavers, handles)
                 round_.stop_the_late(now)
         finally:
             await round_.close()
         failures = round_.failures()
-        self._raise_if_lost(failures)
+        self._raise_if_lost(failures, handles)
         if failures:
             raise GymCheckpointOperationError("prepare", failures)
         return round_.results()
@@ -343,7 +380,7 @@ class GymCheckpointCoordinator:
                           park_grace_s=self.park_grace_s, probe_after_s=PROBE_AFTER_S, probe_every_s=PROBE_EVERY_S)
 
     def _let_go(self, checkpoint_id: str, leaving: list[ReplicaPrepare], left_out: dict[str, str],
-                leavers: dict[str, asyncio.Task]) -> None:
+                leavers: dict[str, asyncio.Task], handles: dict[str, Any]) -> None:
         """Replicas that left the round: say why, stop their prepare in the actor, pass them over for
         new rollouts a while, and resume each at once (its resume task goes to ``leavers``)."""
         for replica in leaving:
@@ -353,8 +390,10 @@ class GymCheckpointCoordinator:
             if isinstance(replica.call, ray.ObjectRef):  # (``ray.cancel`` of anything else would start Ray)
                 with contextlib.suppress(Exception):  # its prepare stops in the actor; the resume reopens what it closed
                     ray.cancel(replica.call)
+            if replica.iid in self._abandoned:
+                continue  # the recovery replaces it: its old servers are not reopened
             self.shard_set.mark_unhealthy(replica.iid, replica.why_left)
-            leavers[replica.iid] = asyncio.create_task(self.resume(checkpoint_id, [replica.iid]),
+            leavers[replica.iid] = asyncio.create_task(self.resume(checkpoint_id, [replica.iid], handles),
                                                        name=f"gym-leave:{replica.iid}")
 
     def _sit_out_unresumed(self, leavers: dict[str, asyncio.Task]) -> dict[str, str]:
@@ -375,14 +414,16 @@ class GymCheckpointCoordinator:
         for cid in checkpoint_ids:
             await self.resume(cid, [iid])
 
-    async def _renew_until_stopped(self, checkpoint_id: str, iids: list[str]) -> None:
+    async def _renew_until_stopped(self, checkpoint_id: str, iids: list[str], handles: dict[str, Any]) -> None:
         period = max(0.05, min(self.prepare_timeout_s / 3, 10.0))
         while True:
             await asyncio.sleep(period)
             deadline = time.time() + self.prepare_timeout_s
             request = RenewCall(checkpoint_id=checkpoint_id, deadline_ts=deadline)
+            asked = [iid for iid in iids if iid not in self._abandoned]
             try:
-                await self._collect("renew", {iid: self._send(iid, request) for iid in iids}, deadline)
+                await self._collect("renew", {iid: self._send(iid, request, handles) for iid in asked}, deadline,
+                                    handles)
             except GymCheckpointOperationError as exc:
                 logger.warning("lease renewal for %s failed: %s", checkpoint_id, exc)
 
@@ -396,10 +437,11 @@ class GymCheckpointCoordinator:
             {
                 iid: self._send(iid, CommitCall(
                     checkpoint_id=prepared.checkpoint_id, deadline_ts=deadline,
-                    checkpoint_dir=self.shard_set.checkpoint_dir(iid, root), episode_ids=scope.get(iid, {})))
+                    checkpoint_dir=self.shard_set.checkpoint_dir(iid, root), episode_ids=scope.get(iid, {})),
+                    prepared.handles)
                 for iid in prepared.instance_ids
             },
-            deadline,
+            deadline, prepared.handles,
         )
 
     async def forget(self, rollout_ids: list[str]) -> int:
@@ -428,34 +470,56 @@ class GymCheckpointCoordinator:
         return total
 
     async def persist(
-        self, checkpoint_id: str, root: str, scope: dict[str, dict[str, list[EpisodeId]]]
-    ) -> dict[str, GymCheckpointCommitSummary]:
+        self, checkpoint_id: str, root: str, scope: dict[str, dict[str, list[EpisodeId]]],
+        handles: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, GymCheckpointCommitSummary], dict[str, str]]:
         """Each replica of ``scope`` (those that took part) writes ``scope[iid][server]`` from what its
-        capture prepare serialised (Gym is already resumed)."""
+        capture prepare serialised (Gym is already resumed). Returns what each wrote, and the replicas
+        that left (-> why): the in-run recovery took one over, its actor was lost, or, once every other
+        replica has written, a server of it stayed silent to a status probe past ``park_grace_s`` (a
+        stopped or hung server: docs/design.md §5.8). If every replica leaves, ``GymReplicasLeftOut``."""
         deadline = time.time() + self.prepare_timeout_s
-        return await self._collect(
-            "persist",
-            {iid: self._send(iid, PersistCall(checkpoint_id=checkpoint_id, deadline_ts=deadline,
-                                              checkpoint_dir=self.shard_set.checkpoint_dir(iid, root),
-                                              episode_ids=by_server))
-             for iid, by_server in scope.items()},
-            deadline,
-        )
+        calls = {iid: self._send(iid, PersistCall(checkpoint_id=checkpoint_id, deadline_ts=deadline,
+                                                  checkpoint_dir=self.shard_set.checkpoint_dir(iid, root),
+                                                  episode_ids=by_server), handles)
+                 for iid, by_server in scope.items()}
+        straggle = PersistStragglers(calls, self.park_grace_s, deadline - time.time() + _MAX_REPLY_GRACE_S,
+                                     lost_actor_leaves=self.recovers_lost)
+        try:
+            while straggle.waiting():
+                await straggle.next_event(_TICK_S)
+                straggle.abandon(self._abandoned)
+                for iid in straggle.due_for_probe(time.monotonic(), PROBE_EVERY_S):
+                    straggle.probe_sent(iid, self._send(iid, ProbeCall(timeout_s=self.park_grace_s), handles))
+        finally:
+            await straggle.close()
+        for iid, why in sorted(straggle.left_out.items()):
+            logger.warning("snapshot %s: %s leaves this snapshot while persisting (its rollouts are not saved in "
+                           "it): %s", checkpoint_id, iid, why)
+        failures = straggle.failures()
+        self._raise_if_lost(failures, handles)
+        if failures:
+            raise GymCheckpointOperationError("persist", failures)
+        if scope and not straggle.results():
+            raise GymReplicasLeftOut(straggle.left_out)
+        return straggle.results(), dict(straggle.left_out)
 
-    async def resume(self, checkpoint_id: str, iids: list[str] | None = None) -> dict[str, BaseException]:
-        """Reopen ``iids`` (default: every replica); each server's call is short, so one hung server
-        never keeps the others closed. A replica that did not fully reopen is remembered and reopened
-        before its next prepare (the lease reopens it anyway, later). Returns the failures."""
+    async def resume(self, checkpoint_id: str, iids: list[str] | None = None,
+                     handles: dict[str, Any] | None = None) -> dict[str, BaseException]:
+        """Reopen ``iids`` (default: every replica; through ``handles`` when a snapshot pinned them);
+        each server's call is short, so one hung server never keeps the others closed. A replica that did
+        not fully reopen is remembered and reopened before its next prepare (the lease reopens it anyway,
+        later); one the recovery took over is not asked. Returns the failures."""
         deadline = time.time() + self.prepare_timeout_s
-        targets = self.instance_ids if iids is None else iids
+        targets = [iid for iid in (self.instance_ids if iids is None else iids) if iid not in self._abandoned]
         if not targets:
             return {}
         request = ResumeCall(checkpoint_id=checkpoint_id, deadline_ts=deadline, call_timeout_s=RESUME_CALL_TIMEOUT_S)
         # Short calls, to every server of a replica at once: a replica that has not answered well
         # after one call's timeout (its round trip through a busy Gym actor included) has failed it.
         _, failures = await self._gather_replicas(
-            "resume", {iid: self._send(iid, request) for iid in targets},
-            min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S),
+            "resume", {iid: self._send(iid, request, handles) for iid in targets},
+            min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S), handles,
         )
         for iid in targets:
             if iid in failures:
@@ -471,12 +535,12 @@ class GymCheckpointCoordinator:
                          "; ".join(f"{iid}: {exc}" for iid, exc in sorted(failures.items())))
         return failures
 
-    async def unportable_servers(self, shards: list[str]) -> dict[str, set[str]]:
+    async def unportable_servers(self, shards: list[str], among: list[str] | None = None) -> dict[str, set[str]]:
         """shard -> its Gym servers whose status says their records are not portable (asked of the
-        first running replica of each shard in ``shards``; an elastic restore asks before it moves any
-        episode). A replica that does not answer fails the restore, naming it."""
+        first running replica of each shard in ``shards``, of ``among`` when given; an elastic restore asks
+        before it moves any episode). A replica that does not answer fails the restore, naming it."""
         asked: dict[str, str] = {}
-        for iid in self.instance_ids:
+        for iid in (self.instance_ids if among is None else sorted(among)):
             shard = iid.rsplit("/replica-", 1)[0]
             if shard in shards and shard not in asked:
                 asked[shard] = iid
@@ -515,7 +579,11 @@ class GymCheckpointCoordinator:
         try:
             return await self._collect("restore", calls, deadline)
         finally:
-            await self.resume(restore_id)
+            await self.resume(restore_id, sorted(calls))  # only those it asked: others may be in a pause
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _replica_dir(instance_id: str, root: str) -> Path:

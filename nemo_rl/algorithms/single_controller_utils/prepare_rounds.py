@@ -13,8 +13,9 @@ leaves the snapshot"):
 
 The round owns every call it starts (each replica's prepare and its probes): ``close`` cancels what
 is still running, awaits all of it and reads each outcome nobody read yet, so no error is dropped.
-It knows nothing of Ray or of what leaving means for the run; the coordinator acts on the replicas
-a transition returns.
+It knows of Ray only a lost actor (which leaves when the in-run recovery replaces lost replicas) and
+nothing of what leaving means for the run; the coordinator acts on the replicas a transition returns.
+``PersistStragglers`` applies the same rules to a staged snapshot's persist.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable
+
+import ray
 
 from gym_patches.checkpoint.coordination import CoordinationError, CoordinationFailures, PrepareResult
 from nemo_rl.environments.gym_checkpoint_adapter import GymServerProbe
@@ -42,8 +46,11 @@ def unwrap(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
-def unanswered(exc: BaseException) -> bool:
-    """A server that did not answer (or is gone), as opposed to one that answered with an error."""
+def unanswered(exc: BaseException, lost_actor_leaves: bool = False) -> bool:
+    """A server that did not answer (or is gone), as opposed to one that answered with an error; with
+    ``lost_actor_leaves`` (the in-run recovery replaces lost replicas) a replica whose actor is gone too."""
+    if lost_actor_leaves and isinstance(exc, ray.exceptions.RayActorError):
+        return True
     if isinstance(exc, CoordinationFailures):
         return all(unanswered(e) for e in exc.failures.values())
     return isinstance(exc, CoordinationError) and exc.code in _UNANSWERED_CODES
@@ -99,6 +106,7 @@ class ReplicaPrepare:
     why_left: str | None = None
     answer_read: bool = False  # ``prepare_answered`` read the prepare's outcome; else ``close`` does
     busy_probes: int = 0  # probes in a row whose only silent servers were busy
+    lost_actor_leaves: bool = False  # a lost actor leaves (the in-run recovery replaces it) instead of failing
 
     @property
     def waiting(self) -> bool:
@@ -115,8 +123,8 @@ class ReplicaPrepare:
             self.state = ReplicaState.PARKED if self.result.prepared else ReplicaState.NOT_READY
             return False
         exc = unwrap(exc)
-        if unanswered(exc):
-            self.leave(f"{self.iid}: {exc}")
+        if unanswered(exc, self.lost_actor_leaves):
+            self.leave(f"{self.iid}: {_first_line(exc)}")
             return True
         self.state, self.error = ReplicaState.FAILED, exc
         return False
@@ -138,22 +146,15 @@ class ReplicaPrepare:
         probe, self.probe = self.probe, None
         if self.state is ReplicaState.PROBING:
             self.state = ReplicaState.ASKED
-        exc = finished_error(probe)
-        if probe.cancelled() or exc is not None:
-            logger.info("status probe of %s failed (its prepare call reports the actor's error): %s",
-                        self.iid, exc or "cancelled")
+        if not self.waiting:
+            self.last_probe = None if probe.cancelled() or finished_error(probe) else probe.result()
             return False
-        self.last_probe = probe.result()
-        silent = {name: p for name, p in self.last_probe.items() if not p.answered}
-        if not silent or not self.waiting:
-            self.busy_probes = 0
+        why, self.busy_probes = probe_verdict(self.iid, probe, self.busy_probes)
+        if probe.done() and not probe.cancelled() and finished_error(probe) is None:
+            self.last_probe = probe.result()
+        if why is None:
             return False
-        if all(p.busy for p in silent.values()) and self.busy_probes < MAX_BUSY_PROBES:
-            self.busy_probes += 1  # busy, not hung: it may still prepare (thousands of rollouts, §5.8)
-            logger.info("status probe %d of %s: %s; waiting on", self.busy_probes, self.iid,
-                        silent_reason(self.iid, silent))
-            return False
-        self.leave(silent_reason(self.iid, silent))
+        self.leave(why)
         return True
 
     def leave(self, why: str) -> None:
@@ -168,6 +169,28 @@ class ReplicaPrepare:
         self.state = ReplicaState.FAILED
         self.error = TimeoutError(f"prepare on {self.iid} did not answer within {elapsed_s:.1f}s")
         self.prepare.cancel()
+
+
+def probe_verdict(iid: str, probe: asyncio.Future, busy_probes: int) -> tuple[str | None, int]:
+    """Read a finished status probe of a replica still waiting: why it leaves (a server that did not
+    answer; one silent but busy, its process computing, is waited on for up to ``MAX_BUSY_PROBES`` probes
+    in a row), or None, with the new count of busy probes in a row. A probe that itself failed says
+    nothing the call it watches will not (it reports what is wrong with the actor): logged, not a verdict."""
+    exc = finished_error(probe)
+    if probe.cancelled() or exc is not None:
+        logger.info("status probe of %s failed (its call reports the actor's error): %s", iid, exc or "cancelled")
+        return None, busy_probes
+    silent = {name: p for name, p in probe.result().items() if not p.answered}
+    if not silent:
+        return None, 0
+    if all(p.busy for p in silent.values()) and busy_probes < MAX_BUSY_PROBES:
+        logger.info("status probe %d of %s: %s; waiting on", busy_probes + 1, iid, silent_reason(iid, silent))
+        return None, busy_probes + 1  # busy, not hung: thousands of rollouts (docs/design.md §5.8)
+    return silent_reason(iid, silent), busy_probes
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 @dataclass(frozen=True)
@@ -191,10 +214,19 @@ class PrepareRound:
     others_prepared_at: float | None = None  # when the grace began
 
     @classmethod
-    def start(cls, checkpoint_id: str, calls: dict[str, Awaitable[Any]], clock: RoundClock) -> "PrepareRound":
+    def start(cls, checkpoint_id: str, calls: dict[str, Awaitable[Any]], clock: RoundClock,
+              lost_actor_leaves: bool = False) -> "PrepareRound":
         """Own each replica's prepare call from here on."""
-        replicas = {iid: ReplicaPrepare(iid, call, asyncio.ensure_future(call)) for iid, call in calls.items()}
+        replicas = {iid: ReplicaPrepare(iid, call, asyncio.ensure_future(call), lost_actor_leaves=lost_actor_leaves)
+                    for iid, call in calls.items()}
         return cls(checkpoint_id, replicas, clock)
+
+    def abandon(self, taken: dict[str, str]) -> list[ReplicaPrepare]:
+        """Waiting replicas the in-run recovery took over (-> why) leave now (docs/design.md §5.12)."""
+        leaving = [r for r in self.waiting() if r.iid in taken]
+        for replica in leaving:
+            replica.leave(taken[replica.iid])
+        return leaving
 
     def waiting(self) -> list[ReplicaPrepare]:
         return [r for r in self.replicas.values() if r.waiting]
@@ -276,3 +308,101 @@ class PrepareRound:
                 if exc is not None:
                     logger.info("snapshot %s: the %s of %s (%s) ended with: %s", self.checkpoint_id, what,
                                 replica.iid, replica.state.value, unwrap(exc))
+
+
+class PersistStragglers:
+    """The replicas of one staged snapshot's persist (after resume): each writes its records; one the
+    in-run recovery takes over or whose actor is lost leaves at once, and once every other replica has
+    written, one whose server stays silent to a status probe past the park grace leaves too (a stopped
+    or hung server; a busy one gets ``MAX_BUSY_PROBES`` probes), so no replica holds the snapshot for
+    the call timeout (docs/design.md §5.8). Owns every call it starts; ``close`` awaits them all."""
+
+    def __init__(self, calls: dict[str, Awaitable[Any]], park_grace_s: float, timeout_s: float,
+                 lost_actor_leaves: bool = False):
+        self.calls = {iid: asyncio.ensure_future(call) for iid, call in calls.items()}
+        self.park_grace_s = park_grace_s
+        self.hard_stop = time.monotonic() + max(0.1, timeout_s)
+        self.lost_actor_leaves = lost_actor_leaves
+        self.left_out: dict[str, str] = {}
+        self.probes: dict[str, asyncio.Future] = {}
+        self.probed_at: dict[str, float] = {}
+        self.busy_probes: dict[str, int] = {}
+        self.others_done_at: float | None = None
+        self.timed_out: set[str] = set()
+
+    def waiting(self) -> list[str]:
+        """Replicas whose persist has not answered and that have not left, until the hard stop."""
+        waiting = [iid for iid, call in self.calls.items() if not call.done() and iid not in self.left_out]
+        if waiting and time.monotonic() >= self.hard_stop:
+            self.timed_out.update(waiting)
+            for iid in waiting:
+                self.calls[iid].cancel()
+            return []
+        return waiting
+
+    async def next_event(self, tick_s: float) -> None:
+        watched = [self.calls[iid] for iid in self.waiting()] + list(self.probes.values())
+        if watched:
+            await asyncio.wait(watched, timeout=tick_s, return_when=asyncio.FIRST_COMPLETED)
+        for iid, probe in list(self.probes.items()):
+            if probe.done():
+                del self.probes[iid]
+                if iid in self.waiting():
+                    why, self.busy_probes[iid] = probe_verdict(iid, probe, self.busy_probes.get(iid, 0))
+                    if why is not None:
+                        self._leave(iid, why)
+        for iid, call in self.calls.items():  # an answered persist from a lost actor: it leaves
+            if call.done() and iid not in self.left_out and not call.cancelled() and call.exception() is not None:
+                exc = unwrap(call.exception())
+                if unanswered(exc, self.lost_actor_leaves):
+                    self.left_out[iid] = f"{iid}: {_first_line(exc)}"
+
+    def abandon(self, taken: dict[str, str]) -> None:
+        for iid in self.waiting():
+            if iid in taken:
+                self._leave(iid, taken[iid])
+
+    def due_for_probe(self, now: float, every_s: float) -> list[str]:
+        """Replicas still writing ``park_grace_s`` after every other one has written, not probed lately."""
+        waiting = self.waiting()
+        if not waiting or not self._others_done(waiting):
+            return []
+        if self.others_done_at is None:
+            self.others_done_at = now
+        if now - self.others_done_at < self.park_grace_s:
+            return []
+        return [iid for iid in waiting
+                if iid not in self.probes and now - self.probed_at.get(iid, float("-inf")) >= every_s]
+
+    def _others_done(self, waiting: list[str]) -> bool:
+        return all(self.calls[iid].done() or iid in self.left_out for iid in self.calls if iid not in waiting)
+
+    def probe_sent(self, iid: str, call: Awaitable[Any]) -> None:
+        self.probes[iid] = asyncio.ensure_future(call)
+        self.probed_at[iid] = time.monotonic()
+
+    def _leave(self, iid: str, why: str) -> None:
+        self.left_out[iid] = why
+        self.calls[iid].cancel()
+
+    def results(self) -> dict[str, Any]:
+        return {iid: call.result() for iid, call in self.calls.items()
+                if iid not in self.left_out and call.done() and not call.cancelled() and call.exception() is None}
+
+    def failures(self) -> dict[str, BaseException]:
+        out: dict[str, BaseException] = {}
+        for iid, call in self.calls.items():
+            if iid in self.left_out:
+                continue
+            if iid in self.timed_out:
+                out[iid] = TimeoutError(f"persist on {iid} did not answer in time")
+            elif call.done() and not call.cancelled() and call.exception() is not None:
+                out[iid] = unwrap(call.exception())
+        return out
+
+    async def close(self) -> None:
+        """Cancel what still runs (the left-out replicas' calls, probes) and await all of it."""
+        pending = [c for c in [*self.calls.values(), *self.probes.values()] if not c.done()]
+        for call in pending:
+            call.cancel()
+        await asyncio.gather(*self.calls.values(), *self.probes.values(), return_exceptions=True)

@@ -7,8 +7,10 @@ with every offending server named (docs/design.md §2, §5.2).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -33,7 +35,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_server_levels import (
     turn_level_users,
 )
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
-from nemo_rl.environments.nemo_gym import NemoGymShardSet, ReplicaSpec, build_gym_actor_config
+from nemo_rl.environments.nemo_gym import NemoGymShardSet, ReplicaSpec, build_gym_actor_config, start_replica
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.atomic_write import write_json_atomic
 
@@ -61,6 +63,10 @@ def init_ray(config: MasterConfig, connect_timeout_s: float = RAY_CONNECT_TIMEOU
     """
     if ray.is_initialized():
         return
+    # A worker Ray ends (a killed generation worker, a lost replica's actor) takes its process group with it:
+    # a killed vLLM engine's children would otherwise keep its device memory through restarts. The raylet
+    # reads this when it starts, so it is set before (docs/design.md §5.12).
+    os.environ.setdefault("RAY_process_group_cleanup_enabled", "1")
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     address = config.cluster.ray_address
     if not address:
@@ -313,9 +319,8 @@ def _spinup_gym(
             shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], _agent_resources(parsed))
             shard_set.agent_servers[shard.name] = _agent_servers(parsed)
             _register_servers(parsed, shard.name, server_types, shard_set.agent_shards)
-            _start_replicas(config, shard, gym_cfg, shard_set, token=token, log_dir=log_dir)
-        _gather(shard_set, lambda h: h.spinup.remote(env.spinup_timeout_s), "start", env.spinup_timeout_s + 30)
-        shard_set.placement = _gather(shard_set, lambda h: h.where.remote(), "locate", 30)
+            _add_shard(config, shard, gym_cfg, shard_set, token=token, log_dir=log_dir)
+        asyncio.run(_start_all(shard_set, env.spinup_timeout_s + 60))
         write_json_atomic(Path(log_dir) / "gym_placement.json", shard_set.placement)
         if turn:
             _discover_and_check(config, shard_set, server_types, shard_turn_users, hooks)
@@ -357,42 +362,67 @@ def _register_servers(parsed: Any, shard_name: str, server_types: dict[str, str]
             agent_shards[name] = shard_name
 
 
-def _start_replicas(config: MasterConfig, shard: ShardConfig, gym_cfg: dict[str, Any], shard_set: NemoGymShardSet,
-                    *, token: str, log_dir: str | Path) -> None:
-    """Create one ``NemoGym`` actor per replica of ``shard`` (not yet spun up: ``_gather`` does that
-    for all shards under one deadline). Split out of ``_spinup_gym``."""
+def _add_shard(config: MasterConfig, shard: ShardConfig, gym_cfg: dict[str, Any], shard_set: NemoGymShardSet,
+               *, token: str, log_dir: str | Path) -> None:
+    """Register ``shard``'s replicas and how each starts (``ReplicaSpec``: a lost one starts again from it,
+    docs/design.md §5.12); ``_start_all`` starts them. Split out of ``_spinup_gym``."""
     spec = ReplicaSpec(
         gym_config=gym_cfg, ray_resources=dict(shard.ray_resources), control_auth_token=token,
         log_dir=str(log_dir), rollout_timeout_s=config.async_rl.rollout_failure.nemo_gym.rollout_timeout_s,
         spinup_timeout_s=config.env.nemo_gym.spinup_timeout_s,
         with_control=config.rollout_recovery.turn_checkpointing_enabled,
     )
-    shard_set.specs[shard.name] = spec  # a lost replica starts again from it (docs/design.md §5.12)
-    shard_set.handles[shard.name] = []
+    shard_set.specs[shard.name] = spec
+    shard_set.handles[shard.name] = [None] * shard.replicas
     for i in range(shard.replicas):
         inst_id = GymCheckpointInstance(shard.name, i)
         shard_set.instances[inst_id.instance_id] = inst_id
-        shard_set.handles[shard.name].append(spec.new_actor(inst_id))
+
+
+async def _start_all(shard_set: NemoGymShardSet, timeout_s: float) -> None:
+    """Every registered replica at once (``start_replica``, as a replacement starts), under one deadline;
+    the first failure names its replica and stops the others (each leaves nothing running)."""
+    async def one(iid: str) -> None:
+        inst = shard_set.instances[iid]
+        try:
+            shard_set.install(iid, await start_replica(shard_set.specs[inst.shard_name], inst))
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if isinstance(cause, (GymConfigError, ValueError)):
+                raise type(cause)(f"Gym shard replica {iid}: {cause}") from None
+            raise ShardSetupError(f"Gym shard replica {iid}: could not start it: {cause}") from None
+
+    try:
+        async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as tasks:
+            for iid in shard_set.instances:
+                tasks.create_task(one(iid), name=f"gym-start:{iid}")
+    except TimeoutError:
+        missing = sorted(iid for iid in shard_set.instances if iid not in shard_set.placement)
+        raise ShardSetupError(f"Gym shard replica {', '.join(missing)}: could not start it within "
+                              f"{timeout_s:.0f}s") from None
+    except BaseExceptionGroup as group:
+        raise _first(group) from None
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The error that stopped the start (not the cancellations it caused)."""
+    for exc in group.exceptions:
+        inner = _first(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if not isinstance(inner, asyncio.CancelledError):
+            return inner
+    return group.exceptions[0]
 
 
 def _discover_and_check(config: MasterConfig, shard_set: NemoGymShardSet, server_types: dict[str, str],
                         shard_turn_users: dict[str, dict[str, list[str]]], hooks: RunHooks | None) -> None:
-    """Find each replica's restart-only servers, derive their prepare policies, and run the
-    restart-only check (a refusal goes to ``hooks.on_restart_only_servers``; docs/design.md §5.2).
-    Split out of ``_spinup_gym``: only turn-level checkpointing needs it."""
-    started = time.monotonic()
-    started_controls = _gather(  # each replica's control actor, and the restart-only servers it found
-        shard_set, lambda h: h.start_control.remote(), "discover checkpoint participants of",
-        config.env.nemo_gym.spinup_timeout_s,
-    )
-    shard_set.control_handles = {iid: control for iid, (_, control) in started_controls.items()}
-    shard_set.restart_only_servers = {iid: sorted(names) for iid, (names, _) in started_controls.items()}
+    """From the restart-only servers each replica's control actor found as it started, derive their
+    prepare policies and run the restart-only check (a refusal goes to ``hooks.on_restart_only_servers``;
+    docs/design.md §5.2). Split out of ``_spinup_gym``: only turn-level checkpointing needs it."""
     turn_users = {iid: shard_turn_users[inst.shard_name] for iid, inst in shard_set.instances.items()}
     shard_set.prepare_policy_overrides = {
         iid: prepare_policy_overrides(shard_set.restart_only_servers[iid], turn_users[iid])
         for iid in shard_set.restart_only_servers
     }
-    logger.info("Gym checkpoint participants discovered in %.2fs", time.monotonic() - started)
     try:
         restart_only_check(config, shard_set.restart_only_servers, server_types, turn_users)
     except ValueError as refused:
@@ -417,21 +447,3 @@ def _check_ray_resources(env: NemoGymEnvConfig) -> None:
             f"Gym shards {', '.join(askers[name])} ask for {amount:g} of Ray resource {name!r}, but the cluster "
             f"offers {offered.get(name, 0.0):g} (is a node missing?)" for name, amount in sorted(short.items())
         ))
-
-
-def _gather(shard_set: NemoGymShardSet, call, what: str, timeout_s: float) -> dict[str, Any]:
-    """Run ``call`` on every replica under one deadline; name the replica that failed."""
-    refs = {iid: call(h) for iid, h in shard_set.checkpoint_handles.items()}
-    deadline = time.monotonic() + timeout_s
-    out: dict[str, Any] = {}
-    for iid, ref in refs.items():
-        try:
-            out[iid] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-        except ray.exceptions.GetTimeoutError:
-            raise ShardSetupError(f"Gym shard replica {iid}: could not {what} it within {timeout_s:.0f}s") from None
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, (GymConfigError, ValueError)):
-                raise type(cause)(f"Gym shard replica {iid}: {cause}") from None
-            raise ShardSetupError(f"Gym shard replica {iid}: could not {what} it: {cause}") from None
-    return out

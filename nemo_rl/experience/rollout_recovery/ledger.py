@@ -362,17 +362,25 @@ class RolloutRecoveryLedger:
                     yield group, sibling.generation_index, attempt
 
     # ----- restart ----------------------------------------------------------
-    def prepare_for_restart(self, restored: set[RestoredEpisode] | None = None,
-                            relocated: dict[str, str] | None = None) -> RestartSummary:
-        """Apply the per-level restart rules to every generating group (docs/design.md §5.5; ``restart``).
+    def bring_back(self, restored: set[RestoredEpisode] | None = None, relocated: dict[str, str] | None = None,
+                   *, lost: list[str] | None = None) -> RestartSummary:
+        """The one entry point by which rollouts come back after a crash or a loss (``restart``).
 
-        ``restored`` holds ``(instance_id, base rollout_id, attempt)`` for each
-        episode Gym restored, with the attempt number Gym gave it (the saved
-        attempt + 1): attempt numbers are Gym's everywhere, the ledger never
-        re-derives them. The ledger is only changed if every restored triple is
-        consumed; otherwise ValueError names them. ``relocated`` (base rollout id ->
-        replica): restored episodes Gym installed on another replica than the one they ran on.
-        """
+        ``lost`` None (a relaunch, docs/design.md §5.5): every generating group's restore level is applied.
+        ``lost`` (an in-run recovery, §5.12): only those capture keys (``live_on`` of the lost replica)
+        change; every other rollout keeps running, and no failure is counted.
+
+        ``restored`` holds ``(instance_id, base rollout_id, attempt)`` for each episode Gym installed, with
+        the attempt Gym gave it (the saved attempt + 1): attempt numbers are Gym's everywhere, the ledger
+        never re-derives them. ``relocated`` (base rollout id -> replica): episodes Gym installed on another
+        replica than the one they ran on; the continued attempt is pinned there. The ledger changes only if
+        every restored triple is consumed; otherwise ValueError names them and nothing changed."""
+        if lost is not None:
+            siblings = []
+            for rollout_id in lost:
+                group, sibling, _ = self._current(rollout_id)
+                siblings.append((group, sibling))
+            return apply_recovery_rules(self, siblings, restored or set(), relocated)
         staged = RolloutRecoveryLedger(self.max_attempts_per_sibling)
         staged.groups = {gid: g.model_copy(deep=True) for gid, g in self.groups.items()}
         staged.trained_positions = list(self.trained_positions)
@@ -382,10 +390,9 @@ class RolloutRecoveryLedger:
         self._reindex()
         return summary
 
-    # ----- in-run recovery (docs/design.md §5.12) ----------------------------
     def live_on(self, gym_instance_id: str) -> list[str]:
         """Capture keys of the current attempts Gym holds on one replica: dispatched there, or restored
-        there and waiting for dispatch. What a recovery of that replica takes over."""
+        there and waiting for dispatch. What a recovery of that replica takes over (docs/design.md §5.12)."""
         out = []
         for group in self.groups.values():
             if group.status is not PromptGroupStatus.GENERATING:
@@ -398,17 +405,6 @@ class RolloutRecoveryLedger:
                         attempt.status is RolloutAttemptStatus.RESERVED and attempt.gym_attempt > 0):
                     out.append(attempt.rollout_id(group.group_id, sibling.generation_index))
         return out
-
-    def recover_rollouts(self, rollout_ids: list[str], restored: set[RestoredEpisode],
-                         relocated: dict[str, str] | None = None) -> RestartSummary:
-        """The rollouts of a lost replica (``live_on``) continue: those Gym restored from a snapshot at
-        the next attempt (pinned to where it installed them), the rest from their prompt; no failure is
-        counted (``restart.apply_recovery_rules``)."""
-        siblings = []
-        for rollout_id in rollout_ids:
-            group, sibling, _ = self._current(rollout_id)
-            siblings.append((group, sibling))
-        return apply_recovery_rules(self, siblings, restored, relocated)
 
     # ----- persistence -----------------------------------------------------
     def _state(self) -> LedgerState:

@@ -39,7 +39,7 @@ class RestartTarget(Protocol):
 
 
 class RestartSummary(BaseModel):
-    """What ``prepare_for_restart`` did (capture keys and group ids)."""
+    """What ``RolloutRecoveryLedger.bring_back`` did (capture keys and group ids)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -61,7 +61,7 @@ def apply_restart_rules(
     says where Gym installed it instead, because that replica no longer runs (elastic restore,
     docs/design.md §5.7): the continued attempt is pinned there. A restored triple that no attempt consumes
     raises ValueError naming them all, after ``ledger`` was changed: pass a staged copy
-    (``RolloutRecoveryLedger.prepare_for_restart`` does, and adopts it only when this returns).
+    (``RolloutRecoveryLedger.bring_back`` does, and adopts it only when this returns).
     """
     pending = set(restored or ())
     relocated = relocated or {}

@@ -90,15 +90,25 @@ class Continuation:
 def count_resend(stats: dict, resend: str | None, call_id: str | None, plan: Continuation | None) -> None:
     """A call a model server sent again because the worker it was on was lost (``X-NG-Resend``), counted as
     it arrives (once its prefix is decided): whether it continues from a cut of itself (the same call id) and
-    the tokens that keeps. ``first_resent_at`` (wall clock) is when the first came; the recovery reads
-    these (docs/design.md §5.13)."""
+    the tokens that keeps, and when the first came (this process's monotonic clock; ``stats_now`` gives
+    its age, so the recovery measures from its own clock, never across two: docs/design.md §5.12)."""
     if resend is None:
         return
     stats["resent_calls"] += 1
-    stats.setdefault("first_resent_at", time.time())
+    stats.setdefault("first_resent_mono", time.monotonic())
     if plan is not None and plan.kept and plan.cut.call_id == call_id:
         stats["resent_from_cut"] += 1
         stats["resent_cut_tokens"] += len(plan.ids)
+
+
+def stats_now(stats: dict) -> dict:
+    """A copy of a worker's stats for ``get_stats``: the first re-sent call's time as its age in seconds
+    (``first_resent_age_s``), which the reader subtracts from its own clock."""
+    out = dict(stats)
+    first = out.pop("first_resent_mono", None)
+    if first is not None:
+        out["first_resent_age_s"] = time.monotonic() - first
+    return out
 
 
 def init_stats(stats: dict) -> None:

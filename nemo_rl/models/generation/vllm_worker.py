@@ -61,7 +61,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +74,7 @@ import ray
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from pydantic import ValidationError
 
+from gym_patches.utils.processes import free_port
 from gym_patches.checkpoint.cuts import (
     CALL_ID_HEADER,
     CALL_INDEX_HEADER,
@@ -85,7 +85,7 @@ from gym_patches.checkpoint.cuts import (
 )
 from nemo_rl.models.generation.call_seeds import messages_key, offset_seed, parse_call_index, request_seed
 from nemo_rl.models.chat import parse_reply, template_messages, template_tools
-from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
+from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats, stats_now
 from nemo_rl.models.generation.worker_log import redirect_output
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
@@ -102,12 +102,6 @@ def vllm_available() -> str | None:
     except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM"
         return f"vllm is not importable: {type(e).__name__}: {e}"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -285,7 +279,7 @@ class VllmGenerationServer:
         if self._runner is not None:
             return self.base_url
         t0 = time.monotonic()
-        vport = _free_port()
+        vport = free_port()
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache on the private port
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -407,8 +401,12 @@ class VllmGenerationServer:
     async def weight_version(self) -> int:
         return self._version
 
+    async def process(self) -> dict:
+        """This worker's pid and Ray node: a restart waits until its process tree is gone."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
     async def get_stats(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in stats_now(self.stats).items()}
 
     # ----- HTTP ----------------------------------------------------------
     async def _handle_models(self, request: web.Request) -> web.Response:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import shutil
 import tempfile
 import threading
@@ -45,7 +46,7 @@ from pydantic import ValidationError
 from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CALL_INDEX_HEADER, RESEND_HEADER, PrefixContinuation, prompt_digest
 from nemo_rl.models.chat import parse_reply, render_prompt
 from nemo_rl.models.generation.call_seeds import CallDraws, parse_call_index, prompt_key, request_seed
-from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats
+from nemo_rl.models.generation.continuation import Continuation, count_resend, init_stats, stats_now
 from nemo_rl.models.generation.cut_pins import CutPins, LiveCall
 from nemo_rl.models.generation.http_front import serve_openai_routes
 from nemo_rl.models.generation.worker_log import redirect_output
@@ -321,8 +322,12 @@ class GenerationServer:
         fn = lambda: self.policy.token_logprobs(prompt_ids, gen_ids, temperature).tolist()  # noqa: E731
         return await loop.run_in_executor(self._executor, fn)
 
+    async def process(self) -> dict:
+        """This worker's pid and Ray node: a restart waits until its process tree is gone."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
     async def get_stats(self) -> dict:
-        return dict(self.stats)
+        return stats_now(self.stats)
 
     # ----- generation ----------------------------------------------------
     async def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0,

@@ -2,7 +2,8 @@
 these runs too. Pure functions of the records; ``SnapshotSeries`` keeps the cumulative outcome counts.
 
 - ``metrics.jsonl`` row -> ``train/<key>``; ``val_<x>`` -> ``validation/<x>``, ``validation_s`` ->
-  ``validation/seconds``; at the row's ``step``. Only numbers (lists, strings, None are left out).
+  ``validation/seconds``; the in-run recovery's ``supervisor/*`` and ``gen_fleet/*`` as they are; at the
+  row's ``step``. Only numbers (lists, strings, None are left out).
 - ``snapshots.jsonl`` rows -> ``timing/rollout_checkpoint/*``, ``rollout/checkpoint/*`` and
   ``rollout/checkpoint_outcome/*``, ONE row per trainer step (the attempt's ``step``): a step has
   several attempts, and one value per step and series keeps every backend's chart a line (TensorBoard
@@ -18,6 +19,8 @@ import math
 from typing import Any, Iterable
 
 SNAPSHOT_OUTCOMES = ("completed", "skipped", "failed")
+# In-run recovery fields of a metrics row, named as upstream's series already (docs/design.md §5.12).
+UPSTREAM_PREFIXES = ("supervisor/", "gen_fleet/")
 
 
 def _number(value: Any) -> float | None:
@@ -37,6 +40,8 @@ def step_metrics(record: dict[str, Any]) -> dict[str, float]:
             continue
         if key == "validation_s":
             out["validation/seconds"] = number
+        elif key.startswith(UPSTREAM_PREFIXES):
+            out[key] = number  # already named as upstream's supervisor and generation-fleet series
         elif key.startswith("val_"):
             out[f"validation/{key.removeprefix('val_')}"] = number
         else:

@@ -153,6 +153,13 @@ def classify_failure(exc: BaseException) -> str:
     return "invariant_error"
 
 
+def failed_replicas(exc: BaseException) -> list[str]:
+    """The Gym replicas a failed attempt names (left out of it, not ready, or failing an operation)."""
+    named = set(getattr(exc, "left_out", None) or {}) | set(getattr(exc, "blockers", None) or {})
+    named |= set(getattr(exc, "failures", None) or {})
+    return sorted(named)
+
+
 def survives_publish(exc: BaseException) -> bool:
     """An error after the publish that leaves the run going (the snapshot stands either way)."""
     return isinstance(exc, Exception) and (

@@ -11,19 +11,18 @@ installed on the shard's others (``reshard.plan_restore``, §5.7).
 from __future__ import annotations
 
 import logging
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import (
-    RestorePlan,
-    plan_restore,
-    replica_counts,
-    vanished,
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.install import (
+    InstalledEpisodes,
+    install_episodes,
+    saved_key,
 )
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import RestorePlan, replica_counts
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
     RestorePoint,
@@ -33,7 +32,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
 )
 from nemo_rl.experience.data_plane import DataPlaneStore
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
-from nemo_rl.experience.rollout_recovery.restart import RestartSummary, RestoredEpisode
+from nemo_rl.experience.rollout_recovery.restart import RestartSummary
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.run_identity import record_replicas, replica_changes
 from nemo_rl.utils.snapshot_store import SnapshotStoreError
@@ -91,42 +90,19 @@ class _TrainerState:
     metrics_row: dict[str, Any] | None
 
 
-@dataclass
-class _GymRestore:
-    """What Gym installed, keyed so the ledger and ``restore.json`` can say where each episode went."""
-
-    plan: RestorePlan = field(default_factory=lambda: RestorePlan({}))
-    attempts: set[RestoredEpisode] = field(default_factory=set)  # (instance it ran on, rollout id, Gym's attempt)
-    restored_on: dict[str, str] = field(default_factory=dict)  # new capture key -> the replica that restored it
-    saved_on: dict[str, str] = field(default_factory=dict)  # new capture key -> the replica that saved it
-    relocated: dict[str, str] = field(default_factory=dict)  # base rollout id -> the replica it moved to
-
-    def add(self, iid: str, key: str) -> None:
-        """Replica ``iid`` restored ``key`` (attempt + 1 of a saved episode): trace it to its saver."""
-        e = EpisodeId.from_capture_key(key)
-        saved = EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key
-        source = self.plan.source_of(iid, saved)
-        self.attempts.add((source, e.rollout_id, e.attempt))
-        self.restored_on[key], self.saved_on[key] = iid, source
-        if source != iid:
-            self.relocated[e.rollout_id] = iid
-
-
 def _prefix_cuts(snap: SnapshotContents, summary: RestartSummary, saved_on: dict[str, str]) -> dict[str, int]:
     """Restored rollouts whose model call in flight was cut -> the tokens cut: their next call
     continues from them (docs/design.md §5.10)."""
     prefix = {}
     for key in summary.restored_turn:
-        e = EpisodeId.from_capture_key(key)
-        cut = 0 if snap.gym is None or e.attempt == 0 else snap.gym.cut_of(
-            saved_on[key], EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key)
+        cut = 0 if snap.gym is None or key not in saved_on else snap.gym.cut_of(saved_on[key], saved_key(key))
         if cut:
             prefix[key] = cut
     return prefix
 
 
 def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, dropped_groups: list[str],
-                     summary: RestartSummary, gym: _GymRestore, prefix: dict[str, int]) -> dict[str, Any]:
+                     summary: RestartSummary, gym: InstalledEpisodes, prefix: dict[str, int]) -> dict[str, Any]:
     """``restore.json``'s fields for a restored snapshot, in their order."""
     return dict(
         snapshot=str(snap.path),
@@ -193,23 +169,6 @@ class RunRestorer:
             ledger.max_attempts_per_sibling = self.max_attempts
         return ledger
 
-    async def _plan(self, exported: dict[str, dict[str, list[str]]]) -> RestorePlan:
-        """Where each saved episode is installed; only a restore onto fewer replicas asks the servers
-        whether their records are portable (a same-shape restore sends exactly what it always did)."""
-        assert self.coordinator is not None
-        running = self.coordinator.instance_ids
-        plan = plan_restore(exported, running)  # refuses a removed shard first
-        gone = vanished(exported, running)
-        if not gone:
-            return plan
-        shards = sorted({iid.rsplit("/replica-", 1)[0] for iid in gone})
-        plan = plan_restore(exported, running, await self.coordinator.unportable_servers(shards))
-        for key, (source, target) in sorted(plan.moved.items()):
-            logger.info("rollout %s saved on %s (no longer running) continues on %s", key, source, target)
-        for key, why in sorted(plan.not_portable.items()):
-            logger.warning("rollout %s restarts from its prompt: %s", key, why)
-        return plan
-
     def _record_replicas(self, record: dict[str, Any]) -> None:
         """``resharded`` (shard -> {from, to}) in ``restore.json``, and the new counts in the run identity."""
         if self.coordinator is None:
@@ -239,7 +198,7 @@ class RunRestorer:
         exported = _without(snap.gym.exported() if snap.gym is not None else {}, set(dropped))
         gym = await self._restore_gym(snap, exported)
         self.hooks.reached("restore")  # Gym restored, the ledger not applied
-        summary = ledger.prepare_for_restart(gym.attempts, gym.relocated)
+        summary = ledger.bring_back(gym.attempts, gym.relocated)
         snap.data_plane.discard(summary.discarded_rollout_ids)
         prefix = _prefix_cuts(snap, summary, gym.saved_on)
         record.update(_snapshot_fields(snap, ledger, dropped_groups, summary, gym, prefix))
@@ -289,7 +248,7 @@ class RunRestorer:
                            record: dict[str, Any]) -> RestoredState:
         """No snapshot to read (none valid, or restore_mode=trainer_checkpoint): anything the trainer
         state still counts as in flight restarts from its prompt."""
-        summary = trainer.ledger.prepare_for_restart(set())
+        summary = trainer.ledger.bring_back(set())
         why = ("rollout_checkpointing.restore_mode=trainer_checkpoint: rollout snapshots are not read"
                if not self.read_snapshots else "no valid rollout snapshot")
         record.update(restarted_from_prompt=len(summary.restarted_from_prompt),
@@ -318,17 +277,10 @@ class RunRestorer:
         snap.data_plane.discard(s.rollout_id for g in dropped_groups for s in snap.data_plane.group_samples(g))
         return ledger, dropped_groups, dropped
 
-    async def _restore_gym(self, snap: SnapshotContents, exported: dict[str, dict[str, list[str]]]) -> _GymRestore:
-        """Gym installs its saved episodes on the replicas that run now (``_plan``); each new capture
-        key is traced back to the replica that saved it, so the ledger pins the continued attempt there."""
-        gym = _GymRestore()
+    async def _restore_gym(self, snap: SnapshotContents, exported: dict[str, dict[str, list[str]]]) -> InstalledEpisodes:
+        """Gym installs its saved episodes on the replicas that run now (``install.install_episodes``, the
+        path an in-run recovery takes too)."""
         if not exported:
-            return gym
+            return InstalledEpisodes()
         assert self.coordinator is not None and snap.gym is not None
-        gym.plan = await self._plan(exported)
-        new_keys = await self.coordinator.restore(
-            f"restore-{uuid.uuid4().hex[:12]}", str(snap.path), gym.plan.sources, snap.gym.checkpoint_id)
-        for iid, keys in new_keys.items():
-            for key in keys:
-                gym.add(iid, key)
-        return gym
+        return await install_episodes(self.coordinator, str(snap.path), snap.gym.checkpoint_id, exported)

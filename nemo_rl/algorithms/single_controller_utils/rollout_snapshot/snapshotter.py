@@ -9,7 +9,8 @@ the record.
 A trainer step published while an attempt runs does not drop it
 (docs/design.md §5.9): a snapshot paused after the publish belongs to the new step
 (the stager re-anchors it), one taken before stays under its own anchor, which
-pruning spares (``newest_anchor``). The row names the step in ``overtaken_by``.
+pruning spares (the run store holds the newest committed snapshot for a relaunch:
+``RELAUNCH``). The row names the step in ``overtaken_by``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-import time
-from pathlib import Path
 from typing import Callable
 
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
@@ -27,7 +26,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckp
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import (
     SnapshotOutcome,
-    classify_failure,
+    failed_replicas,
     survives_publish,
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedSnapshot, make_stager
@@ -36,7 +35,7 @@ from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.utils.run_hooks import RunHooks
 
 logger = logging.getLogger(__name__)
-LOSS_NOTICE_S = 1.0  # how long a failed prepare waits for the in-run recovery to hear of a lost replica
+RELAUNCH = "relaunch"  # the run store's holder of the newest committed snapshot: what a relaunch restores
 
 
 class RolloutSnapshotter:
@@ -51,8 +50,7 @@ class RolloutSnapshotter:
         changes: LedgerChanges,
         store: RunStore,
         hooks: RunHooks | None = None,
-        recovering: Callable[[], bool] | None = None,  # a Gym replica is being recovered (§5.12); None: never
-        spare: Callable[[], frozenset[Path]] = frozenset,  # snapshots an in-run recovery may restore from
+        lost: Callable[[list[str]], bool] = lambda _: False,  # any of these replicas is being recovered (§5.12)
     ):
         self.inputs = inputs
         self.records = records
@@ -63,14 +61,11 @@ class RolloutSnapshotter:
         self.stager = make_stager(settings.commit_mode, inputs, self.hooks, coordinator, self.gate, changes,
                                   self.store)
         # Held for a whole attempt: pruning old trainer anchors waits for it, so a snapshot still
-        # being written under an anchor (it runs past the step's end) never loses its directory.
+        # being written under an anchor (it runs past the step's end) never loses its directory; the
+        # newest published snapshot is held in the store (``RELAUNCH``) before it is released.
         self.busy = asyncio.Lock()
-        # The anchor of the newest published snapshot, set before ``busy`` is released: the prune that
-        # waited on ``busy`` reads it and spares that anchor (a restore needs it until a newer one has a snapshot).
-        self.newest_anchor: int | None = None
         self.consecutive_failures = 0
-        self.recovering = recovering
-        self.spare = spare
+        self.lost = lost
 
     async def attempt(self, requested: str | None = None, *, final: bool = False) -> "SnapshotOutcome":
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
@@ -96,7 +91,6 @@ class RolloutSnapshotter:
                 self.consecutive_failures = 0
                 self._note_overtaken(begun_under, outcome)
             except BaseException as exc:
-                await self._notice_a_loss(exc)
                 self._failed(outcome, exc, final)
             finally:
                 if not outcome.pause_s:
@@ -112,25 +106,15 @@ class RolloutSnapshotter:
             self.hooks.reached("persist", staged.step)  # rollouts resumed, this snapshot not written
             index = await self.stager.write(staged, outcome)
             await asyncio.to_thread(self.store.publish, staged.snapshot, staged.capture, index, staged.checkpoint_id,
-                                    lambda: self.hooks.reached("publish", staged.step), self.spare())
+                                    lambda: self.hooks.reached("publish", staged.step))
         except BaseException:
             self.store.abort(staged.snapshot)
             raise
         outcome.committed, outcome.path = True, str(staged.snapshot.final)
         outcome.saved_on = sorted(index.exported()) if index is not None else []
-        self.newest_anchor = outcome.anchor_step
+        self.store.hold(RELAUNCH, staged.snapshot.final)
         outcome.mark("publish")
         outcome.persist_s = outcome.elapsed() - outcome.pause_s
-
-    async def _notice_a_loss(self, exc: BaseException) -> None:
-        """A prepare that failed because a replica lost a server may end a moment before the in-run
-        recovery hears of the loss (its watch and the rollouts report it within milliseconds): give it
-        that moment, so the failure is not counted as one in a row (docs/design.md §5.12)."""
-        if self.recovering is None or not isinstance(exc, Exception) or classify_failure(exc) != "gym_unavailable":
-            return
-        deadline = time.monotonic() + LOSS_NOTICE_S
-        while not self.recovering() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
 
     def _note_overtaken(self, begun_under: int, outcome: SnapshotOutcome) -> None:
         """A trainer step published since the attempt began: say so in the row (the snapshot stands)."""
@@ -159,8 +143,8 @@ class RolloutSnapshotter:
         logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
         if outcome.reason == "superseded":  # not a failure: the next step's snapshots follow
             return
-        if outcome.reason == "gym_unavailable" and self.recovering is not None and self.recovering():
-            return  # a replica was lost under it and is being recovered: not a failure in a row (§5.12)
+        if outcome.reason == "gym_unavailable" and self.lost(failed_replicas(exc)):
+            return  # a replica it left out is being recovered: not a failure in a row (§5.12)
         self.consecutive_failures += 1
         limit = self.settings.max_consecutive_failures
         if self.consecutive_failures >= limit and not final:

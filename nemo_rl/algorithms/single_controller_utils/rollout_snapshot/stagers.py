@@ -422,16 +422,23 @@ class StagedStager(_GymStager):
             f"{iid}/{server}": n for iid in prepared.instance_ids
             for server, n in sorted(prepared.results[iid].captured_bytes().items())}
         outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + staged.capture.data_plane.nbytes
-        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, exported,
-                                                                                    unsaved), outcome)
+        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, exported, unsaved),
+                                   outcome, prepared.handles)
         outcome.mark("persist")
         count_cuts(index, outcome)
         return index
 
     async def persist(self, checkpoint_id: str, tmp: Path, pending: PendingPersist,
-                      outcome: SnapshotOutcome | None = None) -> GymCheckpointIndex:
-        """Every Gym server writes its scope from its capture; every turn-level save must be written."""
-        persisted = await self.coordinator.persist(checkpoint_id, str(tmp), episode_scopes(pending.scopes))
+                      outcome: SnapshotOutcome | None = None, handles: dict[str, Any] | None = None
+                      ) -> GymCheckpointIndex:
+        """Every Gym server writes its scope from its capture; every turn-level save must be written. A
+        replica that leaves meanwhile (lost, taken over by the in-run recovery, or a server silent past the
+        park grace: docs/design.md §5.8) saves nothing in this snapshot: its rollouts are left out of the
+        index (they restart from the prompt if it is restored) and the row says so."""
+        persisted, left = await self.coordinator.persist(checkpoint_id, str(tmp), episode_scopes(pending.scopes),
+                                                         handles)
+        if left:
+            pending = _without_replicas(pending, left, outcome)
         if outcome is not None:  # the model servers fetched their cuts' tokens just now
             failed = {iid: s for iid, s in persisted.items() if s.cut_error or s.cut_failed}
             outcome.cut_failed += sum(s.cut_failed for s in failed.values())
@@ -448,6 +455,18 @@ class StagedStager(_GymStager):
         written = {iid: persisted[iid].exported_by_server for iid in pending.exported}
         return GymCheckpointIndex.from_written(checkpoint_id, written, pending.exported, pending.unsaved,
                                                {iid: persisted[iid].cut_tokens for iid in pending.exported})
+
+
+def _without_replicas(pending: PendingPersist, left: dict[str, str], outcome: SnapshotOutcome | None) -> PendingPersist:
+    """``pending`` less the replicas that left during the persist; the row counts their rollouts as left out."""
+    if outcome is not None:
+        lost = sum(len(pending.exported.get(iid, ())) for iid in left)
+        outcome.left_out = {**outcome.left_out, **left}
+        outcome.left_out_rollouts += lost
+        outcome.saved = max(0, outcome.saved - lost)
+    return PendingPersist({iid: v for iid, v in pending.scopes.items() if iid not in left},
+                          {iid: v for iid, v in pending.exported.items() if iid not in left},
+                          {iid: v for iid, v in pending.unsaved.items() if iid not in left})
 
 
 STAGERS: dict[str, type[_GymStager]] = {"staged": StagedStager, "blocking": BlockingStager}

@@ -21,7 +21,9 @@ in ``step_N``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -44,6 +46,7 @@ from nemo_rl.utils.snapshot_store import (
     commit_snapshot,
     ensure_bootstrap_anchor,
     list_checkpoint_dir,
+    anchor_step_of,
     list_trainer_steps,
     next_snapshot_path,
     prepare_snapshot_paths,
@@ -54,6 +57,7 @@ from nemo_rl.utils.snapshot_store import (
     resolve_restore_point,
 )
 
+logger = logging.getLogger(__name__)
 GYM_CHECKPOINT_SCHEMA_VERSION = 3
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
@@ -310,6 +314,27 @@ class RunStore:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.writer = writer
         self.keep_latest_k = keep_latest_k
+        self._held: dict[str, Path] = {}  # who -> the snapshot a restore of theirs may still read
+
+    # -- retention: one rule, whatever any restore may still need stays
+    def hold(self, owner: str, snapshot: str | Path | None) -> None:
+        """``owner`` may still restore from ``snapshot`` (None: no longer from any): neither a publish's
+        prune of older snapshots nor a trainer-step prune removes it or its anchor. Owners: the relaunch
+        (the newest committed snapshot, until the run is complete), each Gym replica (the newest snapshot
+        that saved its rollouts) and each in-run recovery while it installs from one (docs/design.md
+        §5.4.7, "Retention")."""
+        if snapshot is None:
+            self._held.pop(owner, None)
+        else:
+            self._held[owner] = Path(snapshot)
+
+    def held(self) -> frozenset[Path]:
+        """Every snapshot some restore may still need."""
+        return frozenset(self._held.values())
+
+    def held_anchors(self) -> frozenset[int]:
+        """The trainer steps (0: bootstrap) whose directories hold a held snapshot."""
+        return frozenset(anchor_step_of(p) for p in self._held.values())
 
     def anchor(self, step: int) -> Path:
         """The directory of trainer step ``step`` (``bootstrap/`` for 0): where its snapshots go."""
@@ -339,17 +364,21 @@ class RunStore:
         return SnapshotDir(snap.tmp, next_snapshot_path(anchor))
 
     def publish(self, snap: SnapshotDir, capture: ControllerStateCapture, gym: GymCheckpointIndex | None,
-                checkpoint_id: str, before_seal: Callable[[], None] = lambda: None,
-                spare: frozenset[Path] = frozenset()) -> None:
+                checkpoint_id: str, before_seal: Callable[[], None] = lambda: None) -> None:
         """Write the controller's files (and Gym's index), seal and rename (``publish_snapshot``); off the
-        event loop. The anchor's older snapshots beyond ``keep_latest_k`` go, except ``spare`` (those an
-        in-run recovery may restore from, docs/design.md §5.12). On a failure the caller calls ``abort(snap)``."""
+        event loop. The anchor's older snapshots beyond ``keep_latest_k`` go, except those ``held``. On a
+        failure the caller calls ``abort(snap)``."""
         publish_snapshot(snap.tmp, snap.final, capture, gym, checkpoint_id, self.keep_latest_k, self.writer,
-                         before_seal, spare)
+                         before_seal, self.held())
 
     def abort(self, snap: SnapshotDir) -> None:
-        """The snapshot will not be published: its temporary directory goes (idempotent)."""
-        self.writer.remove(snap.tmp)
+        """The snapshot will not be published: its temporary directory goes (idempotent). Called on a
+        failure: a directory that cannot be removed now is logged, not raised over that failure (the next
+        start removes what is left)."""
+        try:
+            self.writer.remove(snap.tmp)
+        except OSError as exc:
+            logger.warning("could not remove %s (the next start removes it): %s", snap.tmp, exc)
 
     # -- a trainer step
     def save_step(self, step: int, bookkeeping: TrainerBookkeeping,
@@ -366,12 +395,14 @@ class RunStore:
                     write_bytes_atomic(tmp / name, data, self.writer)
             return publish_trainer_step(tmp, final, metadata={"step": step}, digests=digests, writer=self.writer)
         except BaseException:
-            self.writer.remove(tmp)  # nothing half-written stays (startup would remove it too)
+            with contextlib.suppress(OSError):  # nothing half-written stays (startup removes what is left)
+                self.writer.remove(tmp)
             raise
 
-    def prune_steps(self, keep_top_k: int | None, newest: int | None = None, spare: int | None = None) -> list[Path]:
-        """``snapshot_store.prune_trainer_steps`` on this directory."""
-        return prune_trainer_steps(self.checkpoint_dir, keep_top_k, newest, spare, self.writer)
+    def prune_steps(self, keep_top_k: int | None, newest: int | None = None) -> list[Path]:
+        """``snapshot_store.prune_trainer_steps`` on this directory, sparing every anchor that holds a
+        ``held`` snapshot."""
+        return prune_trainer_steps(self.checkpoint_dir, keep_top_k, newest, self.held_anchors(), self.writer)
 
     # -- a restore
     def select(self, *, turn_level: bool, read_snapshots: bool) -> RestorePoint | None:

@@ -1,0 +1,306 @@
+"""A Gym replica as a supervised part (docs/design.md §5.12).
+
+Its losses come from one stream: the replica's watch (``NemoGym.watch``: a server exited, or stayed stopped
+or silent for ``hung_after_s``; a watch ending in ``RayActorError`` is a lost actor; a watch that fails for
+any other reason is a loss too, so no replica is ever left unsupervised), a rollout whose ``/run`` failed
+because a server of the replica died or its actor was lost, and a snapshot that met the lost actor. The
+first notice takes the replica over at once: it takes no new rollout and every snapshot passes it over.
+
+The whole replica starts again, not only the lost server: a rollout's records span its agent, resources
+and model servers and are installed from one snapshot together, into idle servers, as at a relaunch. Its
+lost rollouts come back through the same install as a relaunch's (``install.install_episodes``) and the
+ledger's one entry (``bring_back``), from the newest committed snapshot that saved rollouts of this replica
+(held in the run store meanwhile); the rest restart from their prompt. A replica given up (``moved``) has
+its saved rollouts dealt over its shard's other replicas by the elastic-restore rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import ray
+
+from nemo_rl.algorithms.single_controller_utils.config import InRunRecoveryConfig
+from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
+from nemo_rl.algorithms.single_controller_utils.recovery.records import Loss, RecoveryRecord
+from nemo_rl.algorithms.single_controller_utils.recovery.supervisor import (
+    NotPlaced,
+    RecoveryFailed,
+    describe,
+    took,
+)
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.install import InstalledEpisodes, install_episodes
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
+from nemo_rl.environments.nemo_gym import NemoGymShardSet, ReplicaNotPlaced
+from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
+from nemo_rl.utils.atomic_write import write_json_atomic
+from nemo_rl.utils.run_hooks import RunHooks
+
+logger = logging.getLogger(__name__)
+REDISPATCH_WAIT_S = 60.0  # how long a row waits for the first continued rollout to be sent to Gym again
+
+
+class RecoveryHost(Protocol):
+    """What a recovery asks of the controller."""
+
+    def ledger(self) -> RolloutRecoveryLedger: ...
+
+    async def stop_rollouts(self, instance: str) -> None: ...  # cancel and await its rollout tasks
+
+    async def notify(self) -> None: ...  # the ledger changed: wake the dispatcher
+
+    def request_snapshot(self, by: str) -> None: ...
+
+
+@dataclass
+class Redispatch:
+    """When the first rollout a recovery brought back went to Gym again (controller's monotonic clock)."""
+
+    keys: set[str]
+    first: float | None = None
+    sent: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def dispatched(self, rollout_id: str) -> None:
+        if self.first is None and rollout_id in self.keys:
+            self.first = time.monotonic()
+            self.sent.set()
+
+
+@dataclass
+class _Holding:
+    """The newest committed snapshot that saved rollouts of the replica, and when it was committed."""
+
+    path: str
+    committed_at: float  # wall clock
+
+
+class GymReplicaPart:
+    """One ``<shard>/replica-<i>``: its watch, its replacement, and its rollouts' return."""
+
+    kind = "gym_replica"
+
+    def __init__(self, instance: str, settings: InRunRecoveryConfig, shard_set: NemoGymShardSet,
+                 coordinator: GymCheckpointCoordinator | None, store: RunStore, host: RecoveryHost,
+                 log_dir: Path, hooks: RunHooks):
+        self.name = instance
+        self.settings = settings
+        self.shard_set = shard_set
+        self.coordinator = coordinator
+        self.store = store
+        self.host = host
+        self.log_dir = log_dir
+        self.hooks = hooks
+        self.lost: Loss | None = None  # set at the first notice, until its rollouts are back
+        self._reports: asyncio.Queue[Loss] = asyncio.Queue()
+        self._affected: list[str] | None = None  # the lost attempts (``live_on``), read once per loss
+        self._holding: _Holding | None = None
+        self._index: Any = None  # the Gym index the last install read (its cuts name the prefix-level ones)
+        self._redispatch: Redispatch | None = None
+
+    # -- the loss stream
+    def incarnation(self) -> Any:
+        """The replica's actor now (None once given up): a notice about an older one is stale."""
+        return self.shard_set.checkpoint_handles.get(self.name)
+
+    def report(self, loss: Loss) -> None:
+        """A rollout or a snapshot noticed the loss first: the replica is taken over now (not when the
+        supervisor gets to it), and the loss joins the watch's stream."""
+        if loss.incarnation is not self.incarnation() or self.lost is not None:
+            return  # about an actor already replaced, or a loss already taken over
+        self._take(loss)
+        self._reports.put_nowait(loss)
+
+    def _take(self, loss: Loss) -> None:
+        """No new rollout goes to the replica, and any snapshot stops asking it (it leaves the one under way)."""
+        if self.lost is not None:
+            return
+        self.lost = loss
+        self.shard_set.recovering.add(self.name)
+        if self.coordinator is not None:
+            self.coordinator.abandon(self.name, f"{self.name} lost {loss.component}: {loss.cause}")
+
+    def log_of(self, server: str) -> Path:
+        inst = self.shard_set.instances[self.name]
+        return self.log_dir / "gym-instances" / inst.shard_name / f"replica-{inst.replica_index}" / f"{server}.log"
+
+    async def watch(self) -> Loss:
+        """The replica's next loss: its watch's, or a report that came first (both owned and ended here)."""
+        handle = self.incarnation()
+        watching = asyncio.ensure_future(self._watch_once(handle))
+        reported = asyncio.ensure_future(self._reports.get())
+        try:
+            done, _ = await asyncio.wait({watching, reported}, return_when=asyncio.FIRST_COMPLETED)
+            loss = reported.result() if reported in done else watching.result()
+        finally:
+            for task in (watching, reported):
+                task.cancel()
+            await asyncio.gather(watching, reported, return_exceptions=True)
+        self._take(loss)
+        return loss
+
+    async def _watch_once(self, handle: Any) -> Loss:
+        """``NemoGym.watch`` of this actor as a ``Loss``; a watch that fails for any other reason than a lost
+        actor is a loss too: the replica is replaced, so it is supervised again (never silently not)."""
+        try:
+            self.hooks.reached("watch", self.name)
+            lost = await handle.watch.remote(self.settings.hung_after_s)
+        except ray.exceptions.RayActorError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return Loss(self.name, "replica", f"its Ray actor died ({first[:200]})", "watch", handle)
+        except Exception as exc:  # noqa: BLE001 - a watch that cannot say is a replica nobody watches
+            logger.error("the watch of %s failed (%s); the replica is replaced so that it is watched again",
+                         self.name, describe(exc))
+            return Loss(self.name, "replica", f"its watch failed ({describe(exc)})", "watch", handle)
+        return Loss(self.name, lost["server"], lost["cause"], "watch", handle, log=lost["log"],
+                    log_tail=lost["log_tail"])
+
+    # -- the recovery
+    async def replace(self, loss: Loss, deadline: float) -> str:
+        """Its rollout tasks stop (the recovery owns their attempts), the old actor and its servers go (their
+        processes gone first), a new replica starts in the slot."""
+        await self._stop_rollouts()
+        try:
+            await self.shard_set.replace(self.name, self.settings.placement_timeout_s,
+                                         gone_within_s=max(0.1, deadline - time.monotonic()))
+        except ReplicaNotPlaced as exc:
+            raise NotPlaced(str(exc)) from None
+        finally:
+            write_json_atomic(self.log_dir / "gym_placement.json", self.shard_set.placement)
+        return "replaced" if loss.component == "replica" else "restarted"
+
+    async def give_up(self, loss: Loss, why: str, record: RecoveryRecord) -> None:
+        """Drop the replica; its rollouts move to its shard's others (``resume``). With none left the run
+        stops, naming the server, the replica, why, its log and the log's last lines."""
+        if not self.shard_set.survivors(self.name):
+            log = loss.log or (str(self.log_of(loss.component)) if loss.component != "replica" else None)
+            tail = loss.log_tail or _tail(log)
+            where = f"; its log {log}, last lines:\n{tail}" if log else ""
+            raise RecoveryFailed(
+                f"Gym server {loss.component!r} of {self.name} was lost ({loss.cause}) and the replica is given up: "
+                f"{why}; shard {self.shard_set.shard_of(self.name)!r} has no other replica, so the run stops{where}")
+        logger.warning("Gym %s is given up (%s); its rollouts move to %s", self.name, why,
+                       ", ".join(self.shard_set.survivors(self.name)))
+        await self._stop_rollouts()
+        self.shard_set.drop(self.name)
+        write_json_atomic(self.log_dir / "gym_placement.json", self.shard_set.placement)
+
+    async def _stop_rollouts(self) -> None:
+        await self.host.stop_rollouts(self.name)
+        if self._affected is None:
+            self._affected = self.host.ledger().live_on(self.name)
+
+    async def resume(self, loss: Loss, record: RecoveryRecord) -> None:
+        """Install the lost attempts the newest snapshot holding this replica's rollouts saved (on the new
+        replica, or dealt over the shard's others when it was given up); the ledger continues those at their
+        next attempt and restarts the rest from their prompt. No await between the install and the ledger."""
+        await self._stop_rollouts()  # a loss given up before any start
+        affected, moved = self._affected or [], record.action == "moved"
+        installed = await self._install(affected, moved, loss, record)
+        summary = self.host.ledger().bring_back(installed.attempts, installed.relocated, lost=affected)
+        saved = set(installed.saved_keys)
+        record.continued_prefix = sorted(k for k in saved if self._cut(k, installed))
+        record.continued_turn = sorted(saved - set(record.continued_prefix))
+        record.restarted_from_prompt = sorted(set(affected) - saved)
+        record.kept_siblings = len(summary.kept_siblings)
+        self._redispatch = Redispatch(set(summary.restored_turn + summary.restarted_from_prompt))
+        self.shard_set.recovering.discard(self.name)
+        if self.coordinator is not None:
+            self.coordinator.forget_instance(self.name)
+        if moved:
+            self.store.hold(self._hold_name, None)
+        self.lost, self._affected, self._index = None, None, None
+        await self.host.notify()
+
+    async def _install(self, affected: list[str], moved: bool, loss: Loss, record: RecoveryRecord
+                       ) -> InstalledEpisodes:
+        holding = self._holding
+        if self.coordinator is None or holding is None or not affected:
+            return InstalledEpisodes()
+        owner = f"recovery:{self.name}"
+        self.store.hold(owner, holding.path)  # neither a publish's nor a trainer-step prune takes it meanwhile
+        try:
+            index = await asyncio.to_thread(self.store.read_gym_index, Path(holding.path))
+            wanted = set(affected)
+            saved = {server: [k for k in keys if k in wanted] for server, keys in index.exported().get(self.name, {}).items()}
+            if not any(saved.values()):
+                return InstalledEpisodes()
+            # A move installs into the shard's other replicas that are not being recovered themselves, not
+            # while a snapshot's pause holds them.
+            targets = [iid for iid in self.shard_set.survivors(self.name) if iid not in self.shard_set.recovering]
+            async with self.coordinator.guards.hold(targets if moved else []):
+                installed = await install_episodes(self.coordinator, holding.path, index.checkpoint_id,
+                                                   {self.name: saved}, purpose="recover",
+                                                   running=[self.name] if not moved else targets)
+            self._index = index
+        except Exception as exc:  # noqa: BLE001 - unreadable or refused: those rollouts restart from the prompt
+            logger.warning("recovery of %s could not restore from %s (%s); its rollouts restart from the prompt",
+                           self.name, holding.path, describe(exc))
+            return InstalledEpisodes()
+        finally:
+            self.store.hold(owner, None)
+        record.snapshot = holding.path
+        record.snapshot_age_s = round(max(0.0, loss.at - holding.committed_at), 3)
+        return installed
+
+    def _cut(self, saved_key: str, installed: InstalledEpisodes) -> bool:
+        """Whether the installed episode's model call in flight continues from a generation cut (§5.10)."""
+        return bool(self._index is not None and self._index.cut_of(installed.saved_keys[saved_key], saved_key))
+
+    async def settle(self, loss: Loss, record: RecoveryRecord) -> None:
+        """Until the first rollout it brought back went to Gym again (at most ``REDISPATCH_WAIT_S``), then a
+        snapshot is asked for, so they are saved again at their new attempt."""
+        waiting = self._redispatch
+        if waiting is None:
+            return
+        try:
+            if waiting.keys:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiting.sent.wait(), REDISPATCH_WAIT_S)
+        finally:
+            if waiting.first is not None:
+                record.seconds_to_redispatch = round(waiting.first - loss.noticed, 3)
+            if self._redispatch is waiting:
+                self._redispatch = None
+        self.host.request_snapshot(f"recovery of {self.name}")
+
+    # -- what the controller tells it
+    def dispatched(self, rollout_id: str) -> None:
+        if self._redispatch is not None:
+            self._redispatch.dispatched(rollout_id)
+
+    def snapshot_committed(self, path: str) -> None:
+        """A committed snapshot saved rollouts of this replica: the newest to restore them from, held in the
+        run store until a newer one does."""
+        self._holding = _Holding(path, time.time())
+        self.store.hold(self._hold_name, path)
+
+    @property
+    def _hold_name(self) -> str:
+        return f"gym:{self.name}"
+
+    def line(self, record: RecoveryRecord) -> str:
+        verb = {"restarted": "restarted", "replaced": "replaced", "moved": "moved to the shard's other replicas"}
+        what = f"{record.part} {record.cause}" if record.part != "replica" else record.cause
+        return (f"recovered {self.name}: {what}; {verb[record.action]}{took(record)}; "
+                f"{len(record.continued_turn)} rollouts continue at their turn, "
+                f"{len(record.continued_prefix)} from a generation cut, "
+                f"{len(record.restarted_from_prompt)} restart from the prompt")
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+
+def _tail(log: str | None, lines: int = 20) -> str:
+    if not log:
+        return ""
+    try:
+        return "\n".join(Path(log).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+

@@ -77,7 +77,7 @@ class StepRow:
     rewards: str = "-"
     logprobs_max: float = 0.0
     advantages_max: float = 0.0
-    metrics_max: float = 0.0  # the largest relative difference of a compared metric
+    metrics_max: float = 0.0  # the largest |difference| of a compared metric
     tool_effects: int = 0  # tool outputs compared (each once per rollout that reached it)
     versions: str = "-"  # async: samples compared / all
     verdict: str = "ok"
@@ -253,7 +253,7 @@ def compare_metrics(step: int, ref: dict[str, Any] | None, run: dict[str, Any] |
         b = float(b)
         if math.isnan(a) and math.isnan(b):
             continue
-        row.metrics_max = max(row.metrics_max, abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0)
+        row.metrics_max = max(row.metrics_max, abs(a - b))
         if not tol.close(b, a):
             first = first or Difference(step, f"metric {key}", reference=a, faulted=b)
     if ref.get("groups") != run.get("groups"):
@@ -346,7 +346,7 @@ def render(report: ParityReport) -> str:
     """One markdown table, the final weights, notes, and the first difference."""
     tol = report.tolerance
     head = ["step", "groups", "samples", "tokens", "token ids", "masks", "rewards", "logprobs max |d|",
-            "advantages max |d|", "metrics max rel d", "tool effects", "verdict"]
+            "advantages max |d|", "metrics max |d|", "tool effects", "verdict"]
     async_cols = any(r.versions != "-" for r in report.rows)
     if async_cols:
         head.insert(-1, "same versions")

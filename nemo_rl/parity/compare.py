@@ -27,7 +27,9 @@ from typing import Any
 from nemo_rl.parity.trace import StepTrace, TracedSample, read_step_traces
 
 NOT_COMPARED = ("inflight_rollouts", "row_restored", "num_adds", "max_group_version_lag")
-NOT_COMPARED_PREFIXES = ("snapshot", "prefix_", "val_")
+# Bookkeeping that follows the faults: snapshot counts, prefix continuations, validation (its rollouts are not
+# seeded by rollout), the in-run recovery's supervisor/* and gen_fleet/* (upstream's names).
+NOT_COMPARED_PREFIXES = ("snapshot", "prefix_", "val_", "supervisor/", "gen_fleet/")
 
 
 @dataclass(frozen=True)
@@ -333,8 +335,9 @@ def compare_runs(ref_logs: Path, ref_ckpt: Path, run_logs: Path, run_ckpt: Path,
             report.first = Difference(steps, "final weights", reference=report.weights.note, faulted=None)
     elif weights:
         report.notes.append("async: final weights not compared (the runs trained on other weight versions)")
-    report.notes.append("metrics not compared: timings (*_s), snapshot and recovery bookkeeping, prefix "
-                        "continuation counts, validation (val_*; its rollouts are not seeded by rollout)")
+    report.notes.append("metrics not compared: timings (*_s), snapshot and recovery bookkeeping (snapshot*, "
+                        "supervisor/*, gen_fleet/*), prefix continuation counts, validation (val_*; its rollouts "
+                        "are not seeded by rollout)")
     return report
 
 

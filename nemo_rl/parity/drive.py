@@ -1,17 +1,20 @@
 """Run a config to its end while a fault schedule strikes it from outside (``faults.Schedule``).
 
-The driver watches what the run writes (``snapshots.jsonl``, ``recoveries.jsonl``, each snapshot's
-``gym_checkpoint.json``) and acts by signals on pids (``processes``): it knows nothing of how the run
-recovers. A fault is due once ``after_snapshots`` committed snapshots that saved rollouts (for an in-run
-Gym fault: saved some on its replica) appeared since the previous fault was over; a relaunch fault is over
-when the same command has been started again, an in-run fault when ``recoveries.jsonl`` has a new row.
-Each delivered fault is a line of ``<root>/faults.jsonl`` (what, when, the pids it hit, the snapshot it
-followed). Faults left when the run ends are reported, not silently dropped.
+The driver watches what the run writes (``trained/``, ``snapshots.jsonl``, ``recoveries.jsonl``, each
+snapshot's ``gym_checkpoint.json``) and acts by signals on pids (``processes``): it knows nothing of how the
+run recovers. A fault is *armed* once the previous one is over (a relaunch fault when the same command has
+been started again, an in-run fault when ``recoveries.jsonl`` has a new row) and ``after_steps`` steps have
+their trained-samples record; it is *due* once ``after_snapshots`` committed snapshots that saved rollouts
+(for an in-run Gym fault: saved some on its replica) appeared since it was armed. Each delivered fault is a
+line of ``<root>/faults.jsonl`` (what, when, the pids it hit, the snapshot it followed);
+``<root>/faults_state.json`` says at every moment how many were delivered and whether the next is armed.
+Faults left when the run ends are reported, not silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -21,8 +24,10 @@ from typing import Any, Callable
 from nemo_rl.parity import processes
 from nemo_rl.parity.faults import Fault, Schedule
 from nemo_rl.parity.launch import Launch, RunCommand, RunPlace, new_marker
+from nemo_rl.parity.trace import read_step_traces_steps
 
 FAULT_LOG = "faults.jsonl"
+FAULT_STATE = "faults_state.json"
 POLL_S = 0.1
 # At prefix level a relaunch or a worker loss waits for a snapshot that cut a call in flight (so a cut is
 # continued), unless this many snapshots that saved rollouts came without one (a backend without cuts).
@@ -83,6 +88,18 @@ class FaultDriver:
 
     def _recoveries(self) -> int:
         return len(read_jsonl(self.place.logs / "recoveries.jsonl"))
+
+    def _trained(self) -> int:
+        """The newest step with a trained-samples record (written before its checkpoint and refit)."""
+        return max(read_step_traces_steps(self.place.logs), default=0)
+
+    def _state(self, armed: bool, pending: list[Fault]) -> None:
+        """``faults_state.json``, replaced atomically: delivered so far, and whether the next is armed."""
+        state = {"delivered": len(self.outcome.delivered), "armed": armed,
+                 "next": pending[0].spec if pending else None, "faults": len(self.schedule.faults)}
+        tmp = self.place.root / f".{FAULT_STATE}.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.place.root / FAULT_STATE)
 
     def _target_replica(self, fault: Fault) -> str | None:
         found = processes.replicas(self.place.logs)
@@ -156,7 +173,10 @@ class FaultDriver:
     def run(self) -> DriveOutcome:
         faults = list(self.schedule.faults)
         launch = self._launch()
-        since, waiting_for = len(self._committed()), None  # waiting_for: recoveries.jsonl rows to reach
+        self._state(False, faults)
+        # since: committed snapshots when the next fault was armed (None: not armed); waiting_for: the
+        # recoveries.jsonl rows an in-run fault's recovery must reach before the next is armed
+        since, waiting_for = None, None
         try:
             while True:
                 code = launch.returncode
@@ -171,25 +191,28 @@ class FaultDriver:
                     self.outcome.error = f"launch {launch.n} ran past {self.launch_timeout_s:g} s:\n{launch.tail()}"
                     break
                 if waiting_for is not None and self._recoveries() >= waiting_for:
-                    waiting_for, since = None, len(self._committed())
-                if faults and waiting_for is None:
+                    waiting_for = None
+                if faults and waiting_for is None and since is None and self._trained() >= faults[0].after_steps:
+                    since = len(self._committed())
+                    self._state(True, faults)
+                if faults and since is not None:
                     fault = faults[0]
                     after = self._due(fault, since)
                     pids = self._pids_for(fault) if after is not None and fault.in_run else {}
                     if after is not None and (fault.relaunches or pids):
                         faults.pop(0)
-                        n = len(self.outcome.delivered) + 1
+                        n, since = len(self.outcome.delivered) + 1, None
                         if fault.relaunches:
                             status = self._relaunch_fault(launch, fault)
                             self._record(fault, n, {"driver": launch.proc.pid, "exit": status}, after)
                             launch = self._launch()
-                            since = len(self._committed())
                         else:
                             waiting_for = self._recoveries() + 1
                             hit = processes.send(pids, fault.signal)
                             if fault.signal == signal.SIGSTOP:
                                 self._stopped += list(hit.values())
                             self._record(fault, n, hit, after)
+                        self._state(False, faults)
                 time.sleep(POLL_S)
         finally:
             if launch.returncode is None:

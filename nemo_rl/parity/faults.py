@@ -13,9 +13,9 @@ committed a snapshot, an in-run loss has its row in ``recoveries.jsonl``)::
     worker                   SIGKILL of the generation worker
 
 An in-run fault (server, stop, replica) may name its replica with ``@<shard>/replica-<i>`` (default: the
-run's last replica). Each fault is due once a number of committed snapshots that saved rollouts (and,
-for an in-run Gym fault, saved some on its replica) have appeared since the previous one was over: 1 or
-2, drawn from the harness's seed, so the faults land at random committed snapshots.
+run's last replica). The harness's seed draws, for each fault, the trained steps it waits for (the faults
+spread over the run, in order) and then the committed snapshots that saved rollouts (for an in-run Gym
+fault: saved some on its replica) it waits for, 1 or 2: the faults land at random committed snapshots.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Fault:
     server: str | None = None  # server / stop: the Gym server's name (None: chosen from the run's logs)
     replica: str | None = None  # in-run Gym faults: the target replica (None: the run's last)
     replicas: int | None = None  # kill / term: relaunch with every shard at this many replicas
-    after_snapshots: int = 1  # committed snapshots (that saved rollouts) to wait for before it is due
+    after_steps: int = 0  # trained steps (their records written) before it is armed
+    after_snapshots: int = 1  # then committed snapshots (that saved rollouts) to wait for before it is due
     spec: str = ""
 
     @property
@@ -77,8 +78,8 @@ class Schedule:
         return any(f.in_run for f in self.faults)
 
     def describe(self) -> list[str]:
-        return [f"{i + 1}. {f.spec}: {f.describe()} after {f.after_snapshots} committed snapshot(s)"
-                for i, f in enumerate(self.faults)]
+        return [f"{i + 1}. {f.spec}: {f.describe()}, once {f.after_steps} step(s) trained, after "
+                f"{f.after_snapshots} committed snapshot(s)" for i, f in enumerate(self.faults)]
 
 
 def parse_fault(item: str) -> Fault:
@@ -109,13 +110,14 @@ def default_spec(replicas: int) -> str:
     return f"server,replica,kill,worker,stop,kill,term:replicas={other}"
 
 
-def parse_schedule(spec: str, seed: int = 0) -> Schedule:
-    """The spec's faults in order, each due after 1 or 2 committed snapshots drawn from ``seed``."""
+def parse_schedule(spec: str, seed: int = 0, steps: int = 1) -> Schedule:
+    """The spec's faults in order; ``seed`` draws the trained steps each waits for (spread over the run's
+    ``steps``, in order) and then 1 or 2 committed snapshots."""
     items = [p for p in spec.split(",") if p.strip()]
     if not items:
         raise ValueError("--faults: no fault given")
     rng = random.Random(seed)
     faults = [parse_fault(p) for p in items]
-    for f in faults:
-        f.after_snapshots = rng.choice((1, 2))
+    for f, after in zip(faults, sorted(rng.randrange(max(1, steps)) for _ in faults)):
+        f.after_steps, f.after_snapshots = after, rng.choice((1, 2))
     return Schedule(faults)

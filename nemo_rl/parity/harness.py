@@ -102,7 +102,7 @@ def run_parity(config: str | None, overrides: list[str], spec: str | None, workd
     ``entry``/``env``: how runs are started (default: the product's entry, this environment);
     ``faulted_env``: the faulted run's environment, when it differs."""
     shape = run_shape(config, overrides)
-    schedule = parse_schedule(spec if spec is not None else default_spec(shape.replicas), seed)
+    schedule = parse_schedule(spec if spec is not None else default_spec(shape.replicas), seed, shape.steps)
     check_schedule(schedule, shape)
     workdir = Path(workdir).resolve()
     faulted_place = RunPlace(workdir / "faulted")

@@ -102,10 +102,18 @@ class Launch:
             return None
 
     def tail(self, lines: int = 15) -> str:
+        """The output's last ``lines`` lines, a line repeated in a row shown once with its count."""
         try:
-            return "\n".join(self.out_path.read_text(errors="replace").strip().splitlines()[-lines:])
+            text = self.out_path.read_text(errors="replace").strip().splitlines()
         except OSError:
             return ""
+        runs: list[list] = []
+        for line in text:
+            if runs and runs[-1][0] == line:
+                runs[-1][1] += 1
+            else:
+                runs.append([line, 1])
+        return "\n".join(line if n == 1 else f"{line}  [x{n}]" for line, n in runs[-lines:])
 
 
 def new_marker() -> str:

@@ -122,6 +122,13 @@ def read_step_trace(path: str | os.PathLike) -> StepTrace:
     return StepTrace(int(head["step"]), samples, int(head.get("pid", 0)), float(head.get("written_at", 0.0)))
 
 
+def read_step_traces_steps(log_dir: str | os.PathLike) -> list[int]:
+    """The steps that have a record under ``log_dir`` (names only: nothing is read)."""
+    directory = Path(log_dir) / TRACE_DIR
+    return sorted(int(m[1]) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))) \
+        if directory.is_dir() else []
+
+
 def read_step_traces(log_dir: str | os.PathLike) -> dict[int, StepTrace]:
     """Every step's record under ``log_dir`` (the surviving lineage), by step."""
     found = {}

@@ -1,13 +1,13 @@
 """Test-only seams of the recovery parity tests (``tests/functional/test_recovery_parity.py``), installed in
 every process of a run that has this directory first on ``PYTHONPATH``:
 
-- ``NEMO_RL_TEST_ONLY_PARITY_GATE=<faults.jsonl>|<faults>|<tokens>``: in the generation worker, each call
-  (deterministic mode decodes one at a time) stops after ``tokens`` decode steps until the parity harness
-  has delivered one more fault (a line more in its ``faults.jsonl``), while fewer than ``faults`` are
-  delivered. So a fault that waits for a committed snapshot holding rollouts (and, at prefix level, a
-  generation cut) finds one on any machine, fast or slow, instead of the run ending first. The tokens
-  and replies are the worker's own; a hold ends after ``HOLD_LIMIT_S`` whatever happens (the harness
-  then reports the fault it could not deliver).
+- ``NEMO_RL_TEST_ONLY_PARITY_GATE=<faults_state.json>|<tokens>``: in the generation worker, a call
+  (deterministic mode decodes one at a time) that reaches ``tokens`` decode steps while the parity harness
+  has its next fault armed (its ``faults_state.json``) waits there until that fault is delivered. So the
+  fault, which waits for committed snapshots holding rollouts in flight (at prefix level, with a generation
+  cut), finds them on any machine, fast or slow, instead of the step ending first. The tokens and replies are
+  the worker's own; a hold ends after ``HOLD_LIMIT_S`` whatever happens (then the next call may hold; a fault
+  never delivered is reported by the harness).
 - ``NEMO_RL_TEST_ONLY_PARITY_MUTATION=restored_logprobs``: in the driver, the first logprob of every sample
   whose rollout continued from a restored boundary (``restored_from``) is moved by 0.01: the bug "a
   restored turn carries a wrong logprob" that parity must catch and name.
@@ -18,6 +18,7 @@ product has no branch for them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -26,38 +27,41 @@ from pathlib import Path
 
 GATE_ENV = "NEMO_RL_TEST_ONLY_PARITY_GATE"
 MUTATION_ENV = "NEMO_RL_TEST_ONLY_PARITY_MUTATION"
-HOLD_LIMIT_S = 120.0
+HOLD_LIMIT_S = 30.0
 HELD_LINE = "parity gate: a call was held"
 PERTURBATION = 0.01
 
 
-def _delivered(path: Path) -> int:
+def _state(path: Path) -> tuple[int, bool]:
+    """(faults delivered, next armed) as the harness last wrote them; (0, False) before it wrote any."""
     try:
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
-    except OSError:
-        return 0
+        state = json.loads(path.read_text())
+        return int(state["delivered"]), bool(state["armed"])
+    except (OSError, ValueError, KeyError):
+        return 0, False
 
 
 def _install_gate(module) -> None:
-    path_text, total_text, tokens_text = os.environ[GATE_ENV].split("|")
-    path, total, tokens = Path(path_text), int(total_text), int(tokens_text)
+    path_text, tokens_text = os.environ[GATE_ENV].split("|")
+    path, tokens = Path(path_text), int(tokens_text)
     sample_batch = module.HFPolicy.sample_batch
     announced = threading.Event()
 
     def gated_sample_batch(self, *args, between_steps=None, **kwargs):
-        seen = _delivered(path)
         steps = 0
 
         def between() -> None:
             nonlocal steps
             steps += 1
-            if steps == tokens and seen < total:
-                if not announced.is_set():
-                    announced.set()
-                    print(f"{HELD_LINE} at {tokens} tokens", file=sys.stderr, flush=True)
-                deadline = time.monotonic() + HOLD_LIMIT_S
-                while _delivered(path) <= seen and time.monotonic() < deadline:
-                    time.sleep(0.05)
+            if steps == tokens:
+                delivered, armed = _state(path)
+                if armed:
+                    if not announced.is_set():
+                        announced.set()
+                        print(f"{HELD_LINE} at {tokens} tokens", file=sys.stderr, flush=True)
+                    deadline = time.monotonic() + HOLD_LIMIT_S
+                    while _state(path) == (delivered, True) and time.monotonic() < deadline:
+                        time.sleep(0.05)
             if between_steps is not None:
                 between_steps()
 

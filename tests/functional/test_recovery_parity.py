@@ -11,9 +11,10 @@ are mostly 0 at that size, so every advantage would be 0 and no sample would mov
 penalty and weight decay make every sample's tokens count in every step after the first (the KL term's
 gradient is 0 while the weights equal the reference's, and weight decay moves them in step 1).
 
-Faults land while the generation worker holds a call mid-decode until the harness delivered one more
-fault (``testkit/parity_seams``: the gate), so each finds a committed snapshot holding rollouts in flight
-on any machine, not only on one slow enough for the run to last.
+The harness spreads the faults over the steps (its seed draws the trained steps each waits for); once one
+is armed, the generation worker holds its call mid-decode until the fault is delivered
+(``testkit/parity_seams``: the gate), so each finds a committed snapshot holding rollouts in flight on any
+machine, not only on one slow enough for the step to last.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.parity.drive import FAULT_LOG
+from nemo_rl.parity.drive import FAULT_STATE
 from nemo_rl.parity.harness import render_result, run_parity, run_reference
 from nemo_rl.parity.launch import RunPlace
 from nemo_rl.parity.trace import read_step_traces
@@ -49,8 +50,8 @@ def _overrides(cache: Path, level: str) -> list[str]:
     return [*BASE, f"policy.cache_dir={cache}", f"rollout_recovery.target_level={level}"]
 
 
-def _env(workdir: Path, faults: int, mutation: str | None = None) -> dict[str, str]:
-    extra = {"NEMO_RL_TEST_ONLY_PARITY_GATE": f"{workdir / 'faulted' / FAULT_LOG}|{faults}|{HOLD_TOKENS}"}
+def _env(workdir: Path, mutation: str | None = None) -> dict[str, str]:
+    extra = {"NEMO_RL_TEST_ONLY_PARITY_GATE": f"{workdir / 'faulted' / FAULT_STATE}|{HOLD_TOKENS}"}
     if mutation is not None:
         extra["NEMO_RL_TEST_ONLY_PARITY_MUTATION"] = mutation
     return run_env(pythonpath=[SEAMS], extra=extra)
@@ -82,7 +83,7 @@ def _parity(tmp_path: Path, cache: Path, reference: RunPlace, level: str, faults
             mutation: str | None = None):
     lines: list[str] = []
     result = run_parity(CONFIG, _overrides(cache, level), faults, tmp_path, reference=reference.root, seed=seed,
-                        entry=ENTRY, env=run_env(), faulted_env=_env(tmp_path, len(faults.split(",")), mutation),
+                        entry=ENTRY, env=run_env(), faulted_env=_env(tmp_path, mutation),
                         launch_timeout_s=400, log=lines.append)
     text = render_result(result)
     print("\n".join(lines) + "\n" + text)

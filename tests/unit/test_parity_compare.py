@@ -16,7 +16,14 @@ from safetensors.torch import save_file
 
 from nemo_rl.parity.compare import Tolerance, compare_runs, render, tool_outputs
 from nemo_rl.parity.faults import default_spec, parse_schedule
-from nemo_rl.parity.trace import TracedCall, TracedSample, read_step_trace, step_file, write_step_trace
+from nemo_rl.parity.trace import (
+    TracedCall,
+    TracedSample,
+    read_step_trace,
+    read_step_traces_steps,
+    step_file,
+    write_step_trace,
+)
 
 STEPS = 2
 
@@ -43,7 +50,8 @@ def _write(root: Path, steps: dict[int, list[TracedSample]], *, timing: float = 
     for step, samples in steps.items():
         write_step_trace(logs, step, samples)
         rows.append({"step": step, "loss": loss * step, "grad_norm": 0.5, "generation_s": timing,
-                     "snapshots_committed": int(timing), "groups": sorted({s.group_id for s in samples})})
+                     "snapshots_committed": int(timing), "supervisor/rows": timing, "gen_fleet/restart_attempts/0": timing,
+                     "groups": sorted({s.group_id for s in samples})})
     (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (ckpt / f"step_{STEPS}").mkdir(parents=True)
     w = torch.arange(6, dtype=torch.float32) if weights is None else weights
@@ -143,6 +151,7 @@ def test_a_step_trained_twice_is_compared_as_the_lineage_that_survived(tmp_path)
     run = _write(tmp_path / "run", wrong)  # the lost lineage's step 2 ...
     write_step_trace(run[0], 2, steps[2])  # ... replaced when the relaunch trained it again
     assert read_step_trace(step_file(run[0], 2)).samples == steps[2]
+    assert read_step_traces_steps(run[0]) == [1, 2]
     assert compare_runs(*ref, *run, steps=STEPS).ok
 
 
@@ -165,7 +174,10 @@ def test_fault_specs_are_parsed_and_bad_ones_named():
     assert kinds == [("kill", None, None, None), ("term", None, None, 1),
                      ("server", "policy_model", "nemo_gym/replica-0", None), ("stop", None, None, None),
                      ("replica", None, None, None), ("worker", None, None, None)]
-    assert all(f.after_snapshots in (1, 2) for f in schedule.faults)
+    assert all(f.after_snapshots in (1, 2) and f.after_steps == 0 for f in schedule.faults)
+    spread = parse_schedule("kill,kill,kill,kill,kill,kill", 5, steps=4).faults
+    assert [f.after_steps for f in spread] == sorted(f.after_steps for f in spread)  # in order
+    assert {f.after_steps for f in spread} <= {0, 1, 2, 3} and len({f.after_steps for f in spread}) > 1
     assert [f.after_snapshots for f in parse_schedule("kill,kill,kill,kill", 3).faults] == \
         [f.after_snapshots for f in parse_schedule("kill,kill,kill,kill", 3).faults]  # drawn from the seed
     assert [f.kind for f in parse_schedule(default_spec(2)).faults] == [

@@ -69,6 +69,10 @@ class FaultDriver:
         self.outcome = DriveOutcome()
         self._turn_levels: dict[str, dict[str, list[str]]] = {}
         self._stopped: list[int] = []
+        # _since: committed snapshots when the next fault was armed (None: not armed); _waiting_for: the
+        # recoveries.jsonl rows an in-run fault's recovery must reach before the next is armed
+        self._since: int | None = None
+        self._waiting_for: int | None = None
 
     # ------------------------------------------------------------------ what the run wrote
     def _committed(self) -> list[dict[str, Any]]:
@@ -170,49 +174,61 @@ class FaultDriver:
         return status
 
     # ------------------------------------------------------------------ the loop
+    def _stopped_by_itself(self, launch: Launch) -> bool:
+        """The launch exited (an error unless 0) or ran past its time (killed, an error): the loop ends."""
+        code = launch.returncode
+        if code is not None:
+            self._ended(launch, code)
+            if code != 0:
+                self.outcome.error = f"launch {launch.n} exited with {code}:\n{launch.tail()}"
+            return True
+        if launch.elapsed() > self.launch_timeout_s:
+            launch.kill_all()
+            self._ended(launch, None)
+            self.outcome.error = f"launch {launch.n} ran past {self.launch_timeout_s:g} s:\n{launch.tail()}"
+            return True
+        return False
+
+    def _arm(self, faults: list[Fault]) -> None:
+        """Arm the next fault once the previous one is over and its steps are trained."""
+        if self._waiting_for is not None and self._recoveries() >= self._waiting_for:
+            self._waiting_for = None
+        if faults and self._waiting_for is None and self._since is None and self._trained() >= faults[0].after_steps:
+            self._since = len(self._committed())
+            self._state(True, faults)
+
+    def _deliver_due(self, launch: Launch, faults: list[Fault]) -> Launch:
+        """Deliver the armed fault if it is due; returns the launch running afterwards (a relaunch's)."""
+        if not faults or self._since is None:
+            return launch
+        fault = faults[0]
+        after = self._due(fault, self._since)
+        pids = self._pids_for(fault) if after is not None and fault.in_run else {}
+        if after is None or not (fault.relaunches or pids):
+            return launch
+        faults.pop(0)
+        n, self._since = len(self.outcome.delivered) + 1, None
+        if fault.relaunches:
+            status = self._relaunch_fault(launch, fault)
+            self._record(fault, n, {"driver": launch.proc.pid, "exit": status}, after)
+            launch = self._launch()
+        else:
+            self._waiting_for = self._recoveries() + 1
+            hit = processes.send(pids, fault.signal)
+            if fault.signal == signal.SIGSTOP:
+                self._stopped += list(hit.values())
+            self._record(fault, n, hit, after)
+        self._state(False, faults)
+        return launch
+
     def run(self) -> DriveOutcome:
         faults = list(self.schedule.faults)
         launch = self._launch()
         self._state(False, faults)
-        # since: committed snapshots when the next fault was armed (None: not armed); waiting_for: the
-        # recoveries.jsonl rows an in-run fault's recovery must reach before the next is armed
-        since, waiting_for = None, None
         try:
-            while True:
-                code = launch.returncode
-                if code is not None:
-                    self._ended(launch, code)
-                    if code != 0:
-                        self.outcome.error = f"launch {launch.n} exited with {code}:\n{launch.tail()}"
-                    break
-                if launch.elapsed() > self.launch_timeout_s:
-                    launch.kill_all()
-                    self._ended(launch, None)
-                    self.outcome.error = f"launch {launch.n} ran past {self.launch_timeout_s:g} s:\n{launch.tail()}"
-                    break
-                if waiting_for is not None and self._recoveries() >= waiting_for:
-                    waiting_for = None
-                if faults and waiting_for is None and since is None and self._trained() >= faults[0].after_steps:
-                    since = len(self._committed())
-                    self._state(True, faults)
-                if faults and since is not None:
-                    fault = faults[0]
-                    after = self._due(fault, since)
-                    pids = self._pids_for(fault) if after is not None and fault.in_run else {}
-                    if after is not None and (fault.relaunches or pids):
-                        faults.pop(0)
-                        n, since = len(self.outcome.delivered) + 1, None
-                        if fault.relaunches:
-                            status = self._relaunch_fault(launch, fault)
-                            self._record(fault, n, {"driver": launch.proc.pid, "exit": status}, after)
-                            launch = self._launch()
-                        else:
-                            waiting_for = self._recoveries() + 1
-                            hit = processes.send(pids, fault.signal)
-                            if fault.signal == signal.SIGSTOP:
-                                self._stopped += list(hit.values())
-                            self._record(fault, n, hit, after)
-                        self._state(False, faults)
+            while not self._stopped_by_itself(launch):
+                self._arm(faults)
+                launch = self._deliver_due(launch, faults)
                 time.sleep(POLL_S)
         finally:
             if launch.returncode is None:

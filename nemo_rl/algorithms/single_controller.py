@@ -569,7 +569,6 @@ class SingleController:
             outcome = await self.snapshotter.attempt(requested=requested)
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
             if outcome.committed:
-                self.recovery.snapshot_committed(outcome.path, outcome.saved_on)
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
                 if self.store.held_anchors() != self._pruned_sparing:
                     await self._prune_again()

@@ -89,7 +89,7 @@ class _SavedEpisodes:
     def __init__(self, instance_ids: list[str]):
         self.instance_ids = sorted(instance_ids)
 
-    async def unportable_servers(self, shards: list[str]) -> dict[str, set[str]]:
+    async def unportable_servers(self, shards: list[str], among: list[str] | None = None) -> dict[str, set[str]]:
         return {}  # assumed portable: only the live servers can say otherwise
 
     async def restore(self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],

@@ -318,9 +318,11 @@ class NemoGym:
     def ping(self) -> int:
         return os.getpid()
 
-    def where(self) -> dict[str, str]:
-        """The Ray node this replica (and its Gym server processes) runs on."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+    def where(self) -> dict[str, Any]:
+        """The Ray node this replica (and its Gym server processes) runs on, and this actor's pid there
+        (``gym_placement.json``: where to look for a replica's processes)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "actor_pid": os.getpid()}
 
 
 @dataclass(frozen=True)
@@ -355,7 +357,7 @@ class StartedReplica:
     handle: Any
     control: Any
     restart_only: list[str]
-    where: dict[str, str]
+    where: dict[str, Any]  # node_id, ip, actor_pid and (with a control actor) control_pid
     pids: dict[str, int]
 
 
@@ -380,6 +382,7 @@ async def start_replica(spec: ReplicaSpec, instance: GymCheckpointInstance,
         restart_only: list[str] = []
         if spec.with_control:
             restart_only, control = await handle.start_control.remote()
+            where = {**where, "control_pid": await control.pid.remote()}
         pids = await handle.server_pids.remote()
     except BaseException:
         kill_replica(handle, control)

@@ -522,7 +522,9 @@ class GymCheckpointCoordinator:
             min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S), handles,
         )
         for iid in targets:
-            if iid in failures:
+            if iid in failures and handles is not None and handles.get(iid) is not self.shard_set.control_handles.get(iid):
+                failures.pop(iid)  # an actor replaced since (docs/design.md §5.12): nothing is owed to its successor
+            elif iid in failures:
                 self._unresumed.setdefault(iid, {})[checkpoint_id] = str(failures[iid])
             elif iid in self._unresumed:
                 self._unresumed[iid].pop(checkpoint_id, None)

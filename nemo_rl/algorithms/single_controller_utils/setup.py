@@ -277,7 +277,7 @@ def restart_only_check(
 
 def policy_unreachable_retry_s(config: MasterConfig) -> float:
     """How long Gym's model servers send a call again while the generation worker cannot be reached: the
-    generation recovery's bound when it runs (docs/design.md §5.13), else 0 (the call fails at once)."""
+    generation recovery's bound when it runs (docs/design.md §5.12), else 0 (the call fails at once)."""
     in_run = config.rollout_recovery.in_run
     return in_run.timeout_s if in_run.enabled and config.policy.model_name != SCRIPTED_TEST_BACKEND else 0.0
 

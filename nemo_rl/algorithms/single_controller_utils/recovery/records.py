@@ -43,7 +43,9 @@ class RecoveryRecord(BaseModel):
     instance: str  # the part: "<shard>/replica-<i>", or "generation"
     part: str  # what was lost: a Gym server's name, "replica" (the actor), or "generation"
     cause: str
-    action: Literal["restarted", "replaced", "moved"] = "restarted"
+    # restarted (a server was lost), replaced (the actor or worker was), moved (given up, its rollouts dealt over
+    # the shard's others) or given_up (nowhere to move them: the run stops, naming it)
+    action: Literal["restarted", "replaced", "moved", "given_up"] = "restarted"
     noticed_by: NoticedBy | None = None
     # where the lost rollouts came back from, and how old that snapshot was when the part was lost
     snapshot: str | None = None
@@ -57,7 +59,7 @@ class RecoveryRecord(BaseModel):
     seconds_to_redispatch: float | None = None
     seconds_to_start: float | None = None
     failed_starts: list[str] = Field(default_factory=list)  # why each new start that did not come up failed
-    given_up: str | None = None  # action "moved": why the replica was given up
+    given_up: str | None = None  # actions "moved" and "given_up": why the part was given up
     # the generation worker's: the lost worker, its log, and the model calls sent again to its successor
     worker: str | None = None
     log: str | None = None

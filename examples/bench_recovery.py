@@ -48,6 +48,9 @@ Measurements (see docs/benchmarks.md for the method behind each):
   generation_recovery 16. in-run recovery of the generation worker at turn and prefix: loss to the first
                  call sent again, tokens kept from cuts (preset ``generation_recovery``, about 5 minutes;
                  ``generation_recovery_smoke``)
+  recovery_scale 17. in-run recovery of a replica at N = 4096 and 8192 in flight on two replicas: loss to the
+                 first continued rollout, the restored snapshot's age, finished turns lost per affected rollout
+                 (preset ``recovery_scale``, about 20 minutes; ``recovery_scale_smoke``)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -84,6 +87,7 @@ from bench import (  # noqa: E402
     overhead,
     preemption,
     prefix_work_lost,
+    recovery_scale,
     relaunch,
     restore_io,
     setup_check,
@@ -97,7 +101,7 @@ from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
                                bookkeeping, async_throughput, prefix_work_lost, preemption, restore_io,
-                               gym_recovery, generation_recovery)}
+                               gym_recovery, generation_recovery, recovery_scale)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -282,6 +286,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("15. " + restore_io.verdict(results["restore_io"]["goal"]))
     if "generation_recovery" in results:
         lines.append("16. " + generation_recovery.verdict(results["generation_recovery"]["goal"]))
+    if "recovery_scale" in results:
+        lines.append("17. " + recovery_scale.verdict(results["recovery_scale"]["goal"]))
     return lines
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from nemo_rl.utils.recovery_record import RecoveryRecord, read_recoveries
 
 
 def plot_run(metrics: list[dict[str, Any]], path: str | Path) -> Path:
@@ -70,16 +71,11 @@ def _distinct(committed: list[dict[str, Any]], key: str) -> str:
     return total if not older else f"{total} (+ {older} older snapshot(s) that did not record it)"
 
 
-def _recovered(row: dict[str, Any]) -> str:
-    """What a recovery row recovered: ``<replica> <server>``, or ``generation`` for the generation worker."""
-    return str(row.get("part")) if row.get("instance") == row.get("part") else f"{row.get('instance')} {row.get('part')}"
-
-
-def _recovery_rows(recoveries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def _recovery_rows(recoveries: list[RecoveryRecord]) -> list[tuple[str, str]]:
     """The table's row for in-run recoveries (none: no row), with the last three."""
     if not recoveries:
         return []
-    last = ", ".join(f"{_recovered(r)} {r.get('action')}" for r in recoveries[-3:])
+    last = ", ".join(f"{r.what} {r.action}" for r in recoveries[-3:])
     return [("in-run recoveries (recoveries.jsonl)", f"{len(recoveries)}: {last}")]
 
 
@@ -95,7 +91,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
     first = sum(m.get("reward_mean", 0.0) for m in metrics[:fifth]) / fifth if n else 0.0
     last = sum(m.get("reward_mean", 0.0) for m in metrics[-fifth:]) / fifth if n else 0.0
     committed = [s for s in snaps if s.get("committed")]
-    recoveries = _rows(log_dir / "recoveries.jsonl")
+    recoveries = read_recoveries(log_dir / "recoveries.jsonl")
     rows = [
         ("steps trained", str(n)),
         ("reward, first fifth of steps", f"{first:.3f}"),

@@ -245,11 +245,12 @@ def test_a_recovery_row_is_written_when_the_run_ends_while_it_waits_for_its_firs
 
 def test_the_snapshot_a_recovery_needs_survives_a_trainer_step_prune_at_keep_top_k_1(tmp_path):
     """Replica-1's control actor is stopped once a snapshot saved its rollouts, so later snapshots leave it
-    out while its rollouts go on (the control actor is off their path); once a later trainer step is published
-    and pruned at ``keep_top_k=1``, a server of replica-1 is killed. The snapshot that last saved replica-1
-    (under the older step) is still on disk, named by every newer snapshot as carried, and the recovery restores
-    from it."""
-    spec = cm.RunSpec(tmp_path / "run", config=TWO_REPLICAS, keep_latest_k=100, steps=4,
+    out (its rollouts go on: the control actor is off their path, though a replica that left a snapshot gets
+    new rollouts only when the other cannot take them); once a later trainer step is published and the older
+    ones pruned at ``keep_top_k=1``, a server of replica-1 is killed. The snapshot that last saved replica-1
+    (under the older anchor) is still on disk, named by the newer snapshots as carried, and is the one the
+    recovery restores from."""
+    spec = cm.RunSpec(tmp_path / "run", config=TWO_REPLICAS, keep_latest_k=100, steps=6,
                       extra=["checkpointing.keep_top_k=1", "rollout_recovery.gym_park_grace_s=1"])
     state: dict[str, object] = {}
 
@@ -272,12 +273,16 @@ def test_the_snapshot_a_recovery_needs_survives_a_trainer_step_prune_at_keep_top
             return False
         if "killed" in state or state.get("control") is None:
             return False
-        newer = [r for r in committed(spec) if r["anchor_step"] > state["anchor"]]
-        steps = sorted(int(p.name.split("_")[1]) for p in spec.ckpt.glob("step_*"))
-        if newer and steps and steps[-1] > max(state["anchor"], 1):  # a later step published and pruned
+        newer = [r for r in committed(spec) if r["anchor_step"] > state["anchor"] and R1 in (r.get("left_out") or {})]
+        if newer:  # a later trainer step was published (and the older ones pruned) and a snapshot left replica-1 out
             pid = replica_server_pids(spec.logs, R1).get("workplace_assistant")
+            try:
+                carried = json.loads((Path(newer[-1]["path"]) / "gym_checkpoint.json").read_text())["carried"]
+            except OSError:
+                return False  # pruned meanwhile: the next one
             if pid is not None:
                 state["on_disk_at_kill"] = Path(state["held"]).is_dir()
+                state["carried"] = carried
                 os.kill(pid, signal.SIGKILL)
                 state["killed"] = True
         return False
@@ -297,3 +302,5 @@ def test_the_snapshot_a_recovery_needs_survives_a_trainer_step_prune_at_keep_top
     recovered = [r for r in rows if r["instance"] == R1 and r["part"] == "workplace_assistant"]
     assert recovered and recovered[0]["snapshot"] == state["held"], (rows, state)
     assert recovered[0]["snapshot_age_s"] is not None and recovered[0]["snapshot_age_s"] > 0, recovered
+    # the newest snapshot that left replica-1 out before the kill named the one that held its rollouts, for a relaunch
+    assert spec.ckpt / state["carried"][R1] == Path(state["held"]), state

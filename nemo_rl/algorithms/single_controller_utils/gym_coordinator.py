@@ -191,7 +191,8 @@ class GymCheckpointCoordinator:
         self.policy = restart_only_policy
         self.park_grace_s = park_grace_s
         # instance -> checkpoint id some of its servers did not resume -> why: it sits snapshots out until reopened
-        self._unresumed: dict[str, dict[str, str]] = {}
+        # through the control actor that failed to resume it (a replica replaced since owes nothing)
+        self._unresumed: dict[str, dict[str, tuple[str, Any]]] = {}
         self._reopenings = Reopenings()  # left-out replicas' resumes, owned until each ends or ``aclose``
         self._unforgotten: dict[str, list[str]] = {}  # replica -> finished rollouts it has yet to forget
 
@@ -403,16 +404,22 @@ class GymCheckpointCoordinator:
         left = {iid: f"{iid} is still being reopened after it left a snapshot: {why}"
                 for iid, why in self._reopenings.running().items()}
         for iid, cids in sorted(self._unresumed.items()):
+            current = self.shard_set.control_handles.get(iid)
+            for cid in [c for c, (_, handle) in cids.items() if handle is not current]:
+                del cids[cid]  # its servers were replaced since (docs/design.md §5.12): nothing to reopen
+            if not cids:
+                del self._unresumed[iid]
+                continue
             if iid in left:
                 continue
             left[iid] = f"{iid} has not reopened after checkpoint(s) {', '.join(sorted(cids))}, being reopened " \
-                        f"meanwhile: {'; '.join(cids[c] for c in sorted(cids))}"
-            leavers[iid] = asyncio.create_task(self._reopen(iid, sorted(cids)), name=f"gym-reopen:{iid}")
+                        f"meanwhile: {'; '.join(cids[c][0] for c in sorted(cids))}"
+            leavers[iid] = asyncio.create_task(self._reopen(iid, sorted(cids), current), name=f"gym-reopen:{iid}")
         return left
 
-    async def _reopen(self, iid: str, checkpoint_ids: list[str]) -> None:
+    async def _reopen(self, iid: str, checkpoint_ids: list[str], handle: Any) -> None:
         for cid in checkpoint_ids:
-            await self.resume(cid, [iid])
+            await self.resume(cid, [iid], {iid: handle})
 
     async def _renew_until_stopped(self, checkpoint_id: str, iids: list[str], handles: dict[str, Any]) -> None:
         period = max(0.05, min(self.prepare_timeout_s / 3, 10.0))
@@ -522,10 +529,11 @@ class GymCheckpointCoordinator:
             min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S), handles,
         )
         for iid in targets:
-            if iid in failures and handles is not None and handles.get(iid) is not self.shard_set.control_handles.get(iid):
+            used = handles[iid] if handles is not None and iid in handles else self.shard_set.control_handles.get(iid)
+            if iid in failures and used is not self.shard_set.control_handles.get(iid):
                 failures.pop(iid)  # an actor replaced since (docs/design.md §5.12): nothing is owed to its successor
             elif iid in failures:
-                self._unresumed.setdefault(iid, {})[checkpoint_id] = str(failures[iid])
+                self._unresumed.setdefault(iid, {})[checkpoint_id] = (str(failures[iid]), used)
             elif iid in self._unresumed:
                 self._unresumed[iid].pop(checkpoint_id, None)
                 if not self._unresumed[iid]:

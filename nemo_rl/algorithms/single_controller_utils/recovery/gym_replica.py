@@ -175,7 +175,14 @@ class GymReplicaPart:
             raise NotPlaced(str(exc)) from None
         finally:
             write_json_atomic(self.log_dir / "gym_placement.json", self.shard_set.placement)
+        self._forget_old()
         return "replaced" if loss.component == "replica" else "restarted"
+
+    def _forget_old(self) -> None:
+        """The old servers are gone: nothing is owed to them, and the coordinator may talk to the replica's
+        new servers again (the recovery's install does; snapshots still pass it over while it is recovering)."""
+        if self.coordinator is not None:
+            self.coordinator.forget_instance(self.name)
 
     async def give_up(self, loss: Loss, why: str, record: RecoveryRecord) -> None:
         """Drop the replica; its rollouts move to its shard's others (``resume``). With none left the run
@@ -192,6 +199,7 @@ class GymReplicaPart:
         await self._stop_rollouts()
         self.shard_set.drop(self.name)
         write_json_atomic(self.log_dir / "gym_placement.json", self.shard_set.placement)
+        self._forget_old()
 
     async def _stop_rollouts(self) -> None:
         await self.host.stop_rollouts(self.name)
@@ -213,8 +221,6 @@ class GymReplicaPart:
         record.kept_siblings = len(summary.kept_siblings)
         self._redispatch = Redispatch(set(summary.restored_turn + summary.restarted_from_prompt))
         self.shard_set.recovering.discard(self.name)
-        if self.coordinator is not None:
-            self.coordinator.forget_instance(self.name)
         if moved:
             self.store.hold(self._hold_name, None)  # its rollouts live elsewhere now
         self.lost, self._affected = None, None
@@ -225,14 +231,16 @@ class GymReplicaPart:
         """The lost attempts the snapshot held for this replica saved (``RunStore.holding``), installed through
         the one path a relaunch takes; anything that fails leaves them to restart from the prompt."""
         holding = self.store.holding(self._hold_name)
-        if self.coordinator is None or holding is None or not affected:
+        if self.coordinator is None or holding is None:
             return InstalledEpisodes()
         path, held_since = str(holding[0]), holding[1]
+        record.snapshot, record.snapshot_age_s = path, round(max(0.0, loss.at - held_since), 3)
+        if not affected:
+            return InstalledEpisodes()
         owner = f"recovery:{self.name}"
         self.store.hold(owner, path)  # neither a publish's nor a trainer-step prune takes it meanwhile
         try:
             index = await asyncio.to_thread(self.store.read_gym_index, Path(path))
-            record.snapshot, record.snapshot_age_s = path, round(max(0.0, loss.at - held_since), 3)
             wanted = set(affected)
             saved = {server: [k for k in keys if k in wanted] for server, keys in index.exported().get(self.name, {}).items()}
             # A move installs into the shard's other replicas that are not being recovered themselves, not

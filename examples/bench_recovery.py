@@ -48,7 +48,7 @@ Measurements (see docs/benchmarks.md for the method behind each):
   generation_recovery 16. in-run recovery of the generation worker at turn and prefix: loss to the first
                  call sent again, tokens kept from cuts (preset ``generation_recovery``, about 5 minutes;
                  ``generation_recovery_smoke``)
-  recovery_scale 17. in-run recovery of a replica at N = 4096 and 8192 in flight on two replicas: loss to the
+  recovery_scale 18. in-run recovery of a replica at N = 4096 and 8192 in flight on two replicas: loss to the
                  first continued rollout, the restored snapshot's age, finished turns lost per affected rollout
                  (preset ``recovery_scale``, about 20 minutes; ``recovery_scale_smoke``)
 
@@ -287,7 +287,7 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     if "generation_recovery" in results:
         lines.append("16. " + generation_recovery.verdict(results["generation_recovery"]["goal"]))
     if "recovery_scale" in results:
-        lines.append("17. " + recovery_scale.verdict(results["recovery_scale"]["goal"]))
+        lines.append("18. " + recovery_scale.verdict(results["recovery_scale"]["goal"]))
     return lines
 
 

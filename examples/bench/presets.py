@@ -130,7 +130,7 @@ GENERATION_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
     "generation_recovery": {"repeats": 1, "levels": ("prefix",), "steps": 3, "prompts": 2, "warm_start_steps": 5},
 }
 
-# Measurement 17, in-run recovery of a replica at N = 4096 and 8192 rollouts in flight on two replicas (scripted
+# Measurement 18, in-run recovery of a replica at N = 4096 and 8192 rollouts in flight on two replicas (scripted
 # backend): 3 repeats of each, every run stopped once its recovery row is written (about 20 minutes on 2 cores);
 # ``recovery_scale_smoke`` is one small run.
 RECOVERY_SCALE: dict[str, dict[str, Any]] = {"recovery_scale": {"sizes": (4096, 8192), "repeats": 3}}

@@ -1,4 +1,4 @@
-"""Measurement 17: in-run recovery of a Gym replica with thousands of rollouts in flight (docs/design.md §5.12).
+"""Measurement 18: in-run recovery of a Gym replica with thousands of rollouts in flight (docs/design.md §5.12).
 
 Each repeat is one real ``examples/run_grpo.py`` process on
 ``examples/configs/grpo_workplace_two_replicas_turn.yaml`` (scripted backend, recording trainer, two replicas of
@@ -31,7 +31,7 @@ from bench.work_lost import saved_calls
 from testkit.run_harness import new_marker, parent_pid, read_jsonl, replica_server_pids, run_env, run_once, scripted_overrides
 
 NAME = "recovery_scale"
-TITLE = "17. In-run recovery of a Gym replica at thousands of rollouts in flight"
+TITLE = "18. In-run recovery of a Gym replica at thousands of rollouts in flight"
 CONFIG = "examples/configs/grpo_workplace_two_replicas_turn.yaml"
 LOST = "nemo_gym/replica-1"
 

@@ -79,6 +79,20 @@ def _recovery_rows(recoveries: list[RecoveryRecord]) -> list[tuple[str, str]]:
     return [("in-run recoveries (recoveries.jsonl)", f"{len(recoveries)}: {last}")]
 
 
+def _replay_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The table's row for rollouts that came back by replay (docs/design.md §4.8), none without any."""
+    rollouts = sum(m.get("replay_rollouts", 0) for m in metrics)
+    if not rollouts:
+        return []
+    replayed = sum(m.get("replay_calls_replayed", 0) for m in metrics)
+    live = sum(m.get("replay_calls_live_after_divergence", 0) for m in metrics)
+    sites = [d for m in metrics for d in m.get("replay_divergence_sites", [])]
+    where = ", ".join(f"{d['server']} at call {d['call']}" for d in sites[-3:])
+    return [("rollouts continued by replay: calls replayed, live after a divergence",
+             f"{rollouts}: {replayed} replayed, {live} live after {len(sites)} divergence(s)"
+             + (f" ({where})" if where else ""))]
+
+
 def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s: float | None = None,
                   checkpoint_dir: str | Path | None = None) -> str:
     """The end-of-run table: steps, reward, snapshots, coverage, time and where the run wrote."""
@@ -101,6 +115,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
         ("rollouts unsaved on restart-only servers (distinct)", _distinct(committed, "new_unsaved")),
         ("rollout saves, all snapshots (one per rollout per snapshot)", str(sum(s.get("saved", 0) for s in committed))),
         *_recovery_rows(recoveries),
+        *_replay_rows(metrics),
         *([("validation reward, first -> last", f"{validation[0]['val_reward_mean']:.3f} (step "
             f"{validation[0]['step']}) -> {validation[-1]['val_reward_mean']:.3f} (step {validation[-1]['step']})")]
           if validation else []),

@@ -37,6 +37,7 @@ class RecoveryRecord(BaseModel):
     # the lost attempts, by capture key (as gym_checkpoint.json names the saved ones)
     continued_turn: list[str] = Field(default_factory=list)
     continued_prefix: list[str] = Field(default_factory=list)
+    continued_replay: list[str] = Field(default_factory=list)  # fresh sessions, recorded calls played back (§4.8)
     restarted_from_prompt: list[str] = Field(default_factory=list)
     kept_siblings: int = 0
     # from the loss noticed to the first lost rollout (or model call) sent again; of that, the new part's start

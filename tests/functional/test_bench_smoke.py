@@ -455,7 +455,7 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
 
 
 def test_recovery_scale_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
-    """Measurement 17 at its smallest: one replica lost with rollouts in flight, stopped once its row is written;
+    """Measurement 18 at its smallest: one replica lost with rollouts in flight, stopped once its row is written;
     every affected rollout's lost turns are counted against what the restored snapshot kept."""
     from bench.presets import RECOVERY_SCALE_SMOKE
 
@@ -467,7 +467,7 @@ def test_recovery_scale_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert all(x >= 0 for x in run["lost_turns"]), run
     assert res["goal"]["met"] is True, res["goal"]
     assert recovery_scale.table(res).startswith("|")
-    assert any(line.startswith("17. ") for line in bench_recovery.goal_lines({recovery_scale.NAME: res}))
+    assert any(line.startswith("18. ") for line in bench_recovery.goal_lines({recovery_scale.NAME: res}))
 
 
 @pytest.mark.alone  # CPU-bound: the real trainer and the torch worker

@@ -262,7 +262,7 @@ def test_the_backend_restart_ends_a_refit_stuck_on_a_stopped_worker_and_gives_up
     """``RayGenerationBackend`` itself: after a real GRPO step the worker is SIGSTOPped and a refit hangs on
     it; the restart kills it (stopped as it is), the refit returns, and the new worker serves the trained
     weights at their version (its logprobs are the trainer's). Then, with every CPU taken, a restart raises
-    within its bound (the recovery's thread never outlives it)."""
+    within its bound, or at once when asked to stop (the recovery's thread never outlives it)."""
     import threading
 
     import asyncio
@@ -310,7 +310,7 @@ def test_the_backend_restart_ends_a_refit_stuck_on_a_stopped_worker_and_gives_up
         refit.start()
         refit.join(2.0)
         assert refit.is_alive()  # stuck on the stopped worker
-        backend.restart(trainer)
+        backend.restart(trainer, time.monotonic() + 120.0)
         refit.join(60.0)
         assert not refit.is_alive()
         assert not Path(f"/proc/{stopped}").exists() or "Z" in Path(f"/proc/{stopped}/stat").read_text().split()[2]
@@ -326,9 +326,13 @@ def test_the_backend_restart_ends_a_refit_stuck_on_a_stopped_worker_and_gives_up
         blocker = Hog.options(num_cpus=ray.available_resources()["CPU"]).remote()
         ray.get(blocker.ready.remote())
         started = time.monotonic()
-        with pytest.raises(ray.exceptions.GetTimeoutError):
-            backend.restart(trainer, timeout_s=3.0)
+        with pytest.raises(TimeoutError, match="did not start in time"):
+            backend.restart(trainer, time.monotonic() + 3.0)
         assert time.monotonic() - started < 20
+        # ... and one asked to stop (the recovery cancelled: the run ends) ends at once, whatever its deadline.
+        with pytest.raises(TimeoutError):
+            backend.restart(trainer, time.monotonic() + 300.0, stop=lambda: True)
+        assert time.monotonic() - started < 30
         ray.kill(blocker)
     finally:
         backend.stop()

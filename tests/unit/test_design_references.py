@@ -82,6 +82,7 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "5.7": ("replica", "shard", "instance", "elastic", "reshard"),
     "5.8": ("hung", "hang", "timeout", "time out", "stall", "probe", "left out", "leave", "answer",
             "watchdog", "reopen", "busy", "dead"),
+    "4.8": ("replay", "replayed", "replayable", "record", "divergen", "restart-only", "restart_only"),
     "5.9": ("async", "lookahead", "anchor", "overtak", "admission", "coverage", "crash point", "refit",
             "in flight", "stream"),
     "5.10": ("prefix", "generation cut", "cut", "continu", "pin"),

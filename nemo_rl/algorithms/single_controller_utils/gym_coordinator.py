@@ -566,11 +566,12 @@ class GymCheckpointCoordinator:
 
     async def restore(
         self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],
-        source_checkpoint_id: str,
+        source_checkpoint_id: str, replay: frozenset[str] = frozenset(),
     ) -> dict[str, list[str]]:
         """Each running replica of ``sources`` installs what it is given (``sources[target][source][server]``:
         its own saved episodes, and those of vanished replicas of its shard, read from their directories,
-        docs/design.md §5.7); returns new agent keys per instance."""
+        docs/design.md §5.7); those in ``replay`` are installed for replay (their model server only, §4.8).
+        Returns per instance the new keys RL continues (the agents' restored ones, and the replayed)."""
         deadline = time.time() + self.prepare_timeout_s
         unknown = sorted(set(sources) - set(self.instance_ids))
         if unknown:
@@ -583,9 +584,11 @@ class GymCheckpointCoordinator:
             for source in order:
                 for name, keys in by_source[source].items():
                     scope.setdefault(name, []).extend(EpisodeId.from_capture_key(k) for k in keys)
+            replayed = [e for eps in scope.values() for e in eps if e.capture_key in replay]
             calls[iid] = self._send(iid, RestoreCall(
                 checkpoint_id=restore_id, deadline_ts=deadline, checkpoint_dir=dirs[0], source_dirs=dirs[1:],
-                episode_ids=scope, source_checkpoint_id=source_checkpoint_id))
+                episode_ids=scope, source_checkpoint_id=source_checkpoint_id,
+                replay_episode_ids=list({e.capture_key: e for e in replayed}.values())))
         try:
             return await self._collect("restore", calls, deadline)
         finally:

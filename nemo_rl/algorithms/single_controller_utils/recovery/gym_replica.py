@@ -215,8 +215,10 @@ class GymReplicaPart:
         installed = await self._install(affected, moved, loss, record)
         summary = self.host.ledger().bring_back(installed.attempts, installed.relocated, lost=affected)
         saved = set(installed.saved_keys)
-        record.continued_prefix = sorted(saved_key(k) for k, n in installed.cuts.items() if n)
-        record.continued_turn = sorted(saved - set(record.continued_prefix))
+        record.continued_replay = sorted(saved_key(k) for k in installed.replayed)
+        record.continued_prefix = sorted(saved_key(k) for k, n in installed.cuts.items()
+                                         if n and k not in installed.replayed)
+        record.continued_turn = sorted(saved - set(record.continued_prefix) - set(record.continued_replay))
         record.restarted_from_prompt = sorted(set(affected) - saved)
         record.kept_siblings = len(summary.kept_siblings)
         self._redispatch = Redispatch(set(summary.restored_turn + summary.restarted_from_prompt))
@@ -243,11 +245,12 @@ class GymReplicaPart:
             index = await asyncio.to_thread(self.store.read_gym_index, Path(path))
             wanted = set(affected)
             saved = {server: [k for k in keys if k in wanted] for server, keys in index.exported().get(self.name, {}).items()}
+            replay = frozenset(index.replayed_keys(self.name) & wanted)
             # A move installs into the shard's other replicas that are not being recovered themselves, not
             # while a snapshot's pause holds them.
             targets = [iid for iid in self.shard_set.survivors(self.name) if iid not in self.shard_set.recovering]
             async with self.coordinator.guards.hold(targets if moved else []):
-                return await install_episodes(self.coordinator, [SavedIn(path, index, {self.name: saved})],
+                return await install_episodes(self.coordinator, [SavedIn(path, index, {self.name: saved}, replay)],
                                               purpose="recover", running=targets if moved else [self.name])
         except Exception as exc:  # noqa: BLE001 - unreadable or refused: those rollouts restart from the prompt
             logger.warning("recovery of %s could not restore from %s (%s); its rollouts restart from the prompt",
@@ -289,6 +292,7 @@ class GymReplicaPart:
         return (f"recovered {self.name}: {what}; {verb[record.action]}{took(record)}; "
                 f"{len(record.continued_turn)} rollouts continue at their turn, "
                 f"{len(record.continued_prefix)} from a generation cut, "
+                + (f"{len(record.continued_replay)} by replay, " if record.continued_replay else "") +
                 f"{len(record.restarted_from_prompt)} restart from the prompt")
 
     def gauges(self) -> dict[str, float]:

@@ -31,11 +31,13 @@ Saved = dict[str, dict[str, list[str]]]  # replica -> Gym server -> capture keys
 
 @dataclass(frozen=True)
 class SavedIn:
-    """Episodes to install from one snapshot (its path and Gym index)."""
+    """Episodes to install from one snapshot (its path and Gym index); ``replay``: those of them installed for
+    replay (their model record only: the agent starts them fresh and the tools rebuild their state, §4.8)."""
 
     snapshot: str
     index: GymCheckpointIndex
     saved: Saved
+    replay: frozenset[str] = frozenset()
 
     def __bool__(self) -> bool:
         return any(keys for by_server in self.saved.values() for keys in by_server.values())
@@ -52,6 +54,7 @@ class InstalledEpisodes:
     relocated: dict[str, str] = field(default_factory=dict)  # base rollout id -> the replica it moved to
     cuts: dict[str, int] = field(default_factory=dict)  # new capture key -> tokens of its generation cut (§5.10)
     snapshots: dict[str, str] = field(default_factory=dict)  # new capture key -> the snapshot it came from
+    replayed: set[str] = field(default_factory=set)  # new capture keys that continue by replay (§4.8)
 
     def add(self, plan: RestorePlan, item: SavedIn, iid: str, key: str) -> None:
         """Replica ``iid`` installed ``key`` (attempt + 1 of a saved episode): trace it to its saver."""
@@ -60,6 +63,8 @@ class InstalledEpisodes:
         self.attempts.add((source, e.rollout_id, e.attempt))
         self.restored_on[key], self.saved_on[key], self.snapshots[key] = iid, source, item.snapshot
         self.cuts[key] = item.index.cut_of(source, saved_key(key))
+        if saved_key(key) in item.replay:
+            self.replayed.add(key)
         if source != iid:
             self.relocated[e.rollout_id] = iid
 
@@ -105,7 +110,7 @@ async def install_episodes(coordinator: GymCheckpointCoordinator, sources: list[
                 logger.warning("rollout %s restarts from its prompt: %s", key, why)
         installed.plans.append(plan)
         new_keys = await coordinator.restore(f"{purpose}-{uuid.uuid4().hex[:12]}", item.snapshot, plan.sources,
-                                             item.index.checkpoint_id)
+                                             item.index.checkpoint_id, item.replay)
         for iid, keys in new_keys.items():
             for key in keys:
                 installed.add(plan, item, iid, key)

@@ -26,6 +26,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import 
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
     REPLICA_HOLD,
+    GymCheckpointIndex,
     RestorePoint,
     RunStore,
     SnapshotContents,
@@ -91,6 +92,15 @@ class _TrainerState:
     metrics_row: dict[str, Any] | None
 
 
+def _saved_in(path: str, index: GymCheckpointIndex, saved: dict[str, dict[str, list[str]]],
+              dropped: set[str]) -> SavedIn:
+    """One snapshot's episodes to install, less the groups trained since (``dropped``), and which of them replay."""
+    kept = _without(saved, dropped)
+    keys = {k for by_server in kept.values() for ks in by_server.values() for k in ks}
+    replay = {k for iid in kept for k in index.replayed_keys(iid)} & keys
+    return SavedIn(path, index, kept, frozenset(replay))
+
+
 def _prefix_cuts(summary: RestartSummary, gym: InstalledEpisodes) -> dict[str, int]:
     """Restored rollouts whose model call in flight was cut -> the tokens cut: their next call
     continues from them (docs/design.md §5.10)."""
@@ -106,7 +116,8 @@ def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, drop
         snapshot_step=snap.state.step,
         dropped_trained_groups=len(dropped_groups),  # the restored step trained them after the snapshot
         retrained_groups=len(ledger.complete_groups()),  # taken by the trainer after the anchor: trained again
-        restored_turn=len(summary.restored_turn),
+        restored_turn=len([k for k in summary.restored_turn if k not in gym.replayed]),
+        restored_replay=len(gym.replayed),  # continued by replay: fresh sessions, recorded calls played back
         restored_prefix=len(prefix),
         prefix_tokens=sum(prefix.values()),
         restored_prefix_tokens=prefix,
@@ -114,6 +125,7 @@ def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, drop
         kept_siblings=len(summary.kept_siblings),
         redone_groups=len(summary.redone_groups),
         restored_rollout_ids=summary.restored_turn,
+        replayed_rollout_ids=sorted(gym.replayed),
         restored_instances={key: gym.restored_on[key] for key in summary.restored_turn},
         moved_rollouts={key: {"from": gym.saved_on[key], "to": gym.restored_on[key]}
                         for key in summary.restored_turn if gym.saved_on[key] != gym.restored_on[key]},
@@ -128,8 +140,8 @@ def _snapshot_message(snap: SnapshotContents, step: int, record: dict[str, Any],
     """The console's one line for a restored snapshot (and the replicas it moved off, if any)."""
     message = (f"Restored rollout snapshot {snap.path.name} (under step {snap.state.anchor}) at step {step}: "
                f"{record['retrained_groups']} complete groups to train, {record['restored_turn']} continue at "
-               f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
-               f"{record['kept_siblings']} sealed kept.")
+               f"turn level, " + (f"{record['restored_replay']} by replay, " if record['restored_replay'] else "")
+               + f"{record['restarted_from_prompt']} restart from the prompt, {record['kept_siblings']} sealed kept.")
     if record["moved_rollouts"] or gym.not_portable:
         message += (f" {len(record['moved_rollouts'])} saved on replicas that no longer run continue on their "
                     f"shard's others ({len(gym.not_portable)} restart from the prompt: records not portable).")
@@ -236,6 +248,7 @@ class RunRestorer:
             "skipped_snapshots": [{"path": str(p), "reason": r} for p, r in selection.skipped],
             "skipped_trainer_steps": [{"path": str(p), "reason": r} for p, r in point.skipped],
             "restored_turn": 0,
+            "restored_replay": 0,
             "restored_prefix": 0,
             "prefix_tokens": 0,
             "restarted_from_prompt": 0,
@@ -281,7 +294,7 @@ class RunRestorer:
         same attempt). Episodes of groups the restored step trained since are left out (``dropped``)."""
         if snap.gym is None:
             return []
-        sources = [SavedIn(str(snap.path), snap.gym, _without(snap.gym.exported(), dropped))]
+        sources = [_saved_in(str(snap.path), snap.gym, snap.gym.exported(), dropped)]
         for iid, relative in sorted(snap.gym.carried.items()):
             try:
                 index = self.store.read_carried(relative)
@@ -291,7 +304,7 @@ class RunRestorer:
                 continue
             live = set(ledger.live_on(iid))
             saved = {server: [k for k in keys if k in live] for server, keys in index.exported().get(iid, {}).items()}
-            sources.append(SavedIn(str(self.checkpoint_dir / relative), index, _without({iid: saved}, dropped)))
+            sources.append(_saved_in(str(self.checkpoint_dir / relative), index, {iid: saved}, dropped))
         return sources
 
     def _hold(self, sources: list[SavedIn]) -> None:

@@ -94,23 +94,36 @@ class GymCheckpointIndex(BaseModel):
     # instance -> the older snapshot (relative to checkpoint_dir) that holds its rollouts: it was left out of
     # this one (a hung server, an in-run recovery), so a restore takes its saved episodes from there
     carried: dict[str, str] = Field(default_factory=dict)
+    # instance -> rollouts that come back by replay: only their model server's record was written (§4.8)
+    replayed: dict[str, list[str]] = Field(default_factory=dict)
 
     @classmethod
     def from_written(
         cls, checkpoint_id: str, written: dict[str, dict[str, list[str]]], exported: dict[str, set[str]],
         unsaved: dict[str, list[str]], cut_tokens: dict[str, dict[str, int]] | None = None,
+        replayed: dict[str, set[str]] | None = None,
     ) -> "GymCheckpointIndex":
         """The index of what each server wrote (``written[iid][server]``), kept to the rollouts that
-        continue at turn level (``exported[iid]``): a server may write more than the agents saved."""
+        continue at turn level (``exported[iid]``: a server may write more than the agents saved) or by
+        replay (``replayed[iid]``, of which only those a model server wrote)."""
+        replayed = replayed or {}
+        kept = {iid: exported[iid] | replayed.get(iid, set()) for iid in written}
+        by_replay = {iid: sorted({k for keys in by_server.values() for k in keys} & replayed.get(iid, set()))
+                     for iid, by_server in written.items()}
         return cls(
             checkpoint_id=checkpoint_id,
-            instances={iid: {server: sorted(set(keys) & exported[iid]) for server, keys in by_server.items()}
+            instances={iid: {server: sorted(set(keys) & kept[iid]) for server, keys in by_server.items()}
                        for iid, by_server in written.items()},
             turn_level={iid: sorted(keys) for iid, keys in exported.items()},
             unsaved=unsaved,
-            cut_tokens={iid: {k: n for k, n in cuts.items() if k in exported[iid]}
+            cut_tokens={iid: {k: n for k, n in cuts.items() if k in kept.get(iid, exported.get(iid, set()))}
                         for iid, cuts in (cut_tokens or {}).items() if cuts},
+            replayed={iid: keys for iid, keys in by_replay.items() if keys},
         )
+
+    def replayed_keys(self, iid: str) -> set[str]:
+        """What ``iid`` saved for replay (its model record only)."""
+        return set(self.replayed.get(iid, ()))
 
     def cut_of(self, iid: str, capture_key: str) -> int:
         """Tokens of the generation cut saved for ``capture_key`` on ``iid`` (0: none)."""

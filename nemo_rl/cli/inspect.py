@@ -46,7 +46,7 @@ from nemo_rl.utils.snapshot_store import SnapshotStoreError
 from nemo_rl.utils.recovery_record import RecoveryRecord, read_recoveries
 
 # The counts of restore.json, in the order they are printed.
-COUNT_KEYS = ("retrained_groups", "restored_turn", "restored_prefix", "prefix_tokens", "restarted_from_prompt",
+COUNT_KEYS = ("retrained_groups", "restored_turn", "restored_replay", "restored_prefix", "prefix_tokens", "restarted_from_prompt",
               "kept_siblings", "redone_groups", "dropped_trained_groups")
 
 
@@ -94,8 +94,9 @@ class _SavedEpisodes:
         return {}  # assumed portable: only the live servers can say otherwise
 
     async def restore(self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],
-                      checkpoint_id: str) -> dict[str, list[str]]:
-        saved = {iid: set(keys) for iid, keys in GymCheckpointIndex.read(Path(root)).turn_level.items()}
+                      checkpoint_id: str, replay: frozenset[str] = frozenset()) -> dict[str, list[str]]:
+        index = GymCheckpointIndex.read(Path(root))  # saved at their turn, or for replay (docs/design.md §4.8)
+        saved = {iid: set(keys) | index.replayed_keys(iid) for iid, keys in index.turn_level.items()}
         return {target: sorted({next_attempt(EpisodeId.from_capture_key(key)).capture_key
                                 for source, by_server in from_sources.items()
                                 for keys in by_server.values() for key in keys if key in saved.get(source, ())})

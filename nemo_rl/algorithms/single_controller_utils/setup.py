@@ -270,10 +270,9 @@ def restart_only_check(
     else:
         warnings.warn(
             "rollout_recovery.allow_restart_only_gym_servers=true, but every Gym agent and resources server that "
-            "serves a turn-level rollout saves its rollouts (or they come back by replay); set it to false so a "
-            "restart-only server added later "
+            "serves a turn-level rollout saves its rollouts; set it to false so a restart-only server added later "
             f"fails setup instead of silently losing {level}-level recovery "
-            f"(rollout_recovery.target_level={level})",
+            f"(rollout_recovery.target_level={level}; rollouts that come back by replay count as saved)",
             UserWarning,
             stacklevel=2,
         )

@@ -50,6 +50,9 @@ Measurements (see docs/benchmarks.md for the method behind each):
                  ``generation_recovery_smoke``)
   deterministic_cost 17. grpo.deterministic on against off on the main job: steps per hour, load average
                  (preset ``deterministic_cost``, about 20 minutes; ``deterministic_cost_smoke``)
+  recovery_scale 18. in-run recovery of a replica at N = 4096 and 8192 in flight on two replicas: loss to the
+                 first continued rollout, the restored snapshot's age, finished turns lost per affected rollout
+                 (preset ``recovery_scale``, about 20 minutes; ``recovery_scale_smoke``)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -87,6 +90,7 @@ from bench import (  # noqa: E402
     overhead,
     preemption,
     prefix_work_lost,
+    recovery_scale,
     relaunch,
     restore_io,
     setup_check,
@@ -100,7 +104,7 @@ from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
                                bookkeeping, async_throughput, prefix_work_lost, preemption, restore_io,
-                               gym_recovery, generation_recovery, deterministic_cost)}
+                               gym_recovery, generation_recovery, recovery_scale, deterministic_cost)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -287,6 +291,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("16. " + generation_recovery.verdict(results["generation_recovery"]["goal"]))
     if "deterministic_cost" in results:
         lines.append("17. " + deterministic_cost.verdict(results["deterministic_cost"]["goal"]))
+    if "recovery_scale" in results:
+        lines.append("18. " + recovery_scale.verdict(results["recovery_scale"]["goal"]))
     return lines
 
 

@@ -84,3 +84,35 @@ def check_instance(instance: ServerInstanceConfig) -> CheckpointMode:
 def check_servers(config: GymGlobalConfig) -> dict[str, CheckpointMode]:
     """Every server of a parsed Gym config validated; server name -> its checkpoint mode label."""
     return {name: check_instance(instance) for name, instance in config.instances.items()}
+
+
+def replay_agents(config: GymGlobalConfig) -> dict[str, str]:
+    """Agent -> its model server, for each agent whose rollouts come back by replay (docs/design.md §4.8):
+    the agent and the resources server it calls are each declared replayable (or stateless), and at least
+    one of them is restart-only (a rollout on saving servers alone continues at its turn, which is better).
+    The one rule, from the config alone: the RL driver applies it before anything starts, the launcher too."""
+    out: dict[str, str] = {}
+    for name, instance in config.instances.items():
+        if instance.server_type != "responses_api_agents":
+            continue
+        resources = (instance.config.get("resources_server") or {}).get("name")
+        model = (instance.config.get("model_server") or {}).get("name")
+        servers = [declared_checkpoint(instance)]
+        if resources and resources in config.instances:
+            servers.append(declared_checkpoint(config.instances[resources]))
+        if model and all(s.replayable for s in servers) and any(s.restart_only for s in servers):
+            out[name] = model
+    return out
+
+
+def with_call_records(raw: dict, config: GymGlobalConfig) -> dict:
+    """``raw`` (a deployment's config dict) with ``record_calls: true`` on the model server of every agent
+    whose rollouts come back by replay: a model server records its calls only where replay needs them."""
+    out = dict(raw)
+    for model in sorted(set(replay_agents(config).values())):
+        entry = dict(out[model])
+        kind = entry[config.instances[model].server_type] = dict(entry[config.instances[model].server_type])
+        impl = config.instances[model].implementation
+        kind[impl] = {**(kind.get(impl) or {}), "record_calls": True}
+        out[model] = entry
+    return out

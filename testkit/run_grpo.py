@@ -11,7 +11,9 @@ variables ask for, each validated before anything starts (a malformed one: one
 - ``NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK=1``: a Gym setup the restart-only
   check refuses is logged and run anyway, so the RL-level stall regression (and
   the stall benchmark) reach the snapshot loop with restart-only servers under
-  ``block``.
+  ``block``;
+- ``NEMO_RL_TEST_ONLY_FAIL_WATCH=<part>``: the first watch the in-run recovery starts of that part
+  (``nemo_gym/replica-1``) fails with an ``OSError``, as a failed ``pidfd_open`` in the watch would.
 
 Run it with the repository as the working directory (the harness does).
 """
@@ -26,6 +28,7 @@ from nemo_rl.utils.run_hooks import RunHooks
 from testkit.crash_points import CrashAt, SignalAt
 
 SKIP_RESTART_ONLY_ENV = "NEMO_RL_TEST_ONLY_SKIP_RESTART_ONLY_CHECK"
+FAIL_WATCH_ENV = "NEMO_RL_TEST_ONLY_FAIL_WATCH"
 
 
 class TestRunHooks(RunHooks):
@@ -35,12 +38,16 @@ class TestRunHooks(RunHooks):
     __test__ = False  # not a pytest test class
 
     def __init__(self, crash: CrashAt | None = None, *, accept_restart_only: bool = False,
-                 signal_at: SignalAt | None = None):
+                 signal_at: SignalAt | None = None, fail_watch: str | None = None):
         self.crash = crash
         self.accept_restart_only = accept_restart_only
         self.signal_at = signal_at
+        self.fail_watch = fail_watch  # the part whose first watch fails
 
     def reached(self, phase: str, scope: object = None) -> None:
+        if phase == "watch" and scope == self.fail_watch:
+            self.fail_watch = None
+            raise OSError(f"TEST-ONLY: {FAIL_WATCH_ENV}={scope} made this watch fail")
         if self.signal_at is not None:
             self.signal_at.reached(phase, scope)
         if self.crash is not None:
@@ -59,7 +66,7 @@ def hooks_from_env(environ: Mapping[str, str] = os.environ) -> TestRunHooks:
     if skip not in ("", "0", "1"):
         raise ValueError(f"{SKIP_RESTART_ONLY_ENV}={skip!r} must be 1 (or 0, or unset)")
     return TestRunHooks(CrashAt.from_env(environ), accept_restart_only=skip == "1",
-                        signal_at=SignalAt.from_env(environ))
+                        signal_at=SignalAt.from_env(environ), fail_watch=environ.get(FAIL_WATCH_ENV) or None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Measurement 16: in-run recovery of the generation worker (docs/design.md §5.13).
+"""Measurement 16: in-run recovery of the generation worker (docs/design.md §5.12).
 
 Each repeat is one real ``examples/run_grpo.py`` process per recovery level, on
 ``examples/configs/grpo_workplace_two_replicas_turn.yaml`` with the embedded model (warm-started once into

@@ -130,6 +130,15 @@ GENERATION_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
     "generation_recovery": {"repeats": 1, "levels": ("prefix",), "steps": 3, "prompts": 2, "warm_start_steps": 5},
 }
 
+# Measurement 18, in-run recovery of a replica at N = 4096 and 8192 rollouts in flight on two replicas (scripted
+# backend): 3 repeats of each, every run stopped once its recovery row is written (about 20 minutes on 2 cores);
+# ``recovery_scale_smoke`` is one small run.
+RECOVERY_SCALE: dict[str, dict[str, Any]] = {"recovery_scale": {"sizes": (4096, 8192), "repeats": 3}}
+RECOVERY_SCALE_SMOKE: dict[str, dict[str, Any]] = {
+    "recovery_scale": {"sizes": (16,), "repeats": 1, "generations": 4, "delay_s": 0.3, "interval_s": 0.3,
+                       "timeout_s": 240.0},
+}
+
 # Measurement 17, what grpo.deterministic costs the main job: 3 repeats of 12 steps, on and off interleaved
 # (about 20 minutes on 2 cores); ``deterministic_cost_smoke`` is one short pair.
 DETERMINISTIC_COST: dict[str, dict[str, Any]] = {"deterministic_cost": {"repeats": 3, "steps": 12}}
@@ -145,4 +154,5 @@ PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": 
            "gym_recovery": GYM_RECOVERY, "gym_recovery_smoke": GYM_RECOVERY_SMOKE,
            "restore_io": RESTORE_IO, "restore_io_smoke": RESTORE_IO_SMOKE,
            "generation_recovery": GENERATION_RECOVERY, "generation_recovery_smoke": GENERATION_RECOVERY_SMOKE,
+           "recovery_scale": RECOVERY_SCALE, "recovery_scale_smoke": RECOVERY_SCALE_SMOKE,
            "deterministic_cost": DETERMINISTIC_COST, "deterministic_cost_smoke": DETERMINISTIC_COST_SMOKE}

@@ -115,6 +115,32 @@ def prefix_continuations(samples: list) -> dict[str, Any]:
             "prefix_discarded_calls": len(calls) - len(kept), "prefix_continuations": calls}
 
 
+def replay_counts(samples: list, servers_of: Callable[[str], tuple[str, str | None]]) -> dict[str, Any]:
+    """The step row's record of rollouts that came back by replay (docs/design.md §4.8): how many, the calls
+    played back from their record, the calls generated live after a divergence, and where each divergence
+    happened (the rollout, the call index, and the server whose output differed: the resources server for a
+    tool's output, else the agent; ``servers_of(group_id)`` gives the group's agent and resources server)."""
+    replayed = live = rollouts = 0
+    sites = []
+    for sample in samples:
+        notes = [(i, call.replay) for i, call in enumerate(sample.calls) if call.replay is not None]
+        if not notes:
+            continue
+        rollouts += 1
+        replayed += sum(1 for _, note in notes if note.replayed)
+        for i, note in notes:
+            if note.divergence is not None:
+                live += len(sample.calls) - i
+                agent, resources = servers_of(sample.group_id)
+                server = resources if note.divergence.kind == "tool_output" and resources else agent
+                sites.append({"rollout_id": sample.rollout_id, "call": note.divergence.call, "server": server,
+                              "kind": note.divergence.kind, "tool": note.divergence.tool})
+    if not rollouts:
+        return {}
+    return {"replay_rollouts": rollouts, "replay_calls_replayed": replayed, "replay_calls_live_after_divergence": live,
+            "replay_divergences": len(sites), "replay_divergence_sites": sites}
+
+
 async def _prune_steps(store: RunStore, keep_top_k: int | None, newest: int, checkpoint_dir: Path) -> None:
     """``store.prune_steps`` off the event loop; a read-only or failing disk names what it could not remove."""
     try:
@@ -215,6 +241,8 @@ class SingleController:
                     self.anchor_dir,
                     agent_servers={iid: self.shard_set.agent_servers.get(inst.shard_name, {})
                                    for iid, inst in self.shard_set.instances.items()},
+                    replay_models={iid: self.shard_set.replay_models.get(inst.shard_name, {})
+                                   for iid, inst in self.shard_set.instances.items()},
                     generation_cuts=self.config.rollout_recovery.generation_cuts_enabled,
                 ),
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
@@ -286,6 +314,7 @@ class SingleController:
             "snapshots_committed": self.snapshot_counts["committed"],
             "snapshots_failed": self.snapshot_counts["failed"],
             **prefix_continuations(samples),
+            **replay_counts(samples, self._servers_of),
             **self.recovery.step_metrics(),
             **{k: v for k, v in metrics.items() if k not in ("step",)},
         }
@@ -573,7 +602,6 @@ class SingleController:
             outcome = await self.snapshotter.attempt(requested=requested)
             self.snapshot_counts["committed" if outcome.committed else "failed"] += 1
             if outcome.committed:
-                self.recovery.snapshot_committed(outcome.path, outcome.saved_on)
                 self.coverage.committed(outcome.started + outcome.pause_s, outcome.anchor_step)
                 if self.store.held_anchors() != self._pruned_sparing:
                     await self._prune_again()
@@ -641,6 +669,14 @@ class SingleController:
 
     def anchor_dir(self) -> Path:
         return self.store.anchor(self.anchor_step)
+
+    def _servers_of(self, group_id: str) -> tuple[str, str | None]:
+        """A group's agent and the resources server its rollouts call (None: none)."""
+        agent = self.ledger.groups[group_id].agent_name or ""
+        shard = self.shard_set.agent_shards.get(agent)
+        servers = self.shard_set.agent_servers.get(shard or "", {}).get(agent, [])
+        resources = self.shard_set.agent_resources.get(shard or "", {}).get(agent)
+        return agent, resources if resources in servers else None
 
     async def _stop_rollouts_on(self, instance: str) -> None:
         """Cancel and await the rollout tasks running on ``instance`` (a recovery takes their attempts

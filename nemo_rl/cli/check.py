@@ -37,7 +37,7 @@ class ServerRow:
     replica: str
     server: str
     kind: str
-    checkpoint: str  # saves / stateless / restart-only (discovered live at turn level)
+    checkpoint: str  # saves / stateless / restart-only (discovered live at turn level) / replayed / saves, replayable
     serves: str  # the agents whose rollouts pass through it, with their levels
     turn_level: bool  # a turn-level rollout passes through it
     snapshot: str  # what a snapshot does with its rollouts
@@ -47,7 +47,7 @@ def server_rows(config: MasterConfig, shard_set, rows: list[dict]) -> list[Serve
     """Every server of every replica, from the shard set ``_spinup_gym`` started (restart-only servers
     as its replicas reported them) and the same level rules the setup check uses."""
     from gym_patches.config import SERVER_KIND, parse_gym_config
-    from gym_patches.server_catalog import spec_of
+    from gym_patches.server_catalog import declared_checkpoint
     from nemo_rl.algorithms.single_controller_utils.gym_server_levels import agent_levels, turn_level_users
     from nemo_rl.algorithms.single_controller_utils.setup import shard_gym_config
     from nemo_rl.environments.nemo_gym import build_gym_actor_config
@@ -64,28 +64,35 @@ def server_rows(config: MasterConfig, shard_set, rows: list[dict]) -> list[Serve
         agent_resources = {name: ((inst.config.get("resources_server") or {}).get("name") or None)
                            for name, inst in parsed.instances.items() if inst.server_type == "responses_api_agents"}
         levels = agent_levels(recovery, rows, agent_resources)
-        users = turn_level_users(recovery, rows, agent_resources)
+        replay = shard_set.replay_models.get(shard.name, {})
+        users = turn_level_users(recovery, rows, agent_resources, replayed=replay)
         for i in range(shard.replicas):
             iid = f"{shard.name}/replica-{i}"
             restart_only = set(shard_set.restart_only_servers.get(iid, []))
             for name, inst in parsed.instances.items():
-                label = "restart-only" if name in restart_only else \
-                    spec_of(inst.server_type, inst.implementation).checkpoint_mode
+                label = declared_checkpoint(inst).mode
+                if name in restart_only and label != "replayed":
+                    label = "restart-only"  # as the replica reported it
                 agents = sorted(a for a, servers in uses.items() if name in servers)
                 serves = ", ".join(f"{a} ({'/'.join(sorted(lv.value for lv in levels.get(a, ())))})" for a in agents)
                 # a model server is never restart-only here; it carries the turn-level rollouts of its agents
                 turn_users = users if inst.server_type != "responses_api_models" else \
                     {name: [a for a in agents if a in users]} if any(a in users for a in agents) else {}
-                out.append(ServerRow(iid, name, SERVER_KIND[inst.server_type], label, serves or "-", name in turn_users,
-                                     _snapshot_text(config, name, label, turn_users, restart_only, uses)))
+                replayed = [a for a in agents if a in replay]
+                out.append(ServerRow(iid, name, SERVER_KIND[inst.server_type], label, serves or "-",
+                                     name in turn_users or bool(replayed),
+                                     _snapshot_text(config, name, label, turn_users, restart_only, uses, replayed)))
     return out
 
 
 def _snapshot_text(config: MasterConfig, name: str, label: str, users: dict[str, list[str]],
-                   restart_only: set[str], uses: dict[str, list[str]]) -> str:
+                   restart_only: set[str], uses: dict[str, list[str]], replayed: list[str] = ()) -> str:
     recovery = config.rollout_recovery
     if not recovery.turn_checkpointing_enabled:
         return f"not asked (target_level={recovery.target_level.value}: the ledger and sealed samples only)"
+    if replayed and name not in users:
+        return (f"replayed: the rollouts of {', '.join(replayed)} come back by replay (their model server records "
+                "their calls)" + ("; best_effort, never blocks" if name in restart_only else ""))
     if name not in users:
         return "best_effort, never blocks (no turn-level rollout)" if label == "restart-only" else \
             "not asked (serves coarser levels only)"

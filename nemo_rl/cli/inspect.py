@@ -43,9 +43,10 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
 )
 from nemo_rl.utils.run_hooks import RunHooks
 from nemo_rl.utils.snapshot_store import SnapshotStoreError
+from nemo_rl.utils.recovery_record import RecoveryRecord, read_recoveries
 
 # The counts of restore.json, in the order they are printed.
-COUNT_KEYS = ("retrained_groups", "restored_turn", "restored_prefix", "prefix_tokens", "restarted_from_prompt",
+COUNT_KEYS = ("retrained_groups", "restored_turn", "restored_replay", "restored_prefix", "prefix_tokens", "restarted_from_prompt",
               "kept_siblings", "redone_groups", "dropped_trained_groups")
 
 
@@ -89,12 +90,13 @@ class _SavedEpisodes:
     def __init__(self, instance_ids: list[str]):
         self.instance_ids = sorted(instance_ids)
 
-    async def unportable_servers(self, shards: list[str]) -> dict[str, set[str]]:
+    async def unportable_servers(self, shards: list[str], among: list[str] | None = None) -> dict[str, set[str]]:
         return {}  # assumed portable: only the live servers can say otherwise
 
     async def restore(self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],
-                      checkpoint_id: str) -> dict[str, list[str]]:
-        saved = {iid: set(keys) for iid, keys in GymCheckpointIndex.read(Path(root)).turn_level.items()}
+                      checkpoint_id: str, replay: frozenset[str] = frozenset()) -> dict[str, list[str]]:
+        index = GymCheckpointIndex.read(Path(root))  # saved at their turn, or for replay (docs/design.md §4.8)
+        saved = {iid: set(keys) | index.replayed_keys(iid) for iid, keys in index.turn_level.items()}
         return {target: sorted({next_attempt(EpisodeId.from_capture_key(key)).capture_key
                                 for source, by_server in from_sources.items()
                                 for keys in by_server.values() for key in keys if key in saved.get(source, ())})
@@ -208,15 +210,15 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  {Path(snap['path']).name:<18} {_human_size(snap['size_bytes']):>9}  "
                          f"{_age(snap['age_s']):>11}  {state}{mark}")
     lines.append("")
-    for row in report.get("recoveries", []):
-        if row.get("part") == "generation":
-            lines.append(f"in-run recovery: generation worker {row.get('cause')}: {row.get('action')}, "
-                         f"{row.get('calls_resent')} model calls sent again ({row.get('calls_continued_from_cut')} "
-                         f"from a cut), {len(row.get('restarted_from_prompt', []))} from the prompt")
+    for row in map(RecoveryRecord.model_validate, report.get("recoveries", [])):
+        if row.part == "generation":
+            lines.append(f"in-run recovery: generation worker {row.cause}: {row.action}, {row.calls_resent} model "
+                         f"calls sent again ({row.calls_continued_from_cut} from a cut), "
+                         f"{len(row.restarted_from_prompt)} from the prompt")
             continue
-        lines.append(f"in-run recovery: {row.get('instance')} {row.get('part')} {row.get('cause')}: {row.get('action')}, "
-                     f"{len(row.get('continued_turn', [])) + len(row.get('continued_prefix', []))} continued, "
-                     f"{len(row.get('restarted_from_prompt', []))} from the prompt")
+        lines.append(f"in-run recovery: {row.what} {row.cause}: {row.action}, "
+                     f"{len(row.continued_turn) + len(row.continued_prefix)} continued, "
+                     f"{len(row.restarted_from_prompt)} from the prompt")
     if report.get("complete"):
         lines.append(report["complete"])
         return "\n".join(lines)
@@ -311,17 +313,11 @@ def inspect(checkpoint_dir: str | None, config_path: str | None = None, override
 
 
 def _last_recoveries(config: Any, count: int = 5) -> list[dict[str, Any]]:
-    """The run's newest in-run recoveries (``recoveries.jsonl`` in its log dir, docs/design.md §5.12)."""
+    """The run's newest in-run recoveries (``recoveries.jsonl`` in its log dir, read through its one schema,
+    ``RecoveryRecord``: docs/design.md §5.12)."""
     if config is None:
         return []
-    path = Path(config.logger.log_dir) / "recoveries.jsonl"
-    rows = []
-    for line in (path.read_text(errors="replace").splitlines() if path.is_file() else ()):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line a kill tore
-    return rows[-count:]
+    return [row.row() for row in read_recoveries(Path(config.logger.log_dir) / "recoveries.jsonl")[-count:]]
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ class GymCheckpointAdapter:
             case CommitCall() | PersistCall():
                 return self._write_summary(request, replies)
             case RestoreCall():
-                return self._restored_agent_keys(replies)
+                return self._restored_keys(request, replies)
             case ForgetCall():
                 return sum(reply.forgotten for reply in replies.values())
             case ProbeCall():
@@ -166,11 +166,17 @@ class GymCheckpointAdapter:
         return dataclasses.replace(summary, cut_failed=sum(getattr(r, "cut_failed", 0) for r in replies.values()),
                                    cut_error="; ".join(errors) or None)
 
-    def _restored_agent_keys(self, replies: dict[str, Any]) -> list[str]:
-        """The capture keys the agents restored (what RL resumes at turn level); other servers' keys
-        are theirs alone. Split out of ``checkpoint`` to keep it a dispatch."""
+    def _restored_keys(self, request: RestoreCall, replies: dict[str, Any]) -> list[str]:
+        """The capture keys RL continues: those the agents restored (at their turn), and those a model server
+        installed for replay (``request.replay_episode_ids``: their agents start them fresh, docs/design.md
+        §4.8); other servers' keys are theirs alone. Split out of ``checkpoint`` to keep it a dispatch."""
         agents = {p.name for p in self.participants.by_kind("agent")}
-        return sorted({k for name, r in replies.items() if name in agents for k in r.restored})
+        models = {p.name for p in self.participants.by_kind("model")}
+        replayed = {e.capture_key for e in request.replay_episode_ids}
+        keys = {k for name, r in replies.items() if name in agents for k in r.restored}
+        keys |= {k for name, r in replies.items() if name in models for k in r.restored
+                 if _previous(k) in replayed}
+        return sorted(keys)
 
     def _summary(self, request: CommitCall | PersistCall, written: dict[str, list[str]],
                  cuts: dict[str, int]) -> GymCheckpointCommitSummary:
@@ -184,9 +190,15 @@ class GymCheckpointAdapter:
             exported[name] = sorted(keys)
         agents = {p.name for p in self.participants.by_kind("agent")}
         agent_exported = sorted({k for name in agents for k in exported.get(name, [])})
-        saved = set(agent_exported)
+        written = {k for keys in exported.values() for k in keys}  # the agents' saves, and records for replay
         return GymCheckpointCommitSummary(request.checkpoint_dir, exported, agent_exported,
-                                          {k: n for k, n in sorted(cuts.items()) if k in saved})
+                                          {k: n for k, n in sorted(cuts.items()) if k in written})
+
+
+def _previous(capture_key: str) -> str:
+    """The capture key an installed attempt (``attempt + 1``) was saved under."""
+    e = EpisodeId.from_capture_key(capture_key)
+    return EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt - 1).capture_key
 
 
 def _probe(status: StatusReply | BaseException) -> GymServerProbe:

@@ -9,11 +9,12 @@ the replica's ``NemoGym`` actor, whose children the servers are; the controller 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import aiohttp
 
@@ -97,27 +98,45 @@ async def watch_servers(pids: dict[str, int], exit_code: Callable[[str], int | N
             os.close(fd)
 
 
-async def first_exit(pids: list[int], within_s: float) -> int | None:
-    """The first of ``pids`` to exit within ``within_s`` (told by its pidfd: no poll), or None."""
+@contextlib.contextmanager
+def exit_futures(pids: list[int]) -> Iterator[dict[int, asyncio.Future]]:
+    """A future per pid that is done once that process has exited (its pidfd readable: the kernel's own wait,
+    no poll; done at once for one already gone), for use on the running loop while the block lasts."""
     loop = asyncio.get_running_loop()
-    exited: asyncio.Future[int] = loop.create_future()
+    futures: dict[int, asyncio.Future] = {}
     fds = []
     try:
         for pid in pids:
+            futures[pid] = loop.create_future()
             try:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:
-                return pid
+                futures[pid].set_result(None)
+                continue
             fds.append(fd)
-            loop.add_reader(fd, lambda p=pid: exited.done() or exited.set_result(p))
-        try:
-            return await asyncio.wait_for(exited, within_s)
-        except TimeoutError:
-            return None
+            loop.add_reader(fd, lambda f=futures[pid]: f.done() or f.set_result(None))
+        yield futures
     finally:
         for fd in fds:
             loop.remove_reader(fd)
             os.close(fd)
+
+
+async def first_exit(pids: list[int], within_s: float) -> int | None:
+    """The first of ``pids`` to exit within ``within_s``, or None."""
+    with exit_futures(pids) as exits:
+        if exits:
+            await asyncio.wait(exits.values(), timeout=within_s, return_when=asyncio.FIRST_COMPLETED)
+        return next((pid for pid, f in exits.items() if f.done()), None)
+
+
+async def processes_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until every process of ``pids`` (on this host) has exited; returns those still running after
+    ``timeout_s``."""
+    with exit_futures(pids) as exits:
+        if exits:
+            await asyncio.wait(exits.values(), timeout=timeout_s)
+        return [pid for pid, f in exits.items() if not f.done()]
 
 
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:

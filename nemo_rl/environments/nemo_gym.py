@@ -32,7 +32,7 @@ from gym_patches.server_catalog import check_servers
 from gym_patches.server_utils import ServerCallError, ServerClient
 from gym_patches.activity import fetch_activity
 from gym_patches.wire_models import ROLLOUT_ID_FIELD, AgentActivity, RunError, RunErrorBody, RunReply
-from nemo_rl.environments.gym_watch import describe_exit, first_exit, watch_servers
+from nemo_rl.environments.gym_watch import describe_exit, first_exit, processes_gone, watch_servers
 from nemo_rl.environments.gym_checkpoint_adapter import GymCheckpointInstance
 from nemo_rl.environments.gym_control import NemoGymControl, ServerProcesses
 
@@ -318,9 +318,11 @@ class NemoGym:
     def ping(self) -> int:
         return os.getpid()
 
-    def where(self) -> dict[str, str]:
-        """The Ray node this replica (and its Gym server processes) runs on."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+    def where(self) -> dict[str, Any]:
+        """The Ray node this replica (and its Gym server processes) runs on, and this actor's pid there
+        (``gym_placement.json``: where to look for a replica's processes)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "actor_pid": os.getpid()}
 
 
 @dataclass(frozen=True)
@@ -355,7 +357,7 @@ class StartedReplica:
     handle: Any
     control: Any
     restart_only: list[str]
-    where: dict[str, str]
+    where: dict[str, Any]  # node_id, ip, actor_pid and (with a control actor) control_pid
     pids: dict[str, int]
 
 
@@ -380,6 +382,7 @@ async def start_replica(spec: ReplicaSpec, instance: GymCheckpointInstance,
         restart_only: list[str] = []
         if spec.with_control:
             restart_only, control = await handle.start_control.remote()
+            where = {**where, "control_pid": await control.pid.remote()}
         pids = await handle.server_pids.remote()
     except BaseException:
         kill_replica(handle, control)
@@ -395,28 +398,6 @@ def kill_replica(handle: Any, control: Any) -> None:
             ray.kill(actor, no_restart=True)
 
 
-async def processes_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until every process of ``pids`` (on this host) has exited, told by a pidfd each (no poll);
-    returns those still running after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    waiting: dict[int, asyncio.Future] = {}
-    fds = []
-    try:
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue  # gone already
-            fds.append(fd)
-            waiting[pid] = loop.create_future()
-            loop.add_reader(fd, lambda f=waiting[pid]: f.done() or f.set_result(None))
-        if waiting:
-            await asyncio.wait(waiting.values(), timeout=timeout_s)
-        return [pid for pid, f in waiting.items() if not f.done()]
-    finally:
-        for fd in fds:
-            loop.remove_reader(fd)
-            os.close(fd)
 @dataclass
 class NemoGymShardSet:
     """All replicas of all shards; ``restart_only_servers`` is filled by setup."""
@@ -438,6 +419,9 @@ class NemoGymShardSet:
     control_handles: dict[str, Any] = field(default_factory=dict)
     specs: dict[str, ReplicaSpec] = field(default_factory=dict)  # shard -> how its replicas start (§5.12)
     recovering: set[str] = field(default_factory=set)  # replicas being recovered: no new rollout goes there
+    # shard -> agent -> its model server, for agents whose rollouts come back by replay (docs/design.md §4.8)
+    replay_models: dict[str, dict[str, str]] = field(default_factory=dict)
+    agent_resources: dict[str, dict[str, str | None]] = field(default_factory=dict)  # shard -> agent -> resources
     server_pids: dict[str, dict[str, int]] = field(default_factory=dict)  # instance id -> server -> pid
 
     @property

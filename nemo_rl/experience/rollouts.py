@@ -24,6 +24,7 @@ def sample_from_run_reply(
                     generation_log_probs=item["generation_log_probs"],
                     weight_version=int(item.get("weight_version", 0)),
                     prefix=item.get("prefix_continuation"),
+                    replay=item.get("replay"),
                 )
             )
     return RolloutSample(

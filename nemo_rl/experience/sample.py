@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_patches.checkpoint.cuts import PrefixContinuation
+from gym_patches.checkpoint.replay import ReplayAnnotation
 
 
 class ModelCall(BaseModel):
@@ -22,6 +23,10 @@ class ModelCall(BaseModel):
     # The call continued a saved generation cut (target_level prefix): its first
     # ``prefix.token_count`` generation tokens (and logprobs) are the cut's.
     prefix: PrefixContinuation | None = None
+    # The rollout came back by replay (docs/design.md §4.8): this reply was played back from the record
+    # (``replayed``, its tokens, logprobs and weight version the first attempt's), or it is the first live
+    # one after the request differed from the record (``divergence`` says where).
+    replay: ReplayAnnotation | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> "ModelCall":

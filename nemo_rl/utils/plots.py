@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from nemo_rl.utils.recovery_record import RecoveryRecord, read_recoveries
 
 
 def plot_run(metrics: list[dict[str, Any]], path: str | Path) -> Path:
@@ -70,17 +71,26 @@ def _distinct(committed: list[dict[str, Any]], key: str) -> str:
     return total if not older else f"{total} (+ {older} older snapshot(s) that did not record it)"
 
 
-def _recovered(row: dict[str, Any]) -> str:
-    """What a recovery row recovered: ``<replica> <server>``, or ``generation`` for the generation worker."""
-    return str(row.get("part")) if row.get("instance") == row.get("part") else f"{row.get('instance')} {row.get('part')}"
-
-
-def _recovery_rows(recoveries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def _recovery_rows(recoveries: list[RecoveryRecord]) -> list[tuple[str, str]]:
     """The table's row for in-run recoveries (none: no row), with the last three."""
     if not recoveries:
         return []
-    last = ", ".join(f"{_recovered(r)} {r.get('action')}" for r in recoveries[-3:])
+    last = ", ".join(f"{r.what} {r.action}" for r in recoveries[-3:])
     return [("in-run recoveries (recoveries.jsonl)", f"{len(recoveries)}: {last}")]
+
+
+def _replay_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The table's row for rollouts that came back by replay (docs/design.md §4.8), none without any."""
+    rollouts = sum(m.get("replay_rollouts", 0) for m in metrics)
+    if not rollouts:
+        return []
+    replayed = sum(m.get("replay_calls_replayed", 0) for m in metrics)
+    live = sum(m.get("replay_calls_live_after_divergence", 0) for m in metrics)
+    sites = [d for m in metrics for d in m.get("replay_divergence_sites", [])]
+    where = ", ".join(f"{d['server']} at call {d['call']}" for d in sites[-3:])
+    return [("rollouts continued by replay: calls replayed, live after a divergence",
+             f"{rollouts}: {replayed} replayed, {live} live after {len(sites)} divergence(s)"
+             + (f" ({where})" if where else ""))]
 
 
 def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s: float | None = None,
@@ -95,7 +105,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
     first = sum(m.get("reward_mean", 0.0) for m in metrics[:fifth]) / fifth if n else 0.0
     last = sum(m.get("reward_mean", 0.0) for m in metrics[-fifth:]) / fifth if n else 0.0
     committed = [s for s in snaps if s.get("committed")]
-    recoveries = _rows(log_dir / "recoveries.jsonl")
+    recoveries = read_recoveries(log_dir / "recoveries.jsonl")
     rows = [
         ("steps trained", str(n)),
         ("reward, first fifth of steps", f"{first:.3f}"),
@@ -105,6 +115,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
         ("rollouts unsaved on restart-only servers (distinct)", _distinct(committed, "new_unsaved")),
         ("rollout saves, all snapshots (one per rollout per snapshot)", str(sum(s.get("saved", 0) for s in committed))),
         *_recovery_rows(recoveries),
+        *_replay_rows(metrics),
         *([("validation reward, first -> last", f"{validation[0]['val_reward_mean']:.3f} (step "
             f"{validation[0]['step']}) -> {validation[-1]['val_reward_mean']:.3f} (step {validation[-1]['step']})")]
           if validation else []),

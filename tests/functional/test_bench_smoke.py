@@ -30,7 +30,7 @@ from bench import (  # noqa: E402
     stall,
     work_lost,
 )
-from bench import async_throughput, generation_recovery, gym_recovery, prefix_work_lost, restore_io  # noqa: E402
+from bench import async_throughput, generation_recovery, gym_recovery, prefix_work_lost, recovery_scale, restore_io  # noqa: E402
 from bench import deterministic_cost  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
@@ -453,6 +453,22 @@ def test_gym_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert res["goal"]["met"] is True, res["goal"]
     assert gym_recovery.table(res).startswith("|")
     assert any(line.startswith("14. ") for line in bench_recovery.goal_lines({gym_recovery.NAME: res}))
+
+
+def test_recovery_scale_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 18 at its smallest: one replica lost with rollouts in flight, stopped once its row is written;
+    every affected rollout's lost turns are counted against what the restored snapshot kept."""
+    from bench.presets import RECOVERY_SCALE_SMOKE
+
+    res = recovery_scale.measure(workdir=tmp_path, log=_quiet, **RECOVERY_SCALE_SMOKE["recovery_scale"])
+    [run] = res["repeats"]
+    assert not run.get("error") and run["seconds_to_redispatch"] is not None, run
+    assert run["action"] == "replaced" and run["snapshot_age_s"] is not None and run["snapshot_age_s"] >= 0, run
+    assert run["affected"] == run["continued"] + run["restarted_from_prompt"] >= 1, run
+    assert all(x >= 0 for x in run["lost_turns"]), run
+    assert res["goal"]["met"] is True, res["goal"]
+    assert recovery_scale.table(res).startswith("|")
+    assert any(line.startswith("18. ") for line in bench_recovery.goal_lines({recovery_scale.NAME: res}))
 
 
 @pytest.mark.alone  # CPU-bound: the real trainer and the torch worker

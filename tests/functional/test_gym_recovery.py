@@ -230,7 +230,9 @@ def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_it
     assert str(log) in errors[0] or str(log.resolve()) in errors[0], errors
     assert "Traceback" not in result.stderr
     assert not result.leftover
-    assert len(read_jsonl(spec.logs / "recoveries.jsonl")) == 2
+    rows = read_jsonl(spec.logs / "recoveries.jsonl")  # the loss that stopped the run has its row too
+    assert [r["action"] for r in rows] == ["restarted", "restarted", "given_up"], rows
+    assert "max_recoveries=2" in rows[-1]["given_up"], rows[-1]
 
 
 def test_async_lookahead_one_a_killed_server_is_recovered(tmp_path):
@@ -312,8 +314,9 @@ def test_prefix_level_the_cuts_of_a_restarted_replica_continue_from_their_tokens
 
 def test_a_sigkill_of_the_whole_run_during_a_recovery_then_the_same_command_loses_nothing_saved(tmp_path):
     """The run is SIGKILLed while a recovery of replica-1 is under way (its stderr says it began, not that it
-    ended); the same command restores from the newest snapshot, which still holds replica-1's rollouts (no
-    snapshot is taken during a recovery): every group trained once, none of them restarted from its prompt."""
+    ended); the same command restores from the newest snapshot, which holds replica-1's rollouts or, when it
+    left replica-1 out (snapshots go on during a recovery), carries the older snapshot that does: every group
+    trained once, none of the saved rollouts restarted from its prompt."""
     spec = cm.RunSpec(tmp_path / "run", config=TWO_REPLICAS, keep_latest_k=100, steps=3,
                       extra=["checkpointing.keep_top_k=100"])
     fault = Fault(spec, "workplace_assistant")
@@ -331,8 +334,11 @@ def test_a_sigkill_of_the_whole_run_during_a_recovery_then_the_same_command_lose
     assert not first.leftover
     snaps = [s for s in read_jsonl(spec.logs / "snapshots.jsonl") if s.get("committed")]
     newest = snaps[-1]["path"]
-    assert Path(newest) == Path(fault.snapshot) or turn_level(newest).get(REPLICA), (newest, fault.snapshot)
-    held = set(turn_level(newest)[REPLICA])
+    carried = json.loads((Path(newest) / "gym_checkpoint.json").read_text()).get("carried", {})
+    holder = spec.ckpt / carried[REPLICA] if REPLICA in carried else Path(newest)
+    assert REPLICA in turn_level(newest) or REPLICA in carried, newest  # it took part, or names who holds it
+    held = set(turn_level(holder).get(REPLICA, []))
+    assert held, (newest, carried)
     second = runner.run(timeout_s=360)
     assert second.returncode == 0, second.stderr[-5000:]
     assert cm.check_lineage(spec) == []

@@ -85,3 +85,23 @@ async def test_a_server_silent_to_health_is_lost_after_the_bound():
         proc.kill()
         proc.wait()
         await runner.cleanup()
+
+
+async def test_first_exit_and_processes_gone_follow_real_exits():
+    """The pidfd waits a replacement uses: ``first_exit`` names the first process to exit (None while none
+    does), ``processes_gone`` returns once every process has exited, and names those still running when its
+    bound passes."""
+    from nemo_rl.environments.gym_watch import first_exit, processes_gone
+
+    a, b = _sleeper(), _sleeper()
+    try:
+        assert await first_exit([a.pid, b.pid], 0.2) is None
+        assert await processes_gone([a.pid, b.pid], 0.2) == [a.pid, b.pid]
+        b.kill()
+        assert await first_exit([a.pid, b.pid], 5.0) == b.pid
+        a.kill()
+        assert await processes_gone([a.pid, b.pid], 5.0) == []
+    finally:
+        for proc in (a, b):
+            proc.kill()
+            proc.wait()

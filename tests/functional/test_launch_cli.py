@@ -39,7 +39,7 @@ def _children(pid: int) -> list[int]:
 
 def test_launch_prints_servers_and_ctrl_c_stops_them(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed.yaml",
+        [sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed_replayed.yaml",
          "--log-dir", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -87,7 +87,7 @@ def test_ctrl_c_right_after_start_still_stops_cleanly(tmp_path, inherited):
     stop too: exit 0 and no server left, never a KeyboardInterrupt traceback. Also when the launcher
     was started with SIGINT ignored, as a background job of a non-interactive shell is."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed.yaml",
+        [sys.executable, "-m", "gym_patches.launch", "--config", "examples/gym_configs/mixed_replayed.yaml",
          "--log-dir", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=_ignore_sigint if inherited == "ignored" else None,

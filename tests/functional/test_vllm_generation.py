@@ -390,7 +390,7 @@ def test_workplace_job_with_vllm_survives_sigkill_and_logprobs_match_every_step(
 @needs_vllm
 @pytest.mark.parametrize("level", ["turn", "prefix"])
 def test_a_killed_vllm_worker_is_restarted_and_its_calls_sent_again(tmp_path, level):
-    """In-run recovery (docs/design.md §5.13) on the vLLM worker: SIGKILL of its actor (vLLM's server dies with
+    """In-run recovery (docs/design.md §5.12) on the vLLM worker: SIGKILL of its actor (vLLM's server dies with
     it) right after a committed snapshot (with a generation cut, at ``prefix``) in the two-replica Workplace
     run; a new worker with its own vLLM takes the trainer's weights and the model servers' calls come back to
     it. Exit 0 with no relaunch, nothing sent back to its prompt, every group trained once, the refit check

@@ -82,13 +82,14 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "5.7": ("replica", "shard", "instance", "elastic", "reshard"),
     "5.8": ("hung", "hang", "timeout", "time out", "stall", "probe", "left out", "leave", "answer",
             "watchdog", "reopen", "busy", "dead"),
+    "4.8": ("replay", "replayed", "replayable", "record", "divergen", "restart-only", "restart_only"),
     "5.9": ("async", "lookahead", "anchor", "overtak", "admission", "coverage", "crash point", "refit",
             "in flight", "stream"),
     "5.10": ("prefix", "generation cut", "cut", "continu", "pin"),
     "5.11": ("signal", "sigterm", "sigint", "sigusr1", "stop", "ctrl-c", "slurm", "preempt"),
     "5.12": ("recover", "lost", "loss", "in-run", "in_run", "watch", "replace", "restart", "dead", "died",
-             "given up", "give up", "supervis"),
-    "5.13": ("generation worker", "worker", "resend", "sent again", "recover", "restart", "wedge", "weights"),
+             "given up", "give up", "supervis", "generation worker", "worker", "resend", "sent again", "wedge",
+             "weights"),
     "6": ("test", "testkit", "hook", "harness", "fake"),
 }
 CHAPTERS = {"4", "5"}  # "Gym side (`gym_patches`)", "RL side (`nemo_rl`)": their sections carry the topics

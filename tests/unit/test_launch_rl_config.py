@@ -24,7 +24,7 @@ from nemo_rl.experience.rollout_recovery.levels import RecoveryTargetLevel
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "examples" / "configs").glob("*.yaml"))
 # Run-specific values: the run makes its own token, points the model server at its policy, and has it send
-# calls again while its generation worker restarts (docs/design.md §5.13).
+# calls again while its generation worker restarts (docs/design.md §5.12).
 RUN_OWN = ("policy_base_url", "policy_unreachable_retry_s")
 
 

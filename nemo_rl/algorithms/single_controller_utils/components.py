@@ -62,7 +62,7 @@ class RayGenerationBackend:
     bookkeeping is loaded), and a refit ships only what it does not serve yet
     (docs/design.md §5.6).
 
-    A lost worker is replaced by ``restart`` (the generation recovery's, §5.13): a new actor on the same
+    A lost worker is replaced by ``restart`` (the generation recovery's, §5.12): a new actor on the same
     port with the trainer's weights as they are now, so the model servers' calls find it again. Refit and
     restart are serialised; a refit whose worker died waits for the restart, which ships the same weights.
     Each worker writes its own log, ``<log_dir>/generation/worker-<n>.log``.

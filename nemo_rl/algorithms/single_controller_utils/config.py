@@ -273,22 +273,24 @@ class ClusterConfig(_Section):
 
 
 class InRunRecoveryConfig(_Section):
-    """A Gym server or replica (docs/design.md §5.12), or the generation worker (§5.13), lost mid-run is
-    recovered inside the run; the same bounds apply to each replica and to the worker."""
+    """A Gym server or replica, or the generation worker, lost mid-run is recovered inside the run (docs/design.md
+    §5.12); the same bounds apply to each replica and to the worker."""
 
     enabled: bool = True  # false: its rollouts fail as infrastructure errors and a lost replica stops the run
-    # A replica (or the worker) recovered this many times within ``window_s`` is given up at its next loss: a
-    # replica's rollouts move to the shard's other replicas, or, with none left (or for the worker), the run
-    # stops naming the server or worker and its log.
+    # A replica (or the worker) started this many times within ``window_s`` (each recovery, and each start that
+    # did not come up) is given up at its next loss: a replica's rollouts move to the shard's other replicas, or,
+    # with none left (or for the worker), the run stops naming the server or worker and its log.
     max_recoveries: int = Field(default=3, ge=1)
     window_s: float = Field(default=600.0, gt=0)
     # A server stopped (SIGSTOP) or not answering /health, or a worker not answering its ping, for this long
     # is recovered like a dead one.
     hung_after_s: float = Field(default=30.0, gt=0)
-    # A new replica not placed by Ray within this (its node is gone): its rollouts move to the survivors.
+    # A new replica not placed by Ray within this (its node is gone): it is given up, its rollouts move to the
+    # shard's other replicas.
     placement_timeout_s: float = Field(default=30.0, gt=0)
-    # A recovery not done within this gives the replica up (or stops the run, for the worker); Gym's model
-    # servers send their calls again for this long while the worker is being restarted.
+    # Each start of a successor must be done within this; one that is not is stopped and counts as one more
+    # start (tried again within max_recoveries). Gym's model servers send their calls again for this long
+    # while the worker is being restarted.
     timeout_s: float = Field(default=180.0, gt=0)
 
 

@@ -191,7 +191,8 @@ class GymCheckpointCoordinator:
         self.policy = restart_only_policy
         self.park_grace_s = park_grace_s
         # instance -> checkpoint id some of its servers did not resume -> why: it sits snapshots out until reopened
-        self._unresumed: dict[str, dict[str, str]] = {}
+        # through the control actor that failed to resume it (a replica replaced since owes nothing)
+        self._unresumed: dict[str, dict[str, tuple[str, Any]]] = {}
         self._reopenings = Reopenings()  # left-out replicas' resumes, owned until each ends or ``aclose``
         self._unforgotten: dict[str, list[str]] = {}  # replica -> finished rollouts it has yet to forget
 
@@ -403,16 +404,22 @@ class GymCheckpointCoordinator:
         left = {iid: f"{iid} is still being reopened after it left a snapshot: {why}"
                 for iid, why in self._reopenings.running().items()}
         for iid, cids in sorted(self._unresumed.items()):
+            current = self.shard_set.control_handles.get(iid)
+            for cid in [c for c, (_, handle) in cids.items() if handle is not current]:
+                del cids[cid]  # its servers were replaced since (docs/design.md §5.12): nothing to reopen
+            if not cids:
+                del self._unresumed[iid]
+                continue
             if iid in left:
                 continue
             left[iid] = f"{iid} has not reopened after checkpoint(s) {', '.join(sorted(cids))}, being reopened " \
-                        f"meanwhile: {'; '.join(cids[c] for c in sorted(cids))}"
-            leavers[iid] = asyncio.create_task(self._reopen(iid, sorted(cids)), name=f"gym-reopen:{iid}")
+                        f"meanwhile: {'; '.join(cids[c][0] for c in sorted(cids))}"
+            leavers[iid] = asyncio.create_task(self._reopen(iid, sorted(cids), current), name=f"gym-reopen:{iid}")
         return left
 
-    async def _reopen(self, iid: str, checkpoint_ids: list[str]) -> None:
+    async def _reopen(self, iid: str, checkpoint_ids: list[str], handle: Any) -> None:
         for cid in checkpoint_ids:
-            await self.resume(cid, [iid])
+            await self.resume(cid, [iid], {iid: handle})
 
     async def _renew_until_stopped(self, checkpoint_id: str, iids: list[str], handles: dict[str, Any]) -> None:
         period = max(0.05, min(self.prepare_timeout_s / 3, 10.0))
@@ -522,8 +529,11 @@ class GymCheckpointCoordinator:
             min(deadline, time.time() + 3 * RESUME_CALL_TIMEOUT_S), handles,
         )
         for iid in targets:
-            if iid in failures:
-                self._unresumed.setdefault(iid, {})[checkpoint_id] = str(failures[iid])
+            used = handles[iid] if handles is not None and iid in handles else self.shard_set.control_handles.get(iid)
+            if iid in failures and used is not self.shard_set.control_handles.get(iid):
+                failures.pop(iid)  # an actor replaced since (docs/design.md §5.12): nothing is owed to its successor
+            elif iid in failures:
+                self._unresumed.setdefault(iid, {})[checkpoint_id] = (str(failures[iid]), used)
             elif iid in self._unresumed:
                 self._unresumed[iid].pop(checkpoint_id, None)
                 if not self._unresumed[iid]:
@@ -556,11 +566,12 @@ class GymCheckpointCoordinator:
 
     async def restore(
         self, restore_id: str, root: str, sources: dict[str, dict[str, dict[str, list[str]]]],
-        source_checkpoint_id: str,
+        source_checkpoint_id: str, replay: frozenset[str] = frozenset(),
     ) -> dict[str, list[str]]:
         """Each running replica of ``sources`` installs what it is given (``sources[target][source][server]``:
         its own saved episodes, and those of vanished replicas of its shard, read from their directories,
-        docs/design.md §5.7); returns new agent keys per instance."""
+        docs/design.md §5.7); those in ``replay`` are installed for replay (their model server only, §4.8).
+        Returns per instance the new keys RL continues (the agents' restored ones, and the replayed)."""
         deadline = time.time() + self.prepare_timeout_s
         unknown = sorted(set(sources) - set(self.instance_ids))
         if unknown:
@@ -573,9 +584,11 @@ class GymCheckpointCoordinator:
             for source in order:
                 for name, keys in by_source[source].items():
                     scope.setdefault(name, []).extend(EpisodeId.from_capture_key(k) for k in keys)
+            replayed = [e for eps in scope.values() for e in eps if e.capture_key in replay]
             calls[iid] = self._send(iid, RestoreCall(
                 checkpoint_id=restore_id, deadline_ts=deadline, checkpoint_dir=dirs[0], source_dirs=dirs[1:],
-                episode_ids=scope, source_checkpoint_id=source_checkpoint_id))
+                episode_ids=scope, source_checkpoint_id=source_checkpoint_id,
+                replay_episode_ids=list({e.capture_key: e for e in replayed}.values())))
         try:
             return await self._collect("restore", calls, deadline)
         finally:

@@ -3,8 +3,9 @@
 A restart-only server only matters to turn recovery if some rollout that must
 continue at turn level passes through it: an agent whose rows resolve to
 ``turn``, or the resources server such an agent calls. A restart-only server
-that serves only ``sibling``/``prompt_group`` agents is not named by the setup
-check, and it prepares ``best_effort`` so it never stalls a snapshot.
+that serves only ``sibling``/``prompt_group`` agents, or only agents whose
+rollouts come back by replay, is not named by the setup check, and it prepares
+``best_effort`` so it never stalls a snapshot.
 """
 
 from __future__ import annotations
@@ -35,15 +36,19 @@ def turn_level_users(
     recovery: RolloutRecoveryConfig,
     rows: Iterable[Mapping[str, Any]],
     agent_resources: Mapping[str, str | None],
+    replayed: Iterable[str] = (),
 ) -> dict[str, list[str]]:
-    """Server name -> the agents whose turn-level rollouts pass through it.
+    """Server name -> the agents whose turn-level rollouts pass through it and need it to save them.
 
     ``agent_resources`` maps each agent of one Gym deployment to the resources
-    server it calls (None: it calls none). An agent is its own user.
+    server it calls (None: it calls none). An agent is its own user. Agents in
+    ``replayed`` (``gym_patches.server_catalog.replay_agents``: their rollouts come
+    back by replay, docs/design.md §4.8) need no server to save anything: they use none.
     """
     users: dict[str, set[str]] = {}
+    skip = set(replayed)
     for agent, levels in agent_levels(recovery, rows, agent_resources).items():
-        if not any(level.requires_gym_checkpoint for level in levels):
+        if agent in skip or not any(level.requires_gym_checkpoint for level in levels):
             continue
         users.setdefault(agent, set()).add(agent)
         resources = agent_resources[agent]
@@ -55,7 +60,8 @@ def turn_level_users(
 def prepare_policy_overrides(
     restart_only: Iterable[str], turn_users: Mapping[str, list[str]]
 ) -> dict[str, RestartOnlyPolicy]:
-    """``best_effort`` for restart-only servers that no turn-level rollout uses (they must not block)."""
+    """``best_effort`` for restart-only servers that no turn-level rollout needs to save (they must not block:
+    they serve coarser levels, or only rollouts that come back by replay)."""
     return {name: "best_effort" for name in restart_only if name not in turn_users}
 
 

@@ -23,6 +23,7 @@ import ray
 import yaml
 
 from gym_patches.config import GymConfigError, parse_gym_config
+from gym_patches.server_catalog import replay_agents, with_call_records
 from nemo_rl.algorithms.single_controller_utils.config import (
     SCRIPTED_TEST_BACKEND,
     MasterConfig,
@@ -241,7 +242,7 @@ def restart_only_check(
     if not recovery.allow_restart_only_gym_servers:
         if described:
             third = (
-                f", or (3) give the agents whose rollouts use them a coarser level, e.g. "
+                f", or (4) give the agents whose rollouts use them a coarser level, e.g. "
                 f"{coarser_level_override(recovery, sorted(agents_to_move))} (their rollouts restart from the "
                 "prompt after a crash, finished siblings kept; restart-only servers they use then never block)"
                 if agents_to_move else ""
@@ -251,7 +252,9 @@ def restart_only_check(
                 f"turn-level rollout to save its rollouts, but these are restart-only: {'; '.join(described)}. "
                 "Every turn-level snapshot would stall waiting for them. Fix one of: (1) add checkpoint support to "
                 "them (agents: checkpoint_sessions_supported = True with session export/restore; resources servers: "
-                "checkpoint_mode 'exported' or 'stateless'), (2) set "
+                "checkpoint_mode 'exported' or 'stateless'), (2) declare them replayable (replayable: true in their "
+                "Gym config, and in that of the servers their rollouts also use) if their tools are deterministic "
+                "and session-local: their rollouts then come back by replay (docs/design.md §4.8), (3) set "
                 "rollout_recovery.allow_restart_only_gym_servers=true to snapshot best-effort (their rollouts "
                 f"restart from the prompt after a crash; the others keep {level}-level recovery){third}."
             )
@@ -269,7 +272,7 @@ def restart_only_check(
             "rollout_recovery.allow_restart_only_gym_servers=true, but every Gym agent and resources server that "
             "serves a turn-level rollout saves its rollouts; set it to false so a restart-only server added later "
             f"fails setup instead of silently losing {level}-level recovery "
-            f"(rollout_recovery.target_level={level})",
+            f"(rollout_recovery.target_level={level}; rollouts that come back by replay count as saved)",
             UserWarning,
             stacklevel=2,
         )
@@ -277,7 +280,7 @@ def restart_only_check(
 
 def policy_unreachable_retry_s(config: MasterConfig) -> float:
     """How long Gym's model servers send a call again while the generation worker cannot be reached: the
-    generation recovery's bound when it runs (docs/design.md §5.13), else 0 (the call fails at once)."""
+    generation recovery's bound when it runs (docs/design.md §5.12), else 0 (the call fails at once)."""
     in_run = config.rollout_recovery.in_run
     return in_run.timeout_s if in_run.enabled and config.policy.model_name != SCRIPTED_TEST_BACKEND else 0.0
 
@@ -316,7 +319,14 @@ def _spinup_gym(
                 policy_unreachable_retry_s=policy_unreachable_retry_s(config),
             )
             parsed = parse_gym_config(gym_cfg)
-            shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [], _agent_resources(parsed))
+            replay = replay_agents(parsed) if turn else {}
+            if replay:  # their model servers keep each call, so a lost rollout can be replayed (§4.8)
+                gym_cfg = with_call_records(gym_cfg, parsed)
+                parsed = parse_gym_config(gym_cfg)
+            shard_set.replay_models[shard.name] = replay
+            shard_set.agent_resources[shard.name] = _agent_resources(parsed)
+            shard_turn_users[shard.name] = turn_level_users(config.rollout_recovery, rows or [],
+                                                            _agent_resources(parsed), replayed=replay)
             shard_set.agent_servers[shard.name] = _agent_servers(parsed)
             _register_servers(parsed, shard.name, server_types, shard_set.agent_shards)
             _add_shard(config, shard, gym_cfg, shard_set, token=token, log_dir=log_dir)

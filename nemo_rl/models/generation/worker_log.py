@@ -1,6 +1,6 @@
 """A generation worker's own log file: everything its process writes (Python's output, a fatal error's
 traceback, native libraries' messages) goes there instead of Ray's worker log, so the run's log dir names
-it when the worker is lost (docs/design.md §5.13)."""
+it when the worker is lost (docs/design.md §5.12)."""
 
 from __future__ import annotations
 

@@ -25,9 +25,23 @@ import sys
 import threading
 
 ENV = "NEMO_RL_TEST_ONLY_DECODE_HOLD"
+# A marker file's path: the first worker of the run to hold a batch whose calls a cut pinned keeps holding it until
+# the worker is killed (the marker, created once, says a worker did; later workers hold as usual). A test that
+# kills the worker once a committed snapshot holds that cut knows the cut's call is still decoding at the kill.
+UNTIL_KILL_ENV = "NEMO_RL_TEST_ONLY_DECODE_HOLD_UNTIL_KILL"
 PINS_PER_HOLD = 2
 HOLD_LIMIT_S = 10.0
 HELD_LINE = "decode hold: a batch was held"  # printed once per worker, in its log, when a batch first waits
+UNTIL_KILL_LINE = "decode hold: holding a pinned batch until this worker is killed"
+
+
+def _claim(marker: str) -> bool:
+    """True for the first process of the run to create ``marker``."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _install(module) -> None:
@@ -49,7 +63,11 @@ def _install(module) -> None:
                         state["held"] = True
                         print(f"{HELD_LINE} at {tokens} tokens", file=sys.stderr, flush=True)
                     seen = state["pins"]
-                    cond.wait_for(lambda: state["pins"] >= seen + PINS_PER_HOLD, timeout=HOLD_LIMIT_S)
+                    pinned = cond.wait_for(lambda: state["pins"] >= seen + PINS_PER_HOLD, timeout=HOLD_LIMIT_S)
+                    marker = os.environ.get(UNTIL_KILL_ENV)
+                    if pinned and marker and _claim(marker):
+                        print(UNTIL_KILL_LINE, file=sys.stderr, flush=True)
+                        cond.wait_for(lambda: False)  # decoded tokens pinned, the call in flight: until killed
             if between_steps is not None:
                 between_steps()
 

@@ -42,8 +42,6 @@ class NullRecovery:
 
     def went_to_prompt(self, rollout_id: str) -> None: ...
 
-    def snapshot_committed(self, path: str, saved_on: list[str]) -> None: ...
-
     def lost(self, instances: list[str]) -> bool:
         return False
 
@@ -99,11 +97,6 @@ class InRunRecovery:
     def went_to_prompt(self, rollout_id: str) -> None:
         if self.generation is not None:
             self.generation.went_to_prompt(rollout_id)
-
-    def snapshot_committed(self, path: str, saved_on: list[str]) -> None:
-        for iid in saved_on:
-            if iid in self.replicas:
-                self.replicas[iid].snapshot_committed(path)
 
     def lost(self, instances: list[str]) -> bool:
         """Any of these replicas is being recovered (a snapshot that failed on them is not a failure in a row)."""

@@ -48,6 +48,7 @@ class GenerationWorkerPart:
 
     kind = "generation"
     name = "generation"
+    label = "the generation worker"
 
     def __init__(self, settings: InRunRecoveryConfig, backend: Any, trainer: Any):
         self.settings = settings
@@ -152,6 +153,8 @@ class GenerationWorkerPart:
             await asyncio.sleep(STATS_EVERY_S)
 
     def line(self, record: RecoveryRecord) -> str:
+        if record.action == "given_up":
+            return f"the {self.worker_name} {record.cause}: given up ({record.given_up}); the run stops"
         return (f"recovered the {self.worker_name}: {record.cause}; restarted{took(record)}; {record.calls_resent} "
                 f"model calls sent again, {record.calls_continued_from_cut} from a generation cut "
                 f"({record.tokens_kept} tokens kept), {len(record.restarted_from_prompt)} rollouts restart from "

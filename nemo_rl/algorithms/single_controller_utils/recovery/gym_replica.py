@@ -35,8 +35,13 @@ from nemo_rl.algorithms.single_controller_utils.recovery.supervisor import (
     describe,
     took,
 )
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.install import InstalledEpisodes, install_episodes
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.install import (
+    InstalledEpisodes,
+    SavedIn,
+    install_episodes,
+    saved_key,
+)
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import REPLICA_HOLD, RunStore
 from nemo_rl.environments.nemo_gym import NemoGymShardSet, ReplicaNotPlaced
 from nemo_rl.experience.rollout_recovery import RolloutRecoveryLedger
 from nemo_rl.utils.atomic_write import write_json_atomic
@@ -72,14 +77,6 @@ class Redispatch:
             self.sent.set()
 
 
-@dataclass
-class _Holding:
-    """The newest committed snapshot that saved rollouts of the replica, and when it was committed."""
-
-    path: str
-    committed_at: float  # wall clock
-
-
 class GymReplicaPart:
     """One ``<shard>/replica-<i>``: its watch, its replacement, and its rollouts' return."""
 
@@ -89,6 +86,7 @@ class GymReplicaPart:
                  coordinator: GymCheckpointCoordinator | None, store: RunStore, host: RecoveryHost,
                  log_dir: Path, hooks: RunHooks):
         self.name = instance
+        self.label = f"Gym {instance}"
         self.settings = settings
         self.shard_set = shard_set
         self.coordinator = coordinator
@@ -99,8 +97,6 @@ class GymReplicaPart:
         self.lost: Loss | None = None  # set at the first notice, until its rollouts are back
         self._reports: asyncio.Queue[Loss] = asyncio.Queue()
         self._affected: list[str] | None = None  # the lost attempts (``live_on``), read once per loss
-        self._holding: _Holding | None = None
-        self._index: Any = None  # the Gym index the last install read (its cuts name the prefix-level ones)
         self._redispatch: Redispatch | None = None
 
     # -- the loss stream
@@ -133,16 +129,23 @@ class GymReplicaPart:
         """The replica's next loss: its watch's, or a report that came first (both owned and ended here)."""
         handle = self.incarnation()
         watching = asyncio.ensure_future(self._watch_once(handle))
-        reported = asyncio.ensure_future(self._reports.get())
+        reported = asyncio.ensure_future(self._next_report(handle))
         try:
             done, _ = await asyncio.wait({watching, reported}, return_when=asyncio.FIRST_COMPLETED)
             loss = reported.result() if reported in done else watching.result()
+            self._take(loss)  # before any other await: a report arriving meanwhile is this loss's
+            return self.lost or loss
         finally:
             for task in (watching, reported):
                 task.cancel()
             await asyncio.gather(watching, reported, return_exceptions=True)
-        self._take(loss)
-        return loss
+
+    async def _next_report(self, handle: Any) -> Loss:
+        """The next report about this incarnation (one about an actor replaced since is dropped)."""
+        while True:
+            loss = await self._reports.get()
+            if loss.incarnation is handle:
+                return loss
 
     async def _watch_once(self, handle: Any) -> Loss:
         """``NemoGym.watch`` of this actor as a ``Loss``; a watch that fails for any other reason than a lost
@@ -172,7 +175,14 @@ class GymReplicaPart:
             raise NotPlaced(str(exc)) from None
         finally:
             write_json_atomic(self.log_dir / "gym_placement.json", self.shard_set.placement)
+        self._forget_old()
         return "replaced" if loss.component == "replica" else "restarted"
+
+    def _forget_old(self) -> None:
+        """The old servers are gone: nothing is owed to them, and the coordinator may talk to the replica's
+        new servers again (the recovery's install does; snapshots still pass it over while it is recovering)."""
+        if self.coordinator is not None:
+            self.coordinator.forget_instance(self.name)
 
     async def give_up(self, loss: Loss, why: str, record: RecoveryRecord) -> None:
         """Drop the replica; its rollouts move to its shard's others (``resume``). With none left the run
@@ -189,6 +199,7 @@ class GymReplicaPart:
         await self._stop_rollouts()
         self.shard_set.drop(self.name)
         write_json_atomic(self.log_dir / "gym_placement.json", self.shard_set.placement)
+        self._forget_old()
 
     async def _stop_rollouts(self) -> None:
         await self.host.stop_rollouts(self.name)
@@ -204,53 +215,49 @@ class GymReplicaPart:
         installed = await self._install(affected, moved, loss, record)
         summary = self.host.ledger().bring_back(installed.attempts, installed.relocated, lost=affected)
         saved = set(installed.saved_keys)
-        record.continued_prefix = sorted(k for k in saved if self._cut(k, installed))
-        record.continued_turn = sorted(saved - set(record.continued_prefix))
+        record.continued_replay = sorted(saved_key(k) for k in installed.replayed)
+        record.continued_prefix = sorted(saved_key(k) for k, n in installed.cuts.items()
+                                         if n and k not in installed.replayed)
+        record.continued_turn = sorted(saved - set(record.continued_prefix) - set(record.continued_replay))
         record.restarted_from_prompt = sorted(set(affected) - saved)
         record.kept_siblings = len(summary.kept_siblings)
         self._redispatch = Redispatch(set(summary.restored_turn + summary.restarted_from_prompt))
         self.shard_set.recovering.discard(self.name)
-        if self.coordinator is not None:
-            self.coordinator.forget_instance(self.name)
         if moved:
-            self.store.hold(self._hold_name, None)
-        self.lost, self._affected, self._index = None, None, None
+            self.store.hold(self._hold_name, None)  # its rollouts live elsewhere now
+        self.lost, self._affected = None, None
         await self.host.notify()
 
     async def _install(self, affected: list[str], moved: bool, loss: Loss, record: RecoveryRecord
                        ) -> InstalledEpisodes:
-        holding = self._holding
-        if self.coordinator is None or holding is None or not affected:
+        """The lost attempts the snapshot held for this replica saved (``RunStore.holding``), installed through
+        the one path a relaunch takes; anything that fails leaves them to restart from the prompt."""
+        holding = self.store.holding(self._hold_name)
+        if self.coordinator is None or holding is None:
+            return InstalledEpisodes()
+        path, held_since = str(holding[0]), holding[1]
+        record.snapshot, record.snapshot_age_s = path, round(max(0.0, loss.at - held_since), 3)
+        if not affected:
             return InstalledEpisodes()
         owner = f"recovery:{self.name}"
-        self.store.hold(owner, holding.path)  # neither a publish's nor a trainer-step prune takes it meanwhile
+        self.store.hold(owner, path)  # neither a publish's nor a trainer-step prune takes it meanwhile
         try:
-            index = await asyncio.to_thread(self.store.read_gym_index, Path(holding.path))
+            index = await asyncio.to_thread(self.store.read_gym_index, Path(path))
             wanted = set(affected)
             saved = {server: [k for k in keys if k in wanted] for server, keys in index.exported().get(self.name, {}).items()}
-            if not any(saved.values()):
-                return InstalledEpisodes()
+            replay = frozenset(index.replayed_keys(self.name) & wanted)
             # A move installs into the shard's other replicas that are not being recovered themselves, not
             # while a snapshot's pause holds them.
             targets = [iid for iid in self.shard_set.survivors(self.name) if iid not in self.shard_set.recovering]
             async with self.coordinator.guards.hold(targets if moved else []):
-                installed = await install_episodes(self.coordinator, holding.path, index.checkpoint_id,
-                                                   {self.name: saved}, purpose="recover",
-                                                   running=[self.name] if not moved else targets)
-            self._index = index
+                return await install_episodes(self.coordinator, [SavedIn(path, index, {self.name: saved}, replay)],
+                                              purpose="recover", running=targets if moved else [self.name])
         except Exception as exc:  # noqa: BLE001 - unreadable or refused: those rollouts restart from the prompt
             logger.warning("recovery of %s could not restore from %s (%s); its rollouts restart from the prompt",
-                           self.name, holding.path, describe(exc))
+                           self.name, path, describe(exc))
             return InstalledEpisodes()
         finally:
             self.store.hold(owner, None)
-        record.snapshot = holding.path
-        record.snapshot_age_s = round(max(0.0, loss.at - holding.committed_at), 3)
-        return installed
-
-    def _cut(self, saved_key: str, installed: InstalledEpisodes) -> bool:
-        """Whether the installed episode's model call in flight continues from a generation cut (§5.10)."""
-        return bool(self._index is not None and self._index.cut_of(installed.saved_keys[saved_key], saved_key))
 
     async def settle(self, loss: Loss, record: RecoveryRecord) -> None:
         """Until the first rollout it brought back went to Gym again (at most ``REDISPATCH_WAIT_S``), then a
@@ -274,22 +281,18 @@ class GymReplicaPart:
         if self._redispatch is not None:
             self._redispatch.dispatched(rollout_id)
 
-    def snapshot_committed(self, path: str) -> None:
-        """A committed snapshot saved rollouts of this replica: the newest to restore them from, held in the
-        run store until a newer one does."""
-        self._holding = _Holding(path, time.time())
-        self.store.hold(self._hold_name, path)
-
     @property
     def _hold_name(self) -> str:
-        return f"gym:{self.name}"
+        return REPLICA_HOLD + self.name  # the newest snapshot that saved its rollouts (the snapshotter moves it)
 
     def line(self, record: RecoveryRecord) -> str:
-        verb = {"restarted": "restarted", "replaced": "replaced", "moved": "moved to the shard's other replicas"}
+        verb = {"restarted": "restarted", "replaced": "replaced", "moved": "moved to the shard's other replicas",
+                "given_up": "given up, the run stops"}
         what = f"{record.part} {record.cause}" if record.part != "replica" else record.cause
         return (f"recovered {self.name}: {what}; {verb[record.action]}{took(record)}; "
                 f"{len(record.continued_turn)} rollouts continue at their turn, "
                 f"{len(record.continued_prefix)} from a generation cut, "
+                + (f"{len(record.continued_replay)} by replay, " if record.continued_replay else "") +
                 f"{len(record.restarted_from_prompt)} restart from the prompt")
 
     def gauges(self) -> dict[str, float]:

@@ -47,8 +47,8 @@ class RecoveryMetrics:
         rows, self._step = self._step, []
         if rows:
             out["supervisor/rows"] = float(len(rows))
-            out["supervisor/rollouts_continued"] = float(sum(len(r.continued_turn) + len(r.continued_prefix)
-                                                             for _, r in rows))
+            out["supervisor/rollouts_continued"] = float(sum(
+                len(r.continued_turn) + len(r.continued_prefix) + len(r.continued_replay) for _, r in rows))
             out["supervisor/rollouts_restarted_from_prompt"] = float(sum(len(r.restarted_from_prompt)
                                                                          for _, r in rows))
             out["supervisor/calls_resent"] = float(sum(r.calls_resent for _, r in rows))

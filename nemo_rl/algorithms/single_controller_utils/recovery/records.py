@@ -1,20 +1,20 @@
-"""What the in-run recovery notices and what it writes (docs/design.md §5.12): one ``Loss`` type for every
-supervised part, and one ``RecoveryRecord``, the schema of a ``recoveries.jsonl`` row, written by the run
-records and read back by the inspector and the end-of-run table.
+"""What the in-run recovery notices (docs/design.md §5.12): one ``Loss`` type for every supervised part. What it
+writes is ``nemo_rl.utils.recovery_record.RecoveryRecord`` (re-exported here), the one schema of a
+``recoveries.jsonl`` row, read back by the inspector and the end-of-run table.
 
-Each duration is read off one clock: ``Loss.noticed`` and every ``seconds_*`` field are the controller's
-``time.monotonic()``; ``time`` is the wall clock at the loss, for people and plots only.
+``Loss.noticed`` is the controller's ``time.monotonic()``, the clock of every ``seconds_*`` field of the row;
+``Loss.at`` is the wall clock at the loss, for people and plots only.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from nemo_rl.utils.recovery_record import NoticedBy, RecoveryRecord
 
-NoticedBy = Literal["watch", "rollout", "snapshot"]
+__all__ = ["Loss", "NoticedBy", "RecoveryRecord"]
 
 
 @dataclass(frozen=True)
@@ -31,45 +31,3 @@ class Loss:
     log_tail: str = ""
     noticed: float = field(default_factory=time.monotonic)
     at: float = field(default_factory=time.time)
-
-
-class RecoveryRecord(BaseModel):
-    """One row of ``recoveries.jsonl``: one recovery of one part. Rows of every part share the schema; a
-    field a part has nothing to say about keeps its default. Older rows (fewer fields) read as well."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    time: float  # wall clock of the loss
-    instance: str  # the part: "<shard>/replica-<i>", or "generation"
-    part: str  # what was lost: a Gym server's name, "replica" (the actor), or "generation"
-    cause: str
-    action: Literal["restarted", "replaced", "moved"] = "restarted"
-    noticed_by: NoticedBy | None = None
-    # where the lost rollouts came back from, and how old that snapshot was when the part was lost
-    snapshot: str | None = None
-    snapshot_age_s: float | None = None
-    # the lost attempts, by capture key (as gym_checkpoint.json names the saved ones)
-    continued_turn: list[str] = Field(default_factory=list)
-    continued_prefix: list[str] = Field(default_factory=list)
-    restarted_from_prompt: list[str] = Field(default_factory=list)
-    kept_siblings: int = 0
-    # from the loss noticed to the first lost rollout (or model call) sent again; of that, the new part's start
-    seconds_to_redispatch: float | None = None
-    seconds_to_start: float | None = None
-    failed_starts: list[str] = Field(default_factory=list)  # why each new start that did not come up failed
-    given_up: str | None = None  # action "moved": why the replica was given up
-    # the generation worker's: the lost worker, its log, and the model calls sent again to its successor
-    worker: str | None = None
-    log: str | None = None
-    calls_resent: int = 0
-    calls_continued_from_cut: int = 0
-    tokens_kept: int = 0
-
-    @classmethod
-    def begin(cls, loss: Loss) -> "RecoveryRecord":
-        """The row as the loss is noticed; the recovery fills the rest in."""
-        return cls(time=loss.at, instance=loss.part, part=loss.component, cause=loss.cause,
-                   noticed_by=loss.noticed_by, log=loss.log)
-
-    def row(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")

@@ -45,7 +45,8 @@ class NotPlaced(RuntimeError):
 class SupervisedPart(Protocol):
     """One part of a run that can be lost and recovered in place (see the module docstring)."""
 
-    name: str  # the part, as rows and lines name it: "<shard>/replica-<i>" or "generation"
+    name: str  # the part, as rows name it: "<shard>/replica-<i>" or "generation"
+    label: str  # as the log names it: "Gym <shard>/replica-<i>", "the generation worker"
     kind: str  # its metrics label: "gym_replica" or "generation"
 
     async def watch(self) -> Loss: ...
@@ -97,7 +98,7 @@ class RecoverySupervisor:
     async def _recover(self, part: SupervisedPart, loss: Loss, bound: RecoveryBound) -> bool:
         """One recovery: replace (or give up), then bring the rollouts back; the row follows once they went
         out again. Returns whether the part is still there to supervise."""
-        logger.warning("%s lost %s: %s (noticed by its %s); recovering", part.name, loss.component, loss.cause,
+        logger.warning("%s lost %s: %s (noticed by its %s); recovering", part.label, loss.component, loss.cause,
                        loss.noticed_by)
         record = RecoveryRecord.begin(loss)
         self.recovering.add(part.name)
@@ -106,6 +107,8 @@ class RecoverySupervisor:
         try:
             alive = await self._replace(part, loss, bound, record)
             await part.resume(loss, record)
+            logger.warning("%s is back (%s); its row follows once its first lost work goes out again", part.label,
+                           record.action)
             self.metrics.succeeded(part.kind, record.action)
             assert self._tasks is not None
             self._tasks.create_task(self._finish(part, loss, record), name=f"recovery-row:{part.name}")
@@ -147,10 +150,13 @@ class RecoverySupervisor:
                 logger.warning("%s did not start again (%s)", part.name, failed)
 
     async def _give_up(self, part: SupervisedPart, loss: Loss, why: str, record: RecoveryRecord) -> None:
+        """The part is given up: its work moves elsewhere (``moved``), or, with nowhere to go, the run stops
+        (``given_up``; the row is still written)."""
         if record.failed_starts:
             why = f"{why}; its last start failed: {record.failed_starts[-1]}"
-        record.action, record.given_up = "moved", why
+        record.action, record.given_up = "given_up", why
         await part.give_up(loss, why, record)
+        record.action = "moved"
 
     async def _finish(self, part: SupervisedPart, loss: Loss, record: RecoveryRecord) -> None:
         """The row once the first lost rollout (or call) went out again, or when the run ends first."""

@@ -22,5 +22,8 @@ class SnapshotInputs:
     anchor_step: Callable[[], int]  # the newest durable trainer step: the snapshot belongs to it
     anchor_dir: Callable[[], Path]  # that step's directory
     agent_servers: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # instance -> agent -> servers
+    # instance -> agent -> its model server, for agents whose rollouts come back by replay (docs/design.md §4.8):
+    # their model servers write their records; their agents and tools save nothing
+    replay_models: dict[str, dict[str, str]] = field(default_factory=dict)
     # target_level prefix: prepares take a generation cut of the prefix-level rollouts' calls (§5.10)
     generation_cuts: bool = False

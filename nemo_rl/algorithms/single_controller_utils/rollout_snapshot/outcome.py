@@ -42,6 +42,7 @@ class SnapshotOutcome:
     reason: str = ""
     saved: int = 0
     unsaved: int = 0  # turn-level rollouts on restart-only servers (restart from the prompt)
+    replayed: int = 0  # turn-level rollouts on restart-only servers whose record was written for replay (§4.8)
     not_admitted: int = 0  # turn-level rollouts Gym had refused while closed (restart from the prompt)
     # Of ``saved`` / ``unsaved``: rollouts no earlier committed snapshot of the run counted (0 unless it
     # commits); the summary adds these up to count distinct rollouts (docs/design.md §5.4).
@@ -71,6 +72,7 @@ class SnapshotOutcome:
     def count(self, counts: "SnapshotCounts") -> None:
         """Take the snapshot's counts (in the pause); its first counts are settled by ``row`` if it commits."""
         self.saved, self.unsaved, self.not_admitted = counts.saved, counts.unsaved, counts.not_admitted
+        self.replayed = counts.replayed
         self._keys = counts.keys
 
     def elapsed(self) -> float:
@@ -102,6 +104,7 @@ class SnapshotOutcome:
             reason=self.reason,
             saved=self.saved,
             unsaved=self.unsaved,
+            **({"replayed": self.replayed} if self.replayed else {}),
             new_saved=self.new_saved,
             new_unsaved=self.new_unsaved,
             not_admitted=self.not_admitted,

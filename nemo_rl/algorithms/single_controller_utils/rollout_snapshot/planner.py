@@ -22,7 +22,7 @@ very same code:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Collection, Iterable, Mapping
 
@@ -48,6 +48,9 @@ class SnapshotPlan:
     # instances that left this snapshot (not parked in time): their rollouts are in no scope and
     # restart from the prompt if it is restored
     left_out: tuple[str, ...] = ()
+    # of ``unsaved``, the keys that come back by replay: instance -> key -> the model server that writes
+    # their record (their agent and tools save nothing; docs/design.md §4.8)
+    replayed: dict[str, Mapping[str, str]] = field(default_factory=dict)
 
     @cached_property
     def scope_keys(self) -> dict[str, set[str]]:
@@ -114,6 +117,7 @@ class SnapshotCounts:
     unsaved: int
     not_admitted: int
     keys: SnapshotKeys | None = None
+    replayed: int = 0  # of the rollouts on restart-only servers, those that come back by replay
 
 
 def gym_checkpoint_agents(ledger: RolloutRecoveryLedger, instance_ids: Iterable[str]) -> dict[str, Map]:
@@ -169,6 +173,7 @@ def plan_snapshot(
     gym_unsaved: Mapping[str, Iterable[str]],
     left_out: Iterable[str] = (),
     unsavable_agents: Mapping[str, Collection[str]] | None = None,
+    replay_models: Mapping[str, Mapping[str, str]] | None = None,
 ) -> SnapshotPlan:
     """The commit scope of every instance, from one pass over the whole ledger (``left_out``:
     instances not in this snapshot; they get no scope).
@@ -176,20 +181,25 @@ def plan_snapshot(
     ``unsavable_agents[instance]``: agents whose rollouts touch a restart-only server there. Their
     rollouts are unsaved whatever Gym reported at prepare: a ``/run`` that reached a restart-only
     server after it answered prepare is not in its report, and must not be in a commit scope. What
-    Gym reports unsaved but the ledger does not own (a validation rollout) is in no plan."""
+    Gym reports unsaved but the ledger does not own (a validation rollout) is in no plan.
+    ``replay_models[instance][agent]``: agents whose rollouts come back by replay, and the model server
+    that writes their record: their unsaved rollouts are ``replayed`` (a pass over the unsaved ones)."""
     iids = tuple(sorted(instance_ids))
     out = tuple(sorted(set(left_out) - set(iids)))
     owned = gym_checkpoint_agents(ledger, iids + out)
     unsavable = unsavable_agents or {}
     unsaved = {}
     scope = {}
+    replayed = {}
     for iid in iids:
         agents = unsavable.get(iid, ())
         late = {k for k, agent in owned[iid].items() if agent in agents} if agents else set()
         # Only the ledger's: Gym also holds rollouts no snapshot is about (validation runs, §5.6).
         unsaved[iid] = frozenset(within(gym_unsaved.get(iid, ()), owned[iid])) | late
         scope[iid] = _without(owned[iid], unsaved[iid])
-    return SnapshotPlan(iids, scope, unsaved, out)
+        models = (replay_models or {}).get(iid) or {}
+        replayed[iid] = {k: models[owned[iid][k]] for k in unsaved[iid] if owned[iid][k] in models} if models else {}
+    return SnapshotPlan(iids, scope, unsaved, out, replayed)
 
 
 def _without(agents: Map, keys: Collection[str]) -> Map:
@@ -219,6 +229,8 @@ def server_scopes(
         servers_of = agent_servers.get(iid, {})
         wanted = None if only is None else only.get(iid, set())
         by_server: dict[str, list[str]] = {}
+        for key, model in plan.replayed.get(iid, {}).items():  # replayed: the model server's record only
+            by_server.setdefault(model, []).append(key)
         for key, agent in plan.scope[iid].items():
             if wanted is not None and key not in wanted:
                 continue
@@ -297,11 +309,13 @@ def count_snapshot(
     """A snapshot's counts after resume, on what the pause fixed: ``owned`` (what ``check_ownership``
     passed and returned) and ``refused_waiting`` (the refused rollouts waiting at the capture).
 
-    ``unsaved``: on restart-only servers; ``not_admitted``: refused by Gym, or held there unstarted.
+    ``unsaved``: on restart-only servers, not replayable; ``replayed``: on restart-only servers, their record
+    written for replay; ``not_admitted``: refused by Gym, or held there unstarted.
     ``first``: the start's ``FirstCounts``; the result's ``keys`` then settle what this snapshot counts first."""
     inventory, refused = owned, refused_waiting
     saved: list[str] = []
     unsaved: list[str] = []
+    replayed = 0
     waiting = 0
     for iid in plan.instance_ids:  # set operations over every rollout held
         done = set(exported.get(iid, ()))
@@ -310,6 +324,9 @@ def count_snapshot(
         rest = held - done
         saved.extend(held & done)
         waiting += len(rest & idle)
-        unsaved.extend((rest - idle) & plan.unsaved[iid])
+        on_restart_only = (rest - idle) & plan.unsaved[iid]
+        by_replay = on_restart_only & set(plan.replayed.get(iid, {}))
+        replayed += len(by_replay)
+        unsaved.extend(on_restart_only - by_replay)
     keys = SnapshotKeys(first, saved, unsaved, inventory) if first is not None else None
-    return SnapshotCounts(len(saved), len(unsaved), waiting + refused, keys)
+    return SnapshotCounts(len(saved), len(unsaved), waiting + refused, keys, replayed)

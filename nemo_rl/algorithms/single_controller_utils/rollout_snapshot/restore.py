@@ -19,12 +19,14 @@ from gym_patches.checkpoint.identity import EpisodeId
 from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.install import (
     InstalledEpisodes,
+    SavedIn,
     install_episodes,
-    saved_key,
 )
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import RestorePlan, replica_counts
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.reshard import replica_counts
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import (
     CONTROLLER_STATE_FILE,
+    REPLICA_HOLD,
+    GymCheckpointIndex,
     RestorePoint,
     RunStore,
     SnapshotContents,
@@ -90,15 +92,19 @@ class _TrainerState:
     metrics_row: dict[str, Any] | None
 
 
-def _prefix_cuts(snap: SnapshotContents, summary: RestartSummary, saved_on: dict[str, str]) -> dict[str, int]:
+def _saved_in(path: str, index: GymCheckpointIndex, saved: dict[str, dict[str, list[str]]],
+              dropped: set[str]) -> SavedIn:
+    """One snapshot's episodes to install, less the groups trained since (``dropped``), and which of them replay."""
+    kept = _without(saved, dropped)
+    keys = {k for by_server in kept.values() for ks in by_server.values() for k in ks}
+    replay = {k for iid in kept for k in index.replayed_keys(iid)} & keys
+    return SavedIn(path, index, kept, frozenset(replay))
+
+
+def _prefix_cuts(summary: RestartSummary, gym: InstalledEpisodes) -> dict[str, int]:
     """Restored rollouts whose model call in flight was cut -> the tokens cut: their next call
     continues from them (docs/design.md §5.10)."""
-    prefix = {}
-    for key in summary.restored_turn:
-        cut = 0 if snap.gym is None or key not in saved_on else snap.gym.cut_of(saved_on[key], saved_key(key))
-        if cut:
-            prefix[key] = cut
-    return prefix
+    return {key: gym.cuts[key] for key in summary.restored_turn if gym.cuts.get(key)}
 
 
 def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, dropped_groups: list[str],
@@ -110,7 +116,8 @@ def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, drop
         snapshot_step=snap.state.step,
         dropped_trained_groups=len(dropped_groups),  # the restored step trained them after the snapshot
         retrained_groups=len(ledger.complete_groups()),  # taken by the trainer after the anchor: trained again
-        restored_turn=len(summary.restored_turn),
+        restored_turn=len([k for k in summary.restored_turn if k not in gym.replayed]),
+        restored_replay=len(gym.replayed),  # continued by replay: fresh sessions, recorded calls played back
         restored_prefix=len(prefix),
         prefix_tokens=sum(prefix.values()),
         restored_prefix_tokens=prefix,
@@ -118,24 +125,26 @@ def _snapshot_fields(snap: SnapshotContents, ledger: RolloutRecoveryLedger, drop
         kept_siblings=len(summary.kept_siblings),
         redone_groups=len(summary.redone_groups),
         restored_rollout_ids=summary.restored_turn,
+        replayed_rollout_ids=sorted(gym.replayed),
         restored_instances={key: gym.restored_on[key] for key in summary.restored_turn},
         moved_rollouts={key: {"from": gym.saved_on[key], "to": gym.restored_on[key]}
                         for key in summary.restored_turn if gym.saved_on[key] != gym.restored_on[key]},
-        not_portable_rollouts=gym.plan.not_portable,  # a vanished replica's, restarted from the prompt
+        not_portable_rollouts=gym.not_portable,  # a vanished replica's, restarted from the prompt
+        carried_snapshots=dict(snap.gym.carried) if snap.gym is not None else {},  # replicas it left out
         restarted_rollout_ids=summary.restarted_from_prompt,
         kept_rollout_ids=summary.kept_siblings,
     )
 
 
-def _snapshot_message(snap: SnapshotContents, step: int, record: dict[str, Any], plan: RestorePlan) -> str:
+def _snapshot_message(snap: SnapshotContents, step: int, record: dict[str, Any], gym: InstalledEpisodes) -> str:
     """The console's one line for a restored snapshot (and the replicas it moved off, if any)."""
     message = (f"Restored rollout snapshot {snap.path.name} (under step {snap.state.anchor}) at step {step}: "
                f"{record['retrained_groups']} complete groups to train, {record['restored_turn']} continue at "
-               f"turn level, {record['restarted_from_prompt']} restart from the prompt, "
-               f"{record['kept_siblings']} sealed kept.")
-    if record["moved_rollouts"] or plan.not_portable:
+               f"turn level, " + (f"{record['restored_replay']} by replay, " if record['restored_replay'] else "")
+               + f"{record['restarted_from_prompt']} restart from the prompt, {record['kept_siblings']} sealed kept.")
+    if record["moved_rollouts"] or gym.not_portable:
         message += (f" {len(record['moved_rollouts'])} saved on replicas that no longer run continue on their "
-                    f"shard's others ({len(plan.not_portable)} restart from the prompt: records not portable).")
+                    f"shard's others ({len(gym.not_portable)} restart from the prompt: records not portable).")
     return message
 
 
@@ -195,15 +204,16 @@ class RunRestorer:
             return self._from_trainer_only(point, trainer, record)
         snap = self._read_snapshot(point.snapshot.path, turn_level, trainer.step)
         ledger, dropped_groups, dropped = self._adopt_snapshot_ledger(snap, trainer)
-        exported = _without(snap.gym.exported() if snap.gym is not None else {}, set(dropped))
-        gym = await self._restore_gym(snap, exported)
+        sources = self._sources(snap, ledger, set(dropped))
+        gym = await self._restore_gym(sources)
         self.hooks.reached("restore")  # Gym restored, the ledger not applied
         summary = ledger.bring_back(gym.attempts, gym.relocated)
         snap.data_plane.discard(summary.discarded_rollout_ids)
-        prefix = _prefix_cuts(snap, summary, gym.saved_on)
+        prefix = _prefix_cuts(summary, gym)
         record.update(_snapshot_fields(snap, ledger, dropped_groups, summary, gym, prefix))
-        message = _snapshot_message(snap, trainer.step, record, gym.plan)
+        message = _snapshot_message(snap, trainer.step, record, gym)
         self._record_replicas(record)
+        self._hold(sources)
         return RestoredState(trainer.step, ledger, snap.state.dataloader, snap.data_plane, record, message,
                              trainer.metrics_row)
 
@@ -238,6 +248,7 @@ class RunRestorer:
             "skipped_snapshots": [{"path": str(p), "reason": r} for p, r in selection.skipped],
             "skipped_trainer_steps": [{"path": str(p), "reason": r} for p, r in point.skipped],
             "restored_turn": 0,
+            "restored_replay": 0,
             "restored_prefix": 0,
             "prefix_tokens": 0,
             "restarted_from_prompt": 0,
@@ -277,10 +288,36 @@ class RunRestorer:
         snap.data_plane.discard(s.rollout_id for g in dropped_groups for s in snap.data_plane.group_samples(g))
         return ledger, dropped_groups, dropped
 
-    async def _restore_gym(self, snap: SnapshotContents, exported: dict[str, dict[str, list[str]]]) -> InstalledEpisodes:
-        """Gym installs its saved episodes on the replicas that run now (``install.install_episodes``, the
+    def _sources(self, snap: SnapshotContents, ledger: RolloutRecoveryLedger, dropped: set[str]) -> list[SavedIn]:
+        """Where each replica's saved episodes come from: the snapshot itself, and for a replica it left out
+        the older snapshot it carries (each verified; only episodes the ledger still has live there, at the
+        same attempt). Episodes of groups the restored step trained since are left out (``dropped``)."""
+        if snap.gym is None:
+            return []
+        sources = [_saved_in(str(snap.path), snap.gym, snap.gym.exported(), dropped)]
+        for iid, relative in sorted(snap.gym.carried.items()):
+            try:
+                index = self.store.read_carried(relative)
+            except (SnapshotStoreError, OSError) as exc:
+                logger.warning("%s's rollouts restart from their prompt: the snapshot that holds them, %s, "
+                               "cannot be read (%s)", iid, relative, exc)
+                continue
+            live = set(ledger.live_on(iid))
+            saved = {server: [k for k in keys if k in live] for server, keys in index.exported().get(iid, {}).items()}
+            sources.append(_saved_in(str(self.checkpoint_dir / relative), index, {iid: saved}, dropped))
+        return sources
+
+    def _hold(self, sources: list[SavedIn]) -> None:
+        """The run store holds, for each replica, the snapshot its episodes came from: until a new snapshot
+        saves that replica, a recovery of it (or the next relaunch, through ``carried``) installs from there."""
+        for item in sources:
+            for iid in item.index.turn_level if item is sources[0] else item.saved:
+                self.store.hold(REPLICA_HOLD + iid, item.snapshot)
+
+    async def _restore_gym(self, sources: list[SavedIn]) -> InstalledEpisodes:
+        """Gym installs the saved episodes on the replicas that run now (``install.install_episodes``, the
         path an in-run recovery takes too)."""
-        if not exported:
+        if not any(sources):
             return InstalledEpisodes()
-        assert self.coordinator is not None and snap.gym is not None
-        return await install_episodes(self.coordinator, str(snap.path), snap.gym.checkpoint_id, exported)
+        assert self.coordinator is not None
+        return await install_episodes(self.coordinator, sources)

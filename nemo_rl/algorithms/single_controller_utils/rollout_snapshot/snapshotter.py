@@ -30,7 +30,7 @@ from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import 
     survives_publish,
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedSnapshot, make_stager
-from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import REPLICA_HOLD, GymCheckpointIndex, RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.utils.run_hooks import RunHooks
 
@@ -105,6 +105,8 @@ class RolloutSnapshotter:
         try:
             self.hooks.reached("persist", staged.step)  # rollouts resumed, this snapshot not written
             index = await self.stager.write(staged, outcome)
+            if index is not None:
+                index = index.model_copy(update={"carried": self._carried(index)})
             await asyncio.to_thread(self.store.publish, staged.snapshot, staged.capture, index, staged.checkpoint_id,
                                     lambda: self.hooks.reached("publish", staged.step))
         except BaseException:
@@ -113,7 +115,15 @@ class RolloutSnapshotter:
         outcome.committed, outcome.path = True, str(staged.snapshot.final)
         outcome.saved_on = sorted(index.exported()) if index is not None else []
         self.store.hold(RELAUNCH, staged.snapshot.final)
+        for iid in index.turn_level if index is not None else ():  # it took part: its newest snapshot now
+            self.store.hold(REPLICA_HOLD + iid, staged.snapshot.final)
         outcome.mark("publish")
+
+    def _carried(self, index: GymCheckpointIndex) -> dict[str, str]:
+        """Replicas left out of this snapshot -> the older one that holds their rollouts (held in the store
+        until a newer snapshot saves them): a restore installs their saved episodes from there."""
+        return {iid: self.store.relative(path) for iid, (path, _) in self.store.holders(REPLICA_HOLD).items()
+                if iid not in index.turn_level}
         outcome.persist_s = outcome.elapsed() - outcome.pause_s
 
     def _note_overtaken(self, begun_under: int, outcome: SnapshotOutcome) -> None:

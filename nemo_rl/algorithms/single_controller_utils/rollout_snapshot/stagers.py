@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, ClassVar, Mapping
 
@@ -115,6 +115,8 @@ class PendingPersist:
     scopes: dict[str, dict[str, list[str]]]  # instance -> server -> capture keys (``server_scopes``)
     exported: dict[str, set[str]]  # instance -> what its agents captured in the scope: continues at turn level
     unsaved: dict[str, list[str]]  # instance -> rollouts restart-only servers could not save
+    # instance -> rollouts that come back by replay (live at the capture): their model record only (§4.8)
+    replayed: dict[str, set[str]] = field(default_factory=dict)
 
 
 class Stager(ABC):
@@ -254,7 +256,8 @@ class _GymStager(Stager):
         iids = prepared.instance_ids  # replicas that left the snapshot save nothing in it
         restart_only = self.coordinator.shard_set.restart_only_servers
         plan = plan_snapshot(inputs.ledger, iids, {iid: prepared.unsaved_keys(iid) for iid in iids}, prepared.left_out,
-                        unsavable_agents=self._unsavable_agents(restart_only))
+                             unsavable_agents=self._unsavable_agents(restart_only),
+                             replay_models=inputs.replay_models)
         # A saving server reports as unsaved only runs that reached it after it closed: not started.
         reported_unstarted = {
             iid: {k for server, keys in prepared.results[iid].unsaved.items()
@@ -301,12 +304,14 @@ class _GymStager(Stager):
                                             facts.reported_unstarted)
         self._account(facts, exported, not_started, outcome)
         scopes = facts.scopes if facts.scopes is not None else server_scopes(plan, self.inputs.agent_servers)
-        unsaved = {iid: sorted(plan.unsaved[iid]) for iid in plan.instance_ids}
-        return await self._write_gym(staged, facts, scopes, exported, unsaved, outcome)
+        replayed = {iid: set(plan.replayed.get(iid, {})) & set(facts.held.get(iid, ())) for iid in plan.instance_ids}
+        unsaved = {iid: sorted(plan.unsaved[iid] - replayed[iid]) for iid in plan.instance_ids}
+        return await self._write_gym(staged, facts, scopes, exported, unsaved, outcome, replayed)
 
     @abstractmethod
     async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict, exported: dict[str, set[str]],
-                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex: ...
+                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome,
+                         replayed: dict[str, set[str]]) -> GymCheckpointIndex: ...
 
     async def _drain(self, waited: dict[str, str], deadline_ts: float) -> dict[str, str]:
         """Give the rollouts ``drain_wait`` chose (their reply may be on the wire) a moment to finish,
@@ -391,13 +396,14 @@ class BlockingStager(_GymStager):
                          cut_tokens={iid: commits[iid].cut_tokens for iid in plan.instance_ids})
 
     async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict, exported: dict[str, set[str]],
-                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex:
+                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome,
+                         replayed: dict[str, set[str]]) -> GymCheckpointIndex:
         """Gym's records are in the directory already: only their index."""
         share = facts.share
         outcome.captured_bytes = staged.capture.data_plane.nbytes
         assert share.written is not None
         index = GymCheckpointIndex.from_written(staged.checkpoint_id, share.written, exported, unsaved,
-                                                share.cut_tokens)
+                                                share.cut_tokens, replayed)
         count_cuts(index, outcome)
         return index
 
@@ -415,14 +421,15 @@ class StagedStager(_GymStager):
         return _GymShare(exported=None)
 
     async def _write_gym(self, staged: StagedSnapshot, facts: PauseFacts, scopes: dict, exported: dict[str, set[str]],
-                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome) -> GymCheckpointIndex:
+                         unsaved: dict[str, list[str]], outcome: SnapshotOutcome,
+                         replayed: dict[str, set[str]]) -> GymCheckpointIndex:
         """Every Gym server writes its share from the copy it took at prepare."""
         prepared = facts.prepared
         outcome.captured_bytes_by_server = {
             f"{iid}/{server}": n for iid in prepared.instance_ids
             for server, n in sorted(prepared.results[iid].captured_bytes().items())}
         outcome.captured_bytes = sum(outcome.captured_bytes_by_server.values()) + staged.capture.data_plane.nbytes
-        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, exported, unsaved),
+        index = await self.persist(staged.checkpoint_id, staged.tmp, PendingPersist(scopes, exported, unsaved, replayed),
                                    outcome, prepared.handles)
         outcome.mark("persist")
         count_cuts(index, outcome)
@@ -454,7 +461,8 @@ class StagedStager(_GymStager):
                                         "did not write them")
         written = {iid: persisted[iid].exported_by_server for iid in pending.exported}
         return GymCheckpointIndex.from_written(checkpoint_id, written, pending.exported, pending.unsaved,
-                                               {iid: persisted[iid].cut_tokens for iid in pending.exported})
+                                               {iid: persisted[iid].cut_tokens for iid in pending.exported},
+                                               pending.replayed)
 
 
 def _without_replicas(pending: PendingPersist, left: dict[str, str], outcome: SnapshotOutcome | None) -> PendingPersist:
@@ -466,7 +474,8 @@ def _without_replicas(pending: PendingPersist, left: dict[str, str], outcome: Sn
         outcome.saved = max(0, outcome.saved - lost)
     return PendingPersist({iid: v for iid, v in pending.scopes.items() if iid not in left},
                           {iid: v for iid, v in pending.exported.items() if iid not in left},
-                          {iid: v for iid, v in pending.unsaved.items() if iid not in left})
+                          {iid: v for iid, v in pending.unsaved.items() if iid not in left},
+                          {iid: v for iid, v in pending.replayed.items() if iid not in left})
 
 
 STAGERS: dict[str, type[_GymStager]] = {"staged": StagedStager, "blocking": BlockingStager}

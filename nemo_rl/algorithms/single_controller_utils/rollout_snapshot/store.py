@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -55,9 +56,11 @@ from nemo_rl.utils.snapshot_store import (
     publish_trainer_step,
     remove_stale_tmp_dirs,
     resolve_restore_point,
+    verify_directory,
 )
 
 logger = logging.getLogger(__name__)
+REPLICA_HOLD = "gym:"  # the run store's holders of each replica's newest snapshot that saved its rollouts
 GYM_CHECKPOINT_SCHEMA_VERSION = 3
 GYM_CHECKPOINT_FILE = "gym_checkpoint.json"
 CONTROLLER_STATE_FILE = "controller_state.json"
@@ -88,23 +91,39 @@ class GymCheckpointIndex(BaseModel):
     unsaved: dict[str, list[str]]  # instance -> rollouts restart-only servers could not save
     # instance -> capture key -> tokens: turn-level rollouts whose model call in flight was cut (prefix level)
     cut_tokens: dict[str, dict[str, int]] = Field(default_factory=dict)
+    # instance -> the older snapshot (relative to checkpoint_dir) that holds its rollouts: it was left out of
+    # this one (a hung server, an in-run recovery), so a restore takes its saved episodes from there
+    carried: dict[str, str] = Field(default_factory=dict)
+    # instance -> rollouts that come back by replay: only their model server's record was written (§4.8)
+    replayed: dict[str, list[str]] = Field(default_factory=dict)
 
     @classmethod
     def from_written(
         cls, checkpoint_id: str, written: dict[str, dict[str, list[str]]], exported: dict[str, set[str]],
         unsaved: dict[str, list[str]], cut_tokens: dict[str, dict[str, int]] | None = None,
+        replayed: dict[str, set[str]] | None = None,
     ) -> "GymCheckpointIndex":
         """The index of what each server wrote (``written[iid][server]``), kept to the rollouts that
-        continue at turn level (``exported[iid]``): a server may write more than the agents saved."""
+        continue at turn level (``exported[iid]``: a server may write more than the agents saved) or by
+        replay (``replayed[iid]``, of which only those a model server wrote)."""
+        replayed = replayed or {}
+        kept = {iid: exported[iid] | replayed.get(iid, set()) for iid in written}
+        by_replay = {iid: sorted({k for keys in by_server.values() for k in keys} & replayed.get(iid, set()))
+                     for iid, by_server in written.items()}
         return cls(
             checkpoint_id=checkpoint_id,
-            instances={iid: {server: sorted(set(keys) & exported[iid]) for server, keys in by_server.items()}
+            instances={iid: {server: sorted(set(keys) & kept[iid]) for server, keys in by_server.items()}
                        for iid, by_server in written.items()},
             turn_level={iid: sorted(keys) for iid, keys in exported.items()},
             unsaved=unsaved,
-            cut_tokens={iid: {k: n for k, n in cuts.items() if k in exported[iid]}
+            cut_tokens={iid: {k: n for k, n in cuts.items() if k in kept.get(iid, exported.get(iid, set()))}
                         for iid, cuts in (cut_tokens or {}).items() if cuts},
+            replayed={iid: keys for iid, keys in by_replay.items() if keys},
         )
+
+    def replayed_keys(self, iid: str) -> set[str]:
+        """What ``iid`` saved for replay (its model record only)."""
+        return set(self.replayed.get(iid, ()))
 
     def cut_of(self, iid: str, capture_key: str) -> int:
         """Tokens of the generation cut saved for ``capture_key`` on ``iid`` (0: none)."""
@@ -314,27 +333,39 @@ class RunStore:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.writer = writer
         self.keep_latest_k = keep_latest_k
-        self._held: dict[str, Path] = {}  # who -> the snapshot a restore of theirs may still read
+        self._held: dict[str, tuple[Path, float]] = {}  # who -> the snapshot a restore of theirs may read, since
 
     # -- retention: one rule, whatever any restore may still need stays
     def hold(self, owner: str, snapshot: str | Path | None) -> None:
         """``owner`` may still restore from ``snapshot`` (None: no longer from any): neither a publish's
         prune of older snapshots nor a trainer-step prune removes it or its anchor. Owners: the relaunch
-        (the newest committed snapshot, until the run is complete), each Gym replica (the newest snapshot
-        that saved its rollouts) and each in-run recovery while it installs from one (docs/design.md
-        §5.4.7, "Retention")."""
+        (``relaunch``: the newest committed snapshot, until the run is complete), each Gym replica
+        (``gym:<replica>``: the newest snapshot that saved its rollouts) and each in-run recovery while it
+        installs from one (docs/design.md §5.4.7, "Retention")."""
         if snapshot is None:
             self._held.pop(owner, None)
-        else:
-            self._held[owner] = Path(snapshot)
+        elif owner not in self._held or self._held[owner][0] != Path(snapshot):
+            self._held[owner] = (Path(snapshot), time.time())
+
+    def holding(self, owner: str) -> tuple[Path, float] | None:
+        """The snapshot ``owner`` holds and since when (wall clock), or None."""
+        return self._held.get(owner)
+
+    def holders(self, prefix: str) -> dict[str, tuple[Path, float]]:
+        """Every owner named ``<prefix><name>`` -> what it holds, by ``<name>``."""
+        return {owner[len(prefix):]: held for owner, held in self._held.items() if owner.startswith(prefix)}
 
     def held(self) -> frozenset[Path]:
         """Every snapshot some restore may still need."""
-        return frozenset(self._held.values())
+        return frozenset(path for path, _ in self._held.values())
 
     def held_anchors(self) -> frozenset[int]:
         """The trainer steps (0: bootstrap) whose directories hold a held snapshot."""
-        return frozenset(anchor_step_of(p) for p in self._held.values())
+        return frozenset(anchor_step_of(p) for p in self.held())
+
+    def relative(self, snapshot: str | Path) -> str:
+        """A snapshot's path as an index names it: relative to ``checkpoint_dir``."""
+        return str(Path(snapshot).relative_to(self.checkpoint_dir))
 
     def anchor(self, step: int) -> Path:
         """The directory of trainer step ``step`` (``bootstrap/`` for 0): where its snapshots go."""
@@ -422,6 +453,15 @@ class RunStore:
     def read(self, snapshot: Path, turn_level: bool) -> SnapshotContents:
         """Every file of the selected ``snapshot``, validated (``read_snapshot``)."""
         return read_snapshot(snapshot, turn_level)
+
+    def read_carried(self, relative: str) -> GymCheckpointIndex:
+        """The Gym index of a snapshot a newer one carries (``GymCheckpointIndex.carried``), its directory
+        verified first (every digest): a relaunch installs episodes from it (docs/design.md §5.5)."""
+        path = self.checkpoint_dir / relative
+        if path.parent.parent.parent != self.checkpoint_dir:
+            raise SnapshotStoreError(f"{path}: not a snapshot of {self.checkpoint_dir}")
+        verify_directory(path, "rollout_snapshot")
+        return GymCheckpointIndex.read(path)
 
     def read_gym_index(self, snapshot: Path) -> GymCheckpointIndex:
         """Only Gym's index of a published snapshot (what each replica saved): an in-run recovery

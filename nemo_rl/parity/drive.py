@@ -7,7 +7,8 @@ been started again, an in-run fault when ``recoveries.jsonl`` has a new row) and
 their trained-samples record; it is *due* once ``after_snapshots`` committed snapshots that saved rollouts
 (for an in-run Gym fault: saved some on its replica) appeared since it was armed. Each delivered fault is a
 line of ``<root>/faults.jsonl`` (what, when, the pids it hit, the snapshot it followed);
-``<root>/faults_state.json`` says at every moment how many were delivered and whether the next is armed.
+``<root>/faults_state.json`` says at every moment how many were delivered, whether the next is armed and
+whether an in-run fault's recovery is awaited.
 Faults left when the run ends are reported, not silently dropped.
 """
 
@@ -97,10 +98,13 @@ class FaultDriver:
         """The newest step with a trained-samples record (written before its checkpoint and refit)."""
         return max(read_step_traces_steps(self.place.logs), default=0)
 
-    def _state(self, armed: bool, pending: list[Fault]) -> None:
-        """``faults_state.json``, replaced atomically: delivered so far, and whether the next is armed."""
-        state = {"delivered": len(self.outcome.delivered), "armed": armed,
-                 "next": pending[0].spec if pending else None, "faults": len(self.schedule.faults)}
+    def _state(self, pending: list[Fault]) -> None:
+        """``faults_state.json``, replaced atomically: delivered so far, whether the next is armed, and whether
+        an in-run fault's recovery is awaited (``busy``: armed or recovering)."""
+        armed, recovering = self._since is not None, self._waiting_for is not None
+        state = {"delivered": len(self.outcome.delivered), "armed": armed, "recovering": recovering,
+                 "busy": armed or recovering, "next": pending[0].spec if pending else None,
+                 "faults": len(self.schedule.faults)}
         tmp = self.place.root / f".{FAULT_STATE}.tmp"
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.place.root / FAULT_STATE)
@@ -193,9 +197,10 @@ class FaultDriver:
         """Arm the next fault once the previous one is over and its steps are trained."""
         if self._waiting_for is not None and self._recoveries() >= self._waiting_for:
             self._waiting_for = None
+            self._state(faults)
         if faults and self._waiting_for is None and self._since is None and self._trained() >= faults[0].after_steps:
             self._since = len(self._committed())
-            self._state(True, faults)
+            self._state(faults)
 
     def _deliver_due(self, launch: Launch, faults: list[Fault]) -> Launch:
         """Deliver the armed fault if it is due; returns the launch running afterwards (a relaunch's)."""
@@ -218,13 +223,13 @@ class FaultDriver:
             if fault.signal == signal.SIGSTOP:
                 self._stopped += list(hit.values())
             self._record(fault, n, hit, after)
-        self._state(False, faults)
+        self._state(faults)
         return launch
 
     def run(self) -> DriveOutcome:
         faults = list(self.schedule.faults)
         launch = self._launch()
-        self._state(False, faults)
+        self._state(faults)
         try:
             while not self._stopped_by_itself(launch):
                 self._arm(faults)

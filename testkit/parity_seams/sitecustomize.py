@@ -3,11 +3,12 @@ every process of a run that has this directory first on ``PYTHONPATH``:
 
 - ``NEMO_RL_TEST_ONLY_PARITY_GATE=<faults_state.json>|<tokens>``: in the generation worker, a call
   (deterministic mode decodes one at a time) that reaches ``tokens`` decode steps while the parity harness
-  has its next fault armed (its ``faults_state.json``) waits there until that fault is delivered. So the
-  fault, which waits for committed snapshots holding rollouts in flight (at prefix level, with a generation
-  cut), finds them on any machine, fast or slow, instead of the step ending first. The tokens and replies are
-  the worker's own; a hold ends after ``HOLD_LIMIT_S`` whatever happens (then the next call may hold; a fault
-  never delivered is reported by the harness).
+  is busy (its ``faults_state.json``: the next fault armed, or an in-run fault's recovery awaited) waits
+  there until it is not. So a fault, which waits for committed snapshots holding rollouts in flight (at
+  prefix level, with a generation cut), finds them on any machine, fast or slow, and the run does not end
+  while a recovery is still to be seen; between faults (the harness waits for steps to be trained) nothing
+  is held. The tokens and replies are the worker's own; a hold ends after ``HOLD_LIMIT_S`` whatever happens
+  (then the next call may hold; a fault never delivered is reported by the harness).
 - ``NEMO_RL_TEST_ONLY_PARITY_MUTATION=restored_logprobs``: in the driver, the first logprob of every sample
   whose rollout continued from a restored boundary (``restored_from``) is moved by 0.01: the bug "a
   restored turn carries a wrong logprob" that parity must catch and name.
@@ -32,13 +33,12 @@ HELD_LINE = "parity gate: a call was held"
 PERTURBATION = 0.01
 
 
-def _state(path: Path) -> tuple[int, bool]:
-    """(faults delivered, next armed) as the harness last wrote them; (0, False) before it wrote any."""
+def _busy(path: Path) -> bool:
+    """Whether the harness, as it last wrote, has a fault armed or a recovery awaited (False before it wrote)."""
     try:
-        state = json.loads(path.read_text())
-        return int(state["delivered"]), bool(state["armed"])
+        return bool(json.loads(path.read_text())["busy"])
     except (OSError, ValueError, KeyError):
-        return 0, False
+        return False
 
 
 def _install_gate(module) -> None:
@@ -53,15 +53,13 @@ def _install_gate(module) -> None:
         def between() -> None:
             nonlocal steps
             steps += 1
-            if steps == tokens:
-                delivered, armed = _state(path)
-                if armed:
-                    if not announced.is_set():
-                        announced.set()
-                        print(f"{HELD_LINE} at {tokens} tokens", file=sys.stderr, flush=True)
-                    deadline = time.monotonic() + HOLD_LIMIT_S
-                    while _state(path) == (delivered, True) and time.monotonic() < deadline:
-                        time.sleep(0.05)
+            if steps == tokens and _busy(path):
+                if not announced.is_set():
+                    announced.set()
+                    print(f"{HELD_LINE} at {tokens} tokens", file=sys.stderr, flush=True)
+                deadline = time.monotonic() + HOLD_LIMIT_S
+                while _busy(path) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             if between_steps is not None:
                 between_steps()
 

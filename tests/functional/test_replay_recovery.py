@@ -1,0 +1,328 @@
+"""Replay of rollouts on restart-only Gym servers (issue 53, docs/design.md §4.8), end to end: real
+``run_grpo`` processes, real Ray actors, real Gym servers on 127.0.0.1, the scripted test backend and the
+recording trainer (its lineage keeps each replayed rollout's calls as trained).
+
+The scripted backend holds chosen turns of chosen rows from its start (``scripted_hold/sitecustomize.py``):
+a held rollout stops with exactly that many finished calls, and every snapshot after that holds them. The
+tests act once the newest committed snapshot's model records hold them (no timing), then:
+
+- SIGKILL the whole run and start the same command: on the one-replica mixed setup (with a sandbox row
+  whose second cell prints a fresh uuid, a tool made non-deterministic on purpose) and on 2 shards x 2
+  replicas in async mode (lookahead 1). No rollout on a replayable server restarts from its prompt; each
+  continues from its recorded calls, whose trained token ids are the record's and never reached the
+  backend again (the model-call audit); the non-deterministic rollout replays up to that output and
+  generates the rest, and the step row names the divergence (python_sandbox, its call index);
+- in-run on 2 x 2: SIGKILL ``python_sandbox`` of ``mixed/replica-1``, then its restart-only agent's
+  server: the run goes on, each recovery continues its replayed rollouts by replay;
+- ``--check`` with the setting false: replay declared everywhere passes; one server not replayable is
+  the only one the error names.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testkit.run_harness import new_marker, read_jsonl, replica_server_pids, run_env, run_once
+from tests.functional.rl_run import REPO, load_crash_matrix
+
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
+
+cm = load_crash_matrix()
+HOLD_DIR = Path(__file__).resolve().parent / "scripted_hold"
+HOLD_ENV = "NEMO_RL_TEST_ONLY_SCRIPTED_HOLD"
+ONE_REPLICA = "examples/configs/grpo_mixed_replay_turn.yaml"
+TWO_SHARDS = "examples/configs/grpo_mixed_two_shards_replay_turn.yaml"
+REPLAYED_AGENTS = {"workplace_restart_only_agent", "sandbox_simple_agent"}  # their rollouts come back by replay
+NONDETERMINISTIC_USER = "Print n and a fresh uuid, then set answer to that plus 8."
+
+
+# ----------------------------------------------------------------------------- data
+def shipped_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (REPO / "examples" / "data" / name).read_text().splitlines() if line]
+
+
+def user_text(row: dict) -> str:
+    return next(m["content"] for m in row["responses_create_params"]["input"] if m["role"] == "user")
+
+
+def nondeterministic_sandbox_row(template: dict) -> dict:
+    """A sandbox row whose second cell prints a uuid (a fresh interpreter prints another), then two more
+    calls: a replay of it stops at call 2, the first request that carries that output."""
+    row = copy.deepcopy(template)
+    row["id"] = "sandbox-nondeterministic-0000"
+    row["responses_create_params"]["input"][1]["content"] = NONDETERMINISTIC_USER
+    row["seed"] = {"setup": "n = 5"}
+    row["expected_answer"] = "13"
+    row["ground_truth"] = [{"name": "python_exec", "arguments": {"code": "print(n)"}},
+                           {"name": "python_exec", "arguments": {"code": "import uuid; print(uuid.uuid4())"}},
+                           {"name": "python_exec", "arguments": {"code": "answer = 5 + 8"}}]
+    return row
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    users = [user_text(r) for r in rows]
+    assert len(users) == len(set(users)), "a held turn is keyed by the user text: rows here must not share one"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ----------------------------------------------------------------------------- the held backend
+class HeldBackend:
+    """The run's scripted backend, once the hold instrument wrote its address."""
+
+    def __init__(self, gate: Path):
+        self.gate = gate
+
+    @property
+    def url(self) -> str | None:
+        path = self.gate / "backend_url"
+        return path.read_text() if path.exists() else None
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def held(self) -> dict[tuple[str, int], int]:
+        return {(h["user"], h["turn"]): h["waiting"] for h in self._call("GET", "/scripted/calls")["held_turns"]}
+
+    def release(self, user: str, turn: int) -> None:
+        self._call("POST", "/scripted/release", {"user": user, "turn": turn})
+
+
+def holds_env(gate: Path | None, holds: dict[str, int], audit: Path) -> dict[str, str]:
+    """A run's environment: the model-call audit into ``audit``, and with ``gate`` the holds (user -> turn)."""
+    extra = {"BENCH_AUDIT_DIR": str(audit)}
+    if gate is not None:
+        gate.mkdir(parents=True, exist_ok=True)
+        (gate / "holds.json").write_text(json.dumps([[u, t] for u, t in holds.items()]))
+        extra[HOLD_ENV] = str(gate)
+    return run_env(marker=new_marker(), pythonpath=[HOLD_DIR], extra=extra)
+
+
+def audit_lines(audit: Path) -> list[dict]:
+    return [r for p in sorted(audit.glob("model-*.jsonl")) for r in read_jsonl(p)]
+
+
+# ----------------------------------------------------------------------------- snapshots
+def model_records(snapshot: str | Path) -> dict[str, dict[str, Any]]:
+    """capture key -> ``{"instance", "calls"}`` of every model record the snapshot holds (Gym's own files)."""
+    out = {}
+    for path in Path(snapshot).glob("gym-instances/*/*/gym/model/*/records-*.jsonl"):
+        instance = f"{path.parents[4].name}/{path.parents[3].name}"
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            e = record["episode_id"]
+            key = e["rollout_id"] if e["attempt"] == 0 else f"{e['rollout_id']}-a{e['attempt']}"
+            out[key] = {"instance": instance, "calls": record.get("calls", [])}
+    return out
+
+
+def replayed_keys(snapshot: str | Path) -> dict[str, list[str]]:
+    return json.loads((Path(snapshot) / "gym_checkpoint.json").read_text()).get("replayed", {})
+
+
+@dataclass
+class SnapshotsSeen:
+    """Every committed snapshot's replayed keys and model records, read while it exists (a later step's
+    publish prunes the snapshots under the step before)."""
+
+    spec: Any
+    replayed: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # path -> instance -> keys
+    records: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # path -> key -> record
+
+    def poll(self) -> list[str]:
+        """Read the committed snapshots not read yet; returns every committed path, oldest first."""
+        paths = [r["path"] for r in read_jsonl(self.spec.logs / "snapshots.jsonl") if r.get("committed") and r.get("path")]
+        for path in paths:
+            if path not in self.replayed:
+                try:
+                    self.replayed[path], self.records[path] = replayed_keys(path), model_records(path)
+                except FileNotFoundError:  # pruned already
+                    self.replayed[path], self.records[path] = {}, {}
+        return paths
+
+    def calls(self, path: str, key: str) -> int:
+        return len(self.records[path].get(key, {}).get("calls", []))
+
+
+def row_of(rows: list[dict], rollout_key: str) -> dict:
+    """The data row of a rollout (``data.shuffle=false``: group ``s<step>p<position>`` is row ``position``)."""
+    group = rollout_key.split("_g", 1)[0]
+    return rows[int(group.rsplit("p", 1)[1]) % len(rows)]
+
+
+def base_key(key: str) -> str:
+    """The first attempt's capture key of any attempt's."""
+    head, sep, attempt = key.rpartition("-a")
+    return head if sep and attempt.isdigit() else key
+
+
+# ----------------------------------------------------------------------------- checks
+def lineage(spec) -> list[dict]:
+    return json.loads((spec.ckpt / f"step_{spec.steps}" / "recording_trainer.json").read_text())["batches"]
+
+
+def trained_replay_calls(spec) -> dict[str, list[dict]]:
+    """rollout id -> its calls as trained, for each rollout that came back by replay (the final lineage)."""
+    return {k: v for b in lineage(spec) for k, v in b.get("replay_calls", {}).items()}
+
+
+def token_info(reply: dict) -> dict:
+    """The token fields of a recorded reply (on its last output item, where the model server puts them)."""
+    item = reply["output"][-1]
+    return {"generation_token_ids": item["generation_token_ids"],
+            "generation_log_probs": item["generation_log_probs"], "weight_version": item.get("weight_version", 0)}
+
+
+def check_relaunch_replayed(spec, rows: list[dict], seen: SnapshotsSeen, restore: dict, holds: dict[str, int],
+                            audits: tuple[Path, Path]) -> dict[str, list[dict]]:
+    """The relaunch continued every held rollout by replay from what the restored snapshot recorded;
+    returns the trained calls of the replayed rollouts (by new capture key)."""
+    assert restore is not None and restore["snapshot"] in seen.records, restore
+    snapshot = restore["snapshot"]
+    records = seen.records[snapshot]
+    saved = {k for keys in seen.replayed[snapshot].values() for k in keys}
+    held = {k for k in saved if user_text(row_of(rows, k)) in holds}
+    assert {user_text(row_of(rows, k)) for k in held} == set(holds), (sorted(held), holds)
+    for key in held:  # the gate: each held rollout stopped with exactly its held turn's calls
+        assert len(records[key]["calls"]) == holds[user_text(row_of(rows, key))], (key, records[key])
+    # No rollout on a replayable server restarts from its prompt; each held one continues by replay.
+    replayed = set(restore["replayed_rollout_ids"])
+    assert restore["restored_replay"] == len(replayed) and {base_key(k) for k in replayed} == saved, restore
+    on_replayable = [k for k in restore.get("restarted_rollout_ids", [])
+                     if row_of(rows, k)["agent_ref"]["name"] in REPLAYED_AGENTS]
+    assert on_replayable == [] and restore["restarted_from_prompt"] == 0, restore
+    trained = trained_replay_calls(spec)
+    assert replayed <= set(trained), (sorted(replayed - set(trained)), sorted(trained))
+    # The replayed replies are the first attempt's: token ids, logprobs and weight version as recorded.
+    for key in replayed:
+        recorded = records[base_key(key)]["calls"]
+        calls = trained[key]
+        replayed_calls = [i for i, c in enumerate(calls) if c["replay"] and c["replay"]["replayed"]]
+        diverged = [i for i, c in enumerate(calls) if c["replay"] and c["replay"]["divergence"]]
+        expected = min(len(recorded), diverged[0]) if diverged else len(recorded)
+        assert replayed_calls == list(range(expected)), (key, [c["replay"] for c in calls])
+        for i in replayed_calls:
+            assert calls[i]["replay"]["call"] == i
+            got = {k: calls[i][k] for k in ("generation_token_ids", "generation_log_probs", "weight_version")}
+            assert got == token_info(recorded[i]["reply"]), (key, i)
+    # ... and never reached the backend again: the relaunch generated only their later turns.
+    first, second = audit_lines(audits[0]), audit_lines(audits[1])
+    for key in replayed:
+        n = len(records[base_key(key)]["calls"])
+        assert sorted(r["turn"] for r in first if r["key"] == base_key(key) and r["status"] == 200) == list(range(n))
+        again = sorted(r["turn"] for r in second if r["key"] == key and r["status"] == 200)
+        live_from = next((i for i, c in enumerate(trained[key]) if not (c["replay"] and c["replay"]["replayed"])),
+                         len(trained[key]))
+        assert again == list(range(live_from, len(trained[key]))), (key, again, live_from)
+    return {k: trained[k] for k in replayed}
+
+
+def step_rows(spec) -> list[dict]:
+    return [r for r in read_jsonl(spec.logs / "metrics.jsonl") if not r.get("row_restored")]
+
+
+def check_step_counts(spec, trained: dict[str, list[dict]]) -> list[dict]:
+    """The step rows count what the trained samples say: rollouts, calls replayed and live after a
+    divergence, and each divergence's site."""
+    rows = step_rows(spec)
+    counted = {k: sum(r.get(k, 0) for r in rows) for k in ("replay_rollouts", "replay_calls_replayed",
+                                                         "replay_calls_live_after_divergence", "replay_divergences")}
+    replayed = sum(1 for calls in trained.values() for c in calls if c["replay"] and c["replay"]["replayed"])
+    live = sum(len(calls) - i for calls in trained.values() for i, c in enumerate(calls)
+               if c["replay"] and c["replay"]["divergence"])
+    diverged = sum(1 for calls in trained.values() for c in calls if c["replay"] and c["replay"]["divergence"])
+    assert counted == {"replay_rollouts": len(trained), "replay_calls_replayed": replayed,
+                       "replay_calls_live_after_divergence": live, "replay_divergences": diverged}, counted
+    assert replayed > 0
+    return [s for r in rows for s in r.get("replay_divergence_sites", [])]
+
+
+# ----------------------------------------------------------------------------- relaunch
+def kill_and_relaunch(tmp_path: Path, spec, rows: list[dict], holds: dict[str, int], timeout_s: float = 300):
+    """Run with the holds until the newest committed snapshot's replayed records hold every held rollout of
+    the first step with its held calls; SIGKILL the whole run; run the same command without the holds."""
+    seen = SnapshotsSeen(spec)
+    audits = (tmp_path / "audit-1", tmp_path / "audit-2")
+    first_step = [k for k in range(spec.prompts) if user_text(rows[k]) in holds]
+    wanted = {user_text(rows[k]) for k in first_step}
+    assert wanted == set(holds), "every held row must be in the first step"
+
+    def all_held(_elapsed: float) -> bool:
+        paths = seen.poll()
+        if not paths:
+            return False
+        newest = paths[-1]
+        keys = {k for ks in seen.replayed[newest].values() for k in ks}
+        per_user: dict[str, int] = {}
+        for key in keys:
+            user = user_text(row_of(rows, key))
+            if user in holds and seen.calls(newest, key) == holds[user]:
+                per_user[user] = per_user.get(user, 0) + 1
+        return per_user == {u: spec.generations for u in holds}
+
+    spec.root.mkdir(parents=True, exist_ok=True)
+    first = run_once(spec.args(), env=holds_env(tmp_path / "gate", holds, audits[0]), kill_when=all_held,
+                     stdout_path=spec.root / "run-1.out", stderr_path=spec.root / "run-1.err", timeout_s=timeout_s)
+    assert first.killed_by == "group", (first.killed_by, first.returncode, first.tail(30))
+    assert not first.leftover
+    seen.poll()  # a snapshot committed in the last poll interval before the kill
+    second = run_once(spec.args(), env=holds_env(None, holds, audits[1]),
+                      stdout_path=spec.root / "run-2.out", stderr_path=spec.root / "run-2.err", timeout_s=timeout_s)
+    assert second.returncode == 0, second.tail(40)
+    assert not second.leftover
+    return seen, spec.restore_record(), audits
+
+
+def one_replica_rows() -> list[dict]:
+    """Step 1: a saving Workplace rollout, a restart-only agent's, a sandbox one, the non-deterministic
+    sandbox row; then shipped rows (each user text once)."""
+    mixed = shipped_rows("mixed_train.jsonl")
+    saving, restart_only, sandbox = mixed[0], mixed[1], mixed[4]
+    rest = [r for r in mixed[2:] if r is not sandbox and user_text(r) not in {user_text(x) for x in mixed[:2] + [sandbox]}]
+    unique: list[dict] = []
+    for r in rest:
+        if user_text(r) not in {user_text(u) for u in unique}:
+            unique.append(r)
+    return [saving, restart_only, sandbox, nondeterministic_sandbox_row(sandbox), *unique[:8]]
+
+
+def test_one_replica_sigkill_then_the_same_command_continues_each_replayable_rollout_by_replay(tmp_path):
+    """One replica, the setting true and replay declared. The restart-only agent's and the sandbox rollout
+    are held after 2 finished calls, the non-deterministic one after 3 (the uuid printed by call 1's tool
+    is in call 2's request); the run is SIGKILLed once a committed snapshot holds them all."""
+    rows = one_replica_rows()
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    holds = {user_text(rows[1]): 2, user_text(rows[2]): 2, NONDETERMINISTIC_USER: 3}
+    spec = cm.RunSpec(tmp_path / "run", config=ONE_REPLICA, steps=2, prompts=4, generations=2, shuffle=False,
+                      keep_latest_k=100, extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
+    seen, restore, audits = kill_and_relaunch(tmp_path, spec, rows, holds)
+    trained = check_relaunch_replayed(spec, rows, seen, restore, holds, audits)
+    assert cm.check_lineage(spec) == []
+    sites = check_step_counts(spec, trained)
+    # The non-deterministic rollouts replayed calls 0 and 1; call 2 carried the new uuid: generated live from
+    # there, and the step row names the site.
+    odd = sorted(k for k in trained if user_text(row_of(rows, k)) == NONDETERMINISTIC_USER)
+    assert len(odd) == spec.generations
+    for key in odd:
+        notes = [c["replay"] for c in trained[key]]
+        assert [n and n["replayed"] for n in notes] == [True, True, False, None], notes
+        assert notes[2]["divergence"]["call"] == 2 and notes[2]["divergence"]["kind"] == "tool_output", notes[2]
+    assert sorted((s["rollout_id"], s["call"], s["server"], s["kind"], s["tool"]) for s in sites) == \
+        [(k, 2, "python_sandbox", "tool_output", "python_exec") for k in odd]
+    # The deterministic ones replayed every recorded call and diverged nowhere.
+    for key in set(trained) - set(odd):
+        assert not any(c["replay"] and c["replay"]["divergence"] for c in trained[key]), key

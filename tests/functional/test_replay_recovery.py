@@ -252,23 +252,27 @@ def check_step_counts(spec, trained: dict[str, list[dict]]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- relaunch
-def kill_and_relaunch(tmp_path: Path, spec, rows: list[dict], holds: dict[str, int], timeout_s: float = 300):
-    """Run with the holds until the newest committed snapshot's replayed records hold every held rollout of
-    the first step with its held calls; SIGKILL the whole run; run the same command without the holds."""
+def kill_and_relaunch(tmp_path: Path, spec, rows: list[dict], holds: dict[str, int], *, min_step: int = 0,
+                      timeout_s: float = 300):
+    """Run with the holds until the newest committed snapshot (of trainer step >= ``min_step``) holds every
+    rollout of the held rows in its replayed model records, each with its held calls; SIGKILL the whole run;
+    run the same command without the holds. Returns what the snapshots held, ``restore.json``, the audits."""
     seen = SnapshotsSeen(spec)
     audits = (tmp_path / "audit-1", tmp_path / "audit-2")
-    first_step = [k for k in range(spec.prompts) if user_text(rows[k]) in holds]
-    wanted = {user_text(rows[k]) for k in first_step}
-    assert wanted == set(holds), "every held row must be in the first step"
+    steps: dict[str, int] = {}  # snapshot path -> its trainer step
 
     def all_held(_elapsed: float) -> bool:
         paths = seen.poll()
         if not paths:
             return False
         newest = paths[-1]
-        keys = {k for ks in seen.replayed[newest].values() for k in ks}
+        if min_step:
+            steps.update({r["path"]: r.get("step", 0) for r in read_jsonl(spec.logs / "snapshots.jsonl")
+                          if r.get("committed")})
+            if steps.get(newest, 0) < min_step:
+                return False
         per_user: dict[str, int] = {}
-        for key in keys:
+        for key in {k for ks in seen.replayed[newest].values() for k in ks}:
             user = user_text(row_of(rows, key))
             if user in holds and seen.calls(newest, key) == holds[user]:
                 per_user[user] = per_user.get(user, 0) + 1
@@ -287,17 +291,35 @@ def kill_and_relaunch(tmp_path: Path, spec, rows: list[dict], holds: dict[str, i
     return seen, spec.restore_record(), audits
 
 
+def distinct(rows: list[dict]) -> list[dict]:
+    """``rows`` with each user text once (the first row that has it)."""
+    out, users = [], set()
+    for row in rows:
+        if user_text(row) not in users:
+            users.add(user_text(row))
+            out.append(row)
+    return out
+
+
 def one_replica_rows() -> list[dict]:
     """Step 1: a saving Workplace rollout, a restart-only agent's, a sandbox one, the non-deterministic
     sandbox row; then shipped rows (each user text once)."""
-    mixed = shipped_rows("mixed_train.jsonl")
-    saving, restart_only, sandbox = mixed[0], mixed[1], mixed[4]
-    rest = [r for r in mixed[2:] if r is not sandbox and user_text(r) not in {user_text(x) for x in mixed[:2] + [sandbox]}]
-    unique: list[dict] = []
-    for r in rest:
-        if user_text(r) not in {user_text(u) for u in unique}:
-            unique.append(r)
-    return [saving, restart_only, sandbox, nondeterministic_sandbox_row(sandbox), *unique[:8]]
+    mixed = distinct(shipped_rows("mixed_train.jsonl"))
+    by_agent = lambda name: [r for r in mixed if r["agent_ref"]["name"] == name]  # noqa: E731
+    saving, restart_only, sandbox = by_agent("workplace_simple_agent"), by_agent("workplace_restart_only_agent"), \
+        by_agent("sandbox_simple_agent")
+    return [saving[0], restart_only[0], sandbox[0], nondeterministic_sandbox_row(sandbox[0]),
+            saving[1], restart_only[1], saving[2], restart_only[2]]
+
+
+def two_shards_rows() -> list[dict]:
+    """Each step: a saving Workplace row and an arithmetic one (shard ``saving``), a restart-only agent's
+    row and a sandbox row (shard ``mixed``, replayed); three steps' worth."""
+    mixed = distinct(shipped_rows("mixed_shards_train.jsonl"))
+    by_agent = lambda name: [r for r in mixed if r["agent_ref"]["name"] == name]  # noqa: E731
+    columns = [by_agent(a) for a in ("workplace_simple_agent", "arithmetic_simple_agent",
+                                     "workplace_restart_only_agent", "sandbox_simple_agent")]
+    return [column[step] for step in range(3) for column in columns]
 
 
 def test_one_replica_sigkill_then_the_same_command_continues_each_replayable_rollout_by_replay(tmp_path):
@@ -326,3 +348,106 @@ def test_one_replica_sigkill_then_the_same_command_continues_each_replayable_rol
     # The deterministic ones replayed every recorded call and diverged nowhere.
     for key in set(trained) - set(odd):
         assert not any(c["replay"] and c["replay"]["divergence"] for c in trained[key]), key
+
+
+def test_two_shards_async_sigkill_then_the_same_command_continues_each_replayable_rollout_by_replay(tmp_path):
+    """2 shards x 2 replicas in async mode (lookahead 1): step 2's mixed-shard rollouts (a restart-only
+    agent's, a sandbox one) are held after 2 finished calls while step 1 trains and checkpoints; the run is
+    SIGKILLed once a committed snapshot under step 1 holds them all, on both mixed replicas."""
+    rows = two_shards_rows()
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    holds = {user_text(rows[6]): 2, user_text(rows[7]): 2}  # step 2's mixed-shard rows
+    spec = cm.RunSpec(tmp_path / "run", config=TWO_SHARDS, steps=2, prompts=4, generations=2, shuffle=False,
+                      lookahead=1, interval_s=0.25, keep_latest_k=100,
+                      extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
+    seen, restore, audits = kill_and_relaunch(tmp_path, spec, rows, holds, min_step=1)
+    assert restore["trainer_step"] == 1, restore  # under step 1: the held rollouts generated while it trained
+    trained = check_relaunch_replayed(spec, rows, seen, restore, holds, audits)
+    saved_on = {base_key(k): iid for iid, keys in seen.replayed[restore["snapshot"]].items() for k in keys}
+    assert {saved_on[base_key(k)] for k in trained} == {"mixed/replica-0", "mixed/replica-1"}, saved_on
+    assert cm.check_lineage(spec) == []
+    assert cm.check_version_lag(spec, spec.lookahead) == []
+    assert check_step_counts(spec, trained) == []  # deterministic tools: no divergence
+
+
+# ----------------------------------------------------------------------------- in-run
+class InRunFaults:
+    """SIGKILLs ``servers`` of ``replica`` one after the other, each once the newest committed snapshot holds
+    replayed rollouts there with finished calls (for the second and later, attempts the previous recovery
+    brought back: the snapshot is newer than it), and the previous loss is recovered; then releases the holds."""
+
+    def __init__(self, spec, gate: Path, holds: dict[str, int], replica: str, servers: list[str]):
+        self.spec, self.backend, self.holds, self.replica, self.servers = spec, HeldBackend(gate), holds, replica, servers
+        self.seen = SnapshotsSeen(spec)
+        self.sent: list[dict[str, Any]] = []  # server, pid, snapshot, the replayed keys there with calls
+        self.released = False
+
+    def tick(self, _elapsed: float) -> bool:
+        paths = self.seen.poll()
+        recovered = read_jsonl(self.spec.logs / "recoveries.jsonl")
+        if len(recovered) < len(self.sent) or not paths:
+            return False
+        if len(self.sent) == len(self.servers):
+            if not self.released:
+                for user, turn in self.holds.items():
+                    self.backend.release(user, turn)
+                self.released = True
+            return False
+        newest = paths[-1]
+        keys = [k for k in self.seen.replayed[newest].get(self.replica, []) if self.seen.calls(newest, k) > 0]
+        if self.sent and not any(k.endswith("-a1") or k.endswith("-a2") for k in keys):
+            return False  # not yet a snapshot of the attempts the last recovery brought back
+        server = self.servers[len(self.sent)]
+        pid = replica_server_pids(self.spec.logs, self.replica).get(server)
+        if not keys or pid is None or any(pid == s["pid"] for s in self.sent):
+            return False
+        os.kill(pid, signal.SIGKILL)
+        self.sent.append({"server": server, "pid": pid, "snapshot": newest, "keys": keys, "at": time.time()})
+        return False
+
+
+def test_two_shards_in_run_a_lost_sandbox_then_a_lost_agent_server_continue_their_rollouts_by_replay(tmp_path):
+    """2 shards x 2 replicas: step 1's mixed-shard rollouts held after 2 finished calls; python_sandbox of
+    mixed/replica-1 SIGKILLed, then (once that is recovered and a newer snapshot holds the rollouts it brought
+    back) the restart-only agent's server there. The run goes on by itself; each recovery continues the
+    replica's rollouts by replay, none of them from the prompt."""
+    rows = two_shards_rows()
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    holds = {user_text(rows[2]): 2, user_text(rows[3]): 2}  # step 1's mixed-shard rows
+    replica = "mixed/replica-1"
+    spec = cm.RunSpec(tmp_path / "run", config=TWO_SHARDS, steps=2, prompts=4, generations=2, shuffle=False,
+                      keep_latest_k=100, extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
+    spec.root.mkdir(parents=True)
+    faults = InRunFaults(spec, tmp_path / "gate", holds, replica, ["python_sandbox", "workplace_restart_only_agent"])
+    result = run_once(spec.args(), env=holds_env(tmp_path / "gate", holds, tmp_path / "audit"), kill_when=faults.tick,
+                      stdout_path=spec.root / "run-1.out", stderr_path=spec.root / "run-1.err", timeout_s=300)
+    assert len(faults.sent) == 2 and faults.released, (faults.sent, result.tail(30))
+    assert result.returncode == 0 and result.killed_by is None, result.tail(40)
+    assert spec.restore_record() is None  # no relaunch
+    assert not result.leftover
+    assert cm.check_lineage(spec) == []
+    recoveries = read_jsonl(spec.logs / "recoveries.jsonl")
+    assert [(r["instance"], r["part"], r["action"]) for r in recoveries] == [
+        (replica, "python_sandbox", "restarted"), (replica, "workplace_restart_only_agent", "restarted")], recoveries
+    for row, fault in zip(recoveries, faults.sent):
+        saved = set(faults.seen.replayed[row["snapshot"]].get(replica, []))
+        assert row["continued_replay"] and set(row["continued_replay"]) <= saved, (row, sorted(saved))
+        assert not set(row["restarted_from_prompt"]) & saved, row
+        assert row["continued_turn"] == [] and row["continued_prefix"] == [], row
+        assert set(fault["keys"]) & set(row["continued_replay"]), (fault, row)  # those with calls among them
+        assert f"{len(row['continued_replay'])} by replay" in result.stderr() + result.stdout()
+    # The second recovery brought back attempts the first had brought back: replayed twice, trained once,
+    # their replayed calls the record's.
+    last = recoveries[-1]
+    records = faults.seen.records[last["snapshot"]]
+    trained = trained_replay_calls(spec)
+    for key in last["continued_replay"]:
+        head, _, attempt = key.rpartition("-a")
+        nxt = f"{head}-a{int(attempt) + 1}" if _ else f"{key}-a1"
+        calls = trained[nxt]
+        recorded = records[key]["calls"]
+        assert [bool(c["replay"] and c["replay"]["replayed"]) for c in calls[:len(recorded)]] == [True] * len(recorded)
+        for i, call in enumerate(recorded):
+            got = {k: calls[i][k] for k in ("generation_token_ids", "generation_log_probs", "weight_version")}
+            assert got == token_info(call["reply"]), (nxt, i)
+    assert check_step_counts(spec, trained) == []

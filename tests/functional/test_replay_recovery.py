@@ -372,12 +372,13 @@ def test_two_shards_async_sigkill_then_the_same_command_continues_each_replayabl
 
 # ----------------------------------------------------------------------------- in-run
 class InRunFaults:
-    """SIGKILLs ``servers`` of ``replica`` one after the other, each once the newest committed snapshot holds
-    replayed rollouts there with finished calls (for the second and later, attempts the previous recovery
-    brought back: the snapshot is newer than it), and the previous loss is recovered; then releases the holds."""
+    """SIGKILLs ``servers`` of ``replica`` one after the other, each once the previous loss is recovered and
+    the newest committed snapshot holds replayed rollouts there at their held turn (for the second and later,
+    attempts the previous recovery brought back); then releases the holds."""
 
-    def __init__(self, spec, gate: Path, holds: dict[str, int], replica: str, servers: list[str]):
-        self.spec, self.backend, self.holds, self.replica, self.servers = spec, HeldBackend(gate), holds, replica, servers
+    def __init__(self, spec, rows: list[dict], gate: Path, holds: dict[str, int], replica: str, servers: list[str]):
+        self.spec, self.rows, self.backend, self.holds = spec, rows, HeldBackend(gate), holds
+        self.replica, self.servers = replica, servers
         self.seen = SnapshotsSeen(spec)
         self.sent: list[dict[str, Any]] = []  # server, pid, snapshot, the replayed keys there with calls
         self.released = False
@@ -394,9 +395,10 @@ class InRunFaults:
                 self.released = True
             return False
         newest = paths[-1]
-        keys = [k for k in self.seen.replayed[newest].get(self.replica, []) if self.seen.calls(newest, k) > 0]
-        if self.sent and not any(k.endswith("-a1") or k.endswith("-a2") for k in keys):
-            return False  # not yet a snapshot of the attempts the last recovery brought back
+        attempt = f"-a{len(self.sent)}" if self.sent else None  # the attempts the last recovery brought back
+        keys = [k for k in self.seen.replayed[newest].get(self.replica, [])
+                if self.seen.calls(newest, k) == self.holds.get(user_text(row_of(self.rows, k)))
+                and (attempt is None or k.endswith(attempt))]
         server = self.servers[len(self.sent)]
         pid = replica_server_pids(self.spec.logs, self.replica).get(server)
         if not keys or pid is None or any(pid == s["pid"] for s in self.sent):
@@ -418,7 +420,8 @@ def test_two_shards_in_run_a_lost_sandbox_then_a_lost_agent_server_continue_thei
     spec = cm.RunSpec(tmp_path / "run", config=TWO_SHARDS, steps=2, prompts=4, generations=2, shuffle=False,
                       keep_latest_k=100, extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
     spec.root.mkdir(parents=True)
-    faults = InRunFaults(spec, tmp_path / "gate", holds, replica, ["python_sandbox", "workplace_restart_only_agent"])
+    faults = InRunFaults(spec, rows, tmp_path / "gate", holds, replica,
+                         ["python_sandbox", "workplace_restart_only_agent"])
     result = run_once(spec.args(), env=holds_env(tmp_path / "gate", holds, tmp_path / "audit"), kill_when=faults.tick,
                       stdout_path=spec.root / "run-1.out", stderr_path=spec.root / "run-1.err", timeout_s=300)
     assert len(faults.sent) == 2 and faults.released, (faults.sent, result.tail(30))
@@ -446,8 +449,54 @@ def test_two_shards_in_run_a_lost_sandbox_then_a_lost_agent_server_continue_thei
         nxt = f"{head}-a{int(attempt) + 1}" if _ else f"{key}-a1"
         calls = trained[nxt]
         recorded = records[key]["calls"]
+        assert len(recorded) == holds[user_text(row_of(rows, key))], (key, recorded)
         assert [bool(c["replay"] and c["replay"]["replayed"]) for c in calls[:len(recorded)]] == [True] * len(recorded)
         for i, call in enumerate(recorded):
             got = {k: calls[i][k] for k in ("generation_token_ids", "generation_log_probs", "weight_version")}
             assert got == token_info(call["reply"]), (nxt, i)
     assert check_step_counts(spec, trained) == []
+
+
+# ----------------------------------------------------------------------------- the setup check
+def check_cli(tmp_path: Path, *overrides: str):
+    """``examples/run_grpo.py --config grpo_mixed_replay_turn.yaml --check`` with the setting at its default."""
+    import subprocess
+    import sys
+
+    marker = new_marker()
+    dirs = cm.RunDirs(tmp_path)
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "run_grpo.py"), "--config", ONE_REPLICA, "--check",
+                           *dirs.overrides(), *overrides], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env=run_env(marker=marker))
+    assert not dirs.logs.exists() and not dirs.ckpt.exists()  # a check writes no run directory
+    from testkit.run_harness import wait_for_no_processes
+
+    assert wait_for_no_processes(marker) == []
+    table = {cells[1].strip(): [c.strip() for c in cells]
+             for cells in (line.strip("|").split("|") for line in proc.stdout.splitlines()
+                           if line.startswith("| nemo_gym/"))}
+    return proc, table
+
+
+def test_check_with_the_setting_false_passes_when_every_restart_only_server_is_replayable(tmp_path):
+    proc, table = check_cli(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "allow_restart_only_gym_servers: false" in proc.stdout
+    assert table["python_sandbox"][3] == "replayed" and table["workplace_restart_only_agent"][3] == "replayed"
+    for server in ("workplace_restart_only_agent", "sandbox_simple_agent", "python_sandbox"):
+        assert table[server][6].startswith("replayed: the rollouts of"), table[server]
+    assert table["workplace_simple_agent"][6] == "saved at turn level", table["workplace_simple_agent"]
+    assert "setup check: passed" in proc.stdout
+
+
+def test_check_with_one_server_not_replayable_names_only_it(tmp_path):
+    proc, table = check_cli(tmp_path, "++env.nemo_gym.config.python_sandbox.resources_servers.python_sandbox"
+                                      ".replayable=false")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert "resources server 'python_sandbox' (on nemo_gym/replica-0)" in error[0], error
+    assert "workplace_restart_only_agent" not in error[0] and "'workplace_assistant'" not in error[0], error
+    assert "{sandbox_simple_agent: sibling}" in error[0] and "declare them replayable" in error[0], error
+    assert table["python_sandbox"][3] == "restart-only" and table["workplace_restart_only_agent"][3] == "replayed"
+    assert "setup check: FAILED" in proc.stdout

@@ -330,7 +330,8 @@ def test_one_replica_sigkill_then_the_same_command_continues_each_replayable_rol
     data = write_rows(tmp_path / "train.jsonl", rows)
     holds = {user_text(rows[1]): 2, user_text(rows[2]): 2, NONDETERMINISTIC_USER: 3}
     spec = cm.RunSpec(tmp_path / "run", config=ONE_REPLICA, steps=2, prompts=4, generations=2, shuffle=False,
-                      keep_latest_k=100, extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
+                      delay_s=0.05, keep_latest_k=100,
+                      extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
     seen, restore, audits = kill_and_relaunch(tmp_path, spec, rows, holds)
     trained = check_relaunch_replayed(spec, rows, seen, restore, holds, audits)
     assert cm.check_lineage(spec) == []
@@ -358,7 +359,7 @@ def test_two_shards_async_sigkill_then_the_same_command_continues_each_replayabl
     data = write_rows(tmp_path / "train.jsonl", rows)
     holds = {user_text(rows[6]): 2, user_text(rows[7]): 2}  # step 2's mixed-shard rows
     spec = cm.RunSpec(tmp_path / "run", config=TWO_SHARDS, steps=2, prompts=4, generations=2, shuffle=False,
-                      lookahead=1, interval_s=0.25, keep_latest_k=100,
+                      lookahead=1, interval_s=0.25, delay_s=0.05, keep_latest_k=100,
                       extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
     seen, restore, audits = kill_and_relaunch(tmp_path, spec, rows, holds, min_step=1)
     assert restore["trainer_step"] == 1, restore  # under step 1: the held rollouts generated while it trained
@@ -418,7 +419,8 @@ def test_two_shards_in_run_a_lost_sandbox_then_a_lost_agent_server_continue_thei
     holds = {user_text(rows[2]): 2, user_text(rows[3]): 2}  # step 1's mixed-shard rows
     replica = "mixed/replica-1"
     spec = cm.RunSpec(tmp_path / "run", config=TWO_SHARDS, steps=2, prompts=4, generations=2, shuffle=False,
-                      keep_latest_k=100, extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
+                      delay_s=0.05, keep_latest_k=100,
+                      extra=["checkpointing.keep_top_k=100", f"data.train_data_path={data}"])
     spec.root.mkdir(parents=True)
     faults = InRunFaults(spec, rows, tmp_path / "gate", holds, replica,
                          ["python_sandbox", "workplace_restart_only_agent"])
@@ -500,3 +502,70 @@ def test_check_with_one_server_not_replayable_names_only_it(tmp_path):
     assert "{sandbox_simple_agent: sibling}" in error[0] and "declare them replayable" in error[0], error
     assert table["python_sandbox"][3] == "restart-only" and table["workplace_restart_only_agent"][3] == "replayed"
     assert "setup check: FAILED" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- prefix level
+@pytest.mark.alone  # CPU-bound (the torch worker decodes): shares no core under xdist
+def test_prefix_level_a_replayed_rollouts_call_in_flight_continues_from_its_cut(tmp_path):
+    """``target_level: prefix`` on the one-replica replay config with a Llama from a directory on the torch
+    worker (every call decodes to its token limit; the decode hold keeps each batch in flight until two
+    snapshots pinned it). A random model calls no tool: each rollout is one call, so a replayed rollout in
+    flight has no finished call and its call's cut. SIGKILL once the newest committed snapshot holds a cut of
+    a replayed rollout; the same command then continues those rollouts by replay (zero calls) with their call
+    from its cut: same call id and token count, once; none restarts from its prompt."""
+    from tests.functional.test_prefix_recovery import MAX_NEW, _saved_cuts, assert_held, held_env
+    from tests.model_fixtures import llama_dir
+
+    model = llama_dir(tmp_path / "my-llama")
+    rows = one_replica_rows()
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    dirs = cm.RunDirs(tmp_path / "run")
+    args = ["--config", ONE_REPLICA, *dirs.overrides(), f"policy.model_name={model}", "logger.plot=false",
+            "rollout_recovery.target_level=prefix", "rollout_recovery.allow_restart_only_gym_servers=true",
+            "policy.generation.ignore_eos=true", f"data.train_data_path={data}", "data.shuffle=false",
+            "grpo.max_num_steps=1", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+            "grpo.val_period=0", "grpo.val_at_start=false",
+            "rollout_checkpointing.snapshot_attempt_interval_s=0.1", "rollout_checkpointing.keep_latest_k=50"]
+    seen = SnapshotsSeen(dirs)
+
+    def replayed_cut(_elapsed: float) -> bool:
+        paths = seen.poll()
+        if not paths:
+            return False
+        try:
+            index = json.loads((Path(paths[-1]) / "gym_checkpoint.json").read_text())
+        except FileNotFoundError:
+            return False
+        return any(set(keys) & set(index.get("cut_tokens", {}).get(iid, {}))
+                   for iid, keys in index.get("replayed", {}).items())
+
+    dirs.root.mkdir(parents=True)
+    first = run_once(args, env=held_env(), kill_when=replayed_cut, timeout_s=400,
+                     stdout_path=dirs.root / "run-1.out", stderr_path=dirs.root / "run-1.err")
+    assert first.killed_by == "group", first.tail(30)
+    assert_held(dirs.logs)
+    seen.poll()
+    cuts = {path: _saved_cuts(Path(path)) for path in seen.replayed if Path(path).is_dir()}
+    second = run_once(args, env=run_env(marker=new_marker()), timeout_s=400,
+                      stdout_path=dirs.root / "run-2.out", stderr_path=dirs.root / "run-2.err")
+    assert second.returncode == 0, second.tail(40)
+    assert not first.leftover and not second.leftover
+
+    restore = dirs.restore_record()
+    saved = {k for keys in seen.replayed[restore["snapshot"]].values() for k in keys}
+    saved_cuts = {k: c for k, c in cuts[restore["snapshot"]].items() if k in saved}
+    assert saved_cuts, "the restored snapshot holds no cut of a replayed rollout"
+    assert {base_key(k) for k in restore["replayed_rollout_ids"]} == saved, restore
+    assert restore["restored_replay"] == len(saved) and restore["restarted_from_prompt"] == 0, restore
+    # each replayed rollout's cut continues in its next attempt's call 0, once, from the same tokens
+    prefix = restore["restored_prefix_tokens"]
+    assert {base_key(k): n for k, n in prefix.items() if base_key(k) in saved} == \
+        {k: c.token_count for k, c in saved_cuts.items()}, (prefix, saved_cuts)
+    continued = [c for r in step_rows(dirs) for c in r.get("prefix_continuations", [])]
+    for key, cut in saved_cuts.items():
+        uses = [c for c in continued if c["call_id"] == cut.call_id]
+        assert len(uses) == 1 and uses[0]["rollout_id"] == f"{key}-a1", (key, uses)
+        assert (uses[0]["call"], uses[0]["token_count"], uses[0]["discarded"]) == (0, cut.token_count, None)
+        assert uses[0]["generation_tokens"] == MAX_NEW
+    groups = [g for r in step_rows(dirs) for g in r["groups"]]
+    assert sorted(groups) == sorted(set(groups)) and len(groups) == 4

@@ -2,7 +2,8 @@
 ``run_grpo`` processes, real Ray actors, real Gym servers on 127.0.0.1, the scripted test backend and the
 recording trainer (its lineage keeps each replayed rollout's calls as trained).
 
-The scripted backend holds chosen turns of chosen rows from its start (``scripted_hold/sitecustomize.py``):
+The scripted backend holds chosen turns of chosen rows from its start (``BENCH_SCRIPTED_HOLD`` of
+``examples/bench/instrument/sitecustomize.py``, with its model-call audit, ``BENCH_AUDIT_DIR``):
 a held rollout stops with exactly that many finished calls, and every snapshot after that holds them. The
 tests act once the newest committed snapshot's model records hold them (no timing), then:
 
@@ -38,8 +39,8 @@ from tests.functional.rl_run import REPO, load_crash_matrix
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(420)]
 
 cm = load_crash_matrix()
-HOLD_DIR = Path(__file__).resolve().parent / "scripted_hold"
-HOLD_ENV = "NEMO_RL_TEST_ONLY_SCRIPTED_HOLD"
+INSTRUMENT = REPO / "examples" / "bench" / "instrument"  # the scripted holds and the model-call audit
+HOLD_ENV = "BENCH_SCRIPTED_HOLD"
 ONE_REPLICA = "examples/configs/grpo_mixed_replay_turn.yaml"
 TWO_SHARDS = "examples/configs/grpo_mixed_two_shards_replay_turn.yaml"
 REPLAYED_AGENTS = {"workplace_restart_only_agent", "sandbox_simple_agent"}  # their rollouts come back by replay
@@ -109,7 +110,7 @@ def holds_env(gate: Path | None, holds: dict[str, int], audit: Path) -> dict[str
         gate.mkdir(parents=True, exist_ok=True)
         (gate / "holds.json").write_text(json.dumps([[u, t] for u, t in holds.items()]))
         extra[HOLD_ENV] = str(gate)
-    return run_env(marker=new_marker(), pythonpath=[HOLD_DIR], extra=extra)
+    return run_env(marker=new_marker(), pythonpath=[INSTRUMENT], extra=extra)
 
 
 def audit_lines(audit: Path) -> list[dict]:
@@ -253,7 +254,7 @@ def check_step_counts(spec, trained: dict[str, list[dict]]) -> list[dict]:
 
 # ----------------------------------------------------------------------------- relaunch
 def kill_and_relaunch(tmp_path: Path, spec, rows: list[dict], holds: dict[str, int], *, min_step: int = 0,
-                      timeout_s: float = 300):
+                      timeout_s: float = 200):
     """Run with the holds until the newest committed snapshot (of trainer step >= ``min_step``) holds every
     rollout of the held rows in its replayed model records, each with its held calls; SIGKILL the whole run;
     run the same command without the holds. Returns what the snapshots held, ``restore.json``, the audits."""

@@ -206,6 +206,7 @@ def check_relaunch_replayed(spec, rows: list[dict], seen: SnapshotsSeen, restore
     on_replayable = [k for k in restore.get("restarted_rollout_ids", [])
                      if row_of(rows, k)["agent_ref"]["name"] in REPLAYED_AGENTS]
     assert on_replayable == [] and restore["restarted_from_prompt"] == 0, restore
+    assert cm.check_restore(restore, cm.trained_rollout_ids(spec), final=True) == []
     trained = trained_replay_calls(spec)
     assert replayed <= set(trained), (sorted(replayed - set(trained)), sorted(trained))
     # The replayed replies are the first attempt's: token ids, logprobs and weight version as recorded.

@@ -399,12 +399,13 @@ class InRunFaults:
             return False
         newest = paths[-1]
         attempt = f"-a{len(self.sent)}" if self.sent else None  # the attempts the last recovery brought back
-        keys = [k for k in self.seen.replayed[newest].get(self.replica, [])
-                if self.seen.calls(newest, k) == self.holds.get(user_text(row_of(self.rows, k)))
-                and (attempt is None or k.endswith(attempt))]
+        keys = self.seen.replayed[newest].get(self.replica, [])
+        if not keys or not all(self.seen.calls(newest, k) == self.holds.get(user_text(row_of(self.rows, k)))
+                               and (attempt is None or k.endswith(attempt)) for k in keys):
+            return False  # every replayed rollout there at its hold (a replay's record holds its queued calls)
         server = self.servers[len(self.sent)]
         pid = replica_server_pids(self.spec.logs, self.replica).get(server)
-        if not keys or pid is None or any(pid == s["pid"] for s in self.sent):
+        if pid is None or any(pid == s["pid"] for s in self.sent):
             return False
         os.kill(pid, signal.SIGKILL)
         self.sent.append({"server": server, "pid": pid, "snapshot": newest, "keys": keys, "at": time.time()})

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import replay_records
-from bench.common import INSTRUMENT, Log, fmt, fresh_dir, load_rows, make_log, md_table, summary, unique_user_rows, user_of
+from bench.common import (INSTRUMENT, Log, fmt, fresh_dir, load_rows, make_log, md_table, summary, unique_user_rows,
+                          user_of)
 from testkit.run_harness import RunDirs, after_committed_snapshots, new_marker, read_jsonl, run_env, run_once, \
     scripted_overrides
 
@@ -72,10 +73,10 @@ def measure(*, workdir: Path, repeats: int = 3, prompts: int = 128, generations:
                                  delay_s=delay_s, interval_s=interval_s, snapshots=snapshots_after_hold,
                                  timeout_s=timeout_s)
             res.update(arm=arm, repeat=repeat)
+            live = summary(r["to_first_live_s"] for r in res.get("rollouts", []) if r["to_first_live_s"] is not None)
             log(f"restore {arm} #{repeat}: " + (res["error"][:300] if res.get("error") else
                 f"{len(res['rollouts'])} restored, generated again {sum(r['regenerated'] for r in res['rollouts'])} "
-                f"turns; restore -> first live call median "
-                f"{summary(r['to_first_live_s'] for r in res['rollouts'] if r['to_first_live_s'] is not None)['median']} s"))
+                f"turns; restore -> first live call median {live['median']} s"))
             restored.append(res)
     micro = replay_records.measure([micro_n], turns=micro_turns, moved=1.0, repeats=micro_repeats)
     config = {"prompts": prompts, "generations": generations, "held_turns": held_turns, "delay_s": delay_s,
@@ -109,7 +110,8 @@ def _args(arm: str, run_dir: Path, data: Path, prompts: int, generations: int, d
             "logger.progress_bar=false", f"logger.log_dir={run_dir / 'logs'}",
             f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}", f"data.train_data_path={data}", "data.shuffle=false",
             "grpo.max_num_steps=1", f"grpo.num_prompts_per_step={prompts}",
-            f"grpo.num_generations_per_prompt={generations}", f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
+            f"grpo.num_generations_per_prompt={generations}",
+            f"rollout_checkpointing.snapshot_attempt_interval_s={interval_s}",
             "rollout_checkpointing.keep_latest_k=1000", "rollout_checkpointing.max_consecutive_failures=1000",
             "rollout_recovery.gym_prepare_timeout_s=60", *scripted_overrides(delay_s), *extra]
 
@@ -167,7 +169,8 @@ def restore_repeat(run_dir: Path, arm: str, *, prompts: int, generations: int, h
     res: dict[str, Any] = {"command": " ".join(["python", "examples/run_grpo.py", *args]), "n": prompts * generations,
                            "loadavg_at_kill": os.getloadavg()[0], "killed_by": first.killed_by}
     if first.killed_by != "group":
-        res["error"] = f"the run was not killed at the hold ({first.killed_by}, exit {first.returncode}): {first.tail(8)}"
+        res["error"] = (f"the run was not killed at the hold ({first.killed_by}, exit {first.returncode}): "
+                        f"{first.tail(8)}")
         return res
     committed = [r for r in read_jsonl(run_dir / "logs" / "snapshots.jsonl") if r.get("committed")]
     res["snapshots"] = [snapshot_row(r) for r in committed[-snapshots:]]  # those taken with every rollout held
@@ -312,7 +315,8 @@ def table(res: dict[str, Any]) -> str:
           f"{r['regenerated_max']}", fmt(r["to_first_live_s"], digits=2), fmt(r["loadavg"], digits=1)]
          for r in res["rows"]])
     b = md_table(
-        ["arm", "N in flight", "snapshots counted", "pause, s", "captured KB (all)", "model server KB", "recorded calls",
+        ["arm", "N in flight", "snapshots counted", "pause, s", "captured KB (all)", "model server KB",
+         "recorded calls",
          "model records on disk, KB", "bytes per recorded turn", "added per turn vs no records, B", "load (1 min)"],
         [[r["arm"], r["n"], f"{r['snapshots']} ({r['runs']} runs)", fmt(r["pause_s"], digits=3),
           _kb(r["captured_bytes"]), _kb(r["model_bytes"]), fmt(r["recorded_calls"]), _kb(r["model_records_bytes"]),

@@ -146,7 +146,8 @@ class SnapshotsSeen:
 
     def poll(self) -> list[str]:
         """Read the committed snapshots not read yet; returns every committed path, oldest first."""
-        paths = [r["path"] for r in read_jsonl(self.spec.logs / "snapshots.jsonl") if r.get("committed") and r.get("path")]
+        paths = [r["path"] for r in read_jsonl(self.spec.logs / "snapshots.jsonl")
+                 if r.get("committed") and r.get("path")]
         for path in paths:
             if path not in self.replayed:
                 try:

@@ -37,7 +37,9 @@ def gym(name: str) -> dict:
 
 
 def agent(impl: str, resources: str | None, **settings) -> dict:
-    refs = {**copy.deepcopy(REFS), **({"resources_server": {"type": "resources_servers", "name": resources}} if resources else {})}
+    refs = copy.deepcopy(REFS)
+    if resources:
+        refs["resources_server"] = {"type": "resources_servers", "name": resources}
     return {"responses_api_agents": {impl: {**refs, **settings}}}
 
 
@@ -82,7 +84,8 @@ def test_call_records_are_turned_on_only_where_replay_needs_them():
     assert out["policy_model"]["responses_api_models"]["vllm_model"] == {
         "return_token_id_information": True, "record_calls": True}
     assert out["idle_model"] == raw["idle_model"]
-    assert {k: v for k, v in out.items() if k != "policy_model"} == {k: v for k, v in raw.items() if k != "policy_model"}
+    assert {k: v for k, v in out.items() if k != "policy_model"} == \
+        {k: v for k, v in raw.items() if k != "policy_model"}
     parse_gym_config(out)  # still a valid config: record_calls is the model server's own key
     plain = gym("mixed.yaml")
     assert with_call_records(plain, parse_gym_config(plain)) == plain  # no replayed agent: nothing recorded

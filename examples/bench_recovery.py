@@ -13,6 +13,8 @@
     python examples/bench_recovery.py --only snapshot_cost,overhead --variant staged rollout_checkpointing.commit_mode=staged --variant blocking rollout_checkpointing.commit_mode=blocking
     python examples/bench_recovery.py --preset restore_io --out bench_results/restore_io   # 15. a relaunch with a
                                          # ~1 GB model: reads, weights shipped, time by phase (3 repeats)
+    python examples/bench_recovery.py --preset replay_recovery --out bench_results/replay   # 19. replay against a
+                                         # restart from the prompt on the mixed setup (about 15 minutes)
     python examples/bench_recovery.py --preset restore_io --product /path/to/other/checkout   # the same
                                          # measurement of another commit of the product (this one counts)
 
@@ -53,6 +55,11 @@ Measurements (see docs/benchmarks.md for the method behind each):
   recovery_scale 18. in-run recovery of a replica at N = 4096 and 8192 in flight on two replicas: loss to the
                  first continued rollout, the restored snapshot's age, finished turns lost per affected rollout
                  (preset ``recovery_scale``, about 20 minutes; ``recovery_scale_smoke``)
+  replay_recovery 19. rollouts on restart-only servers back by replay against a restart from the prompt (mixed
+                 setup, one replica): finished turns generated again and restore to the first live call per restored
+                 rollout; the snapshot's pause and bytes per turn at N = 512 with replay records and without; the
+                 records' capture cost per interval (preset ``replay_recovery``, about 15 minutes;
+                 ``replay_recovery_smoke``)
 
 A preset without parameters for a measurement skips it (``n8192``: measurements 1 and 8 only).
 Measurement 1 reports steady and burst attempts apart (``bench/snapshot_cost.py``); its goals are
@@ -92,6 +99,7 @@ from bench import (  # noqa: E402
     prefix_work_lost,
     recovery_scale,
     relaunch,
+    replay_recovery,
     restore_io,
     setup_check,
     snapshot_cost,
@@ -104,7 +112,8 @@ from bench.presets import PRESETS  # noqa: E402
 
 MODULES = {m.NAME: m for m in (snapshot_cost, stall, work_lost, alternative, overhead, setup_check, relaunch,
                                bookkeeping, async_throughput, prefix_work_lost, preemption, restore_io,
-                               gym_recovery, generation_recovery, recovery_scale, deterministic_cost)}
+                               gym_recovery, generation_recovery, recovery_scale, deterministic_cost,
+                               replay_recovery)}
 ORDER = list(MODULES)
 SHARED = {"alternative"}  # its baseline loop drives a Gym deployment of its own
 VARIANT_AWARE = {"snapshot_cost", "stall", "overhead"}  # accept ``variants``
@@ -293,6 +302,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         lines.append("17. " + deterministic_cost.verdict(results["deterministic_cost"]["goal"]))
     if "recovery_scale" in results:
         lines.append("18. " + recovery_scale.verdict(results["recovery_scale"]["goal"]))
+    if "replay_recovery" in results:
+        lines.append("19. " + replay_recovery.verdict(results["replay_recovery"]["goal"]))
     return lines
 
 

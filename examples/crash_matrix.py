@@ -328,9 +328,13 @@ def check_restore(record: dict[str, Any] | None, trained: set[str], *, final: bo
     if record is None:
         return ["no restore.json written"] if final else []
     problems = []
-    restored = record.get("restored_rollout_ids") or []
-    if record.get("snapshot") is not None and record["restored_turn"] != len(restored):
-        problems.append(f"restored_turn {record['restored_turn']} != {len(restored)} ids")
+    restored = record.get("restored_rollout_ids") or []  # at their turn and by replay (``replayed_rollout_ids``)
+    continued = record["restored_turn"] + record.get("restored_replay", 0)
+    if record.get("snapshot") is not None and continued != len(restored):
+        problems.append(f"restored_turn {record['restored_turn']} + restored_replay {record.get('restored_replay', 0)} "
+                        f"!= {len(restored)} ids")
+    if not set(record.get("replayed_rollout_ids") or []) <= set(restored):
+        problems.append("replayed_rollout_ids not all in restored_rollout_ids")
     not_next = [r for r in restored if not (_ROLLOUT_ID.match(r) and _ROLLOUT_ID.match(r)["attempt"])]
     if not_next:
         problems.append(f"continued rollouts without an -a<N> attempt id: {not_next[:5]}")

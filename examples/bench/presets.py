@@ -148,6 +148,17 @@ DETERMINISTIC_COST_SMOKE: dict[str, dict[str, Any]] = {
                                          "policy.warm_start.steps=5")},
 }
 
+# Measurement 19, replay of rollouts on restart-only servers against a restart from the prompt, on one replica of the
+# mixed setup (scripted backend): 3 repeats of each arm at N = 128 prompts x 4 generations = 512 rollouts, each held
+# after 2 finished turns (1 s per reply), 3 snapshots counted before the kill, then the relaunch; the capture cost
+# per interval at 512 episodes (about 20 minutes on 2 cores). ``replay_recovery_smoke`` is one small repeat of each.
+REPLAY_RECOVERY: dict[str, dict[str, Any]] = {"replay_recovery": {"repeats": 3}}
+REPLAY_RECOVERY_SMOKE: dict[str, dict[str, Any]] = {
+    "replay_recovery": {"repeats": 1, "prompts": 2, "generations": 2, "delay_s": 0.3, "interval_s": 0.3,
+                        "snapshots_after_hold": 1, "micro_n": 8, "micro_turns": 3, "micro_repeats": 1,
+                        "timeout_s": 240.0},
+}
+
 PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": ASYNC, "async_tiny": ASYNC_TINY,
            "prefix": PREFIX, "prefix_tiny": PREFIX_TINY, "preemption": PREEMPTION,
            "preemption_quick": PREEMPTION_QUICK, "preemption_smoke": PREEMPTION_SMOKE,
@@ -155,4 +166,5 @@ PRESETS = {"full": FULL, "quick": QUICK, "tiny": TINY, "n8192": N8192, "async": 
            "restore_io": RESTORE_IO, "restore_io_smoke": RESTORE_IO_SMOKE,
            "generation_recovery": GENERATION_RECOVERY, "generation_recovery_smoke": GENERATION_RECOVERY_SMOKE,
            "recovery_scale": RECOVERY_SCALE, "recovery_scale_smoke": RECOVERY_SCALE_SMOKE,
-           "deterministic_cost": DETERMINISTIC_COST, "deterministic_cost_smoke": DETERMINISTIC_COST_SMOKE}
+           "deterministic_cost": DETERMINISTIC_COST, "deterministic_cost_smoke": DETERMINISTIC_COST_SMOKE,
+           "replay_recovery": REPLAY_RECOVERY, "replay_recovery_smoke": REPLAY_RECOVERY_SMOKE}

@@ -110,6 +110,9 @@ class RecordingTrainer:
             "gym_instances": {s.rollout_id: s.gym_instance_id for s in samples},
             "restored_from": {s.rollout_id: s.restored_from for s in samples if s.restored_from},
         }
+        replayed = _replayed_calls(samples)
+        if replayed:  # only rollouts that came back by replay: a batch without any is as before
+            batch["replay_calls"] = replayed
         with naming_write(self.log_path), open(self.log_path, "a") as f:
             f.write(json.dumps(batch, sort_keys=True) + "\n")
             f.flush()
@@ -136,6 +139,20 @@ class RecordingTrainer:
         self.weight_version = int(state["weight_version"])
         self.batches = list(state["batches"])
         return state["extra_state"]
+
+
+def _replayed_calls(samples: list[RolloutSample]) -> dict[str, list[dict[str, Any]]]:
+    """Each call of each rollout that came back by replay (docs/design.md §4.8) as trained: its replay note
+    (None: generated live, no note), token ids, logprobs and weight version; so a test can hold them against
+    the model record the first attempt left in a snapshot."""
+    out = {}
+    for s in samples:
+        if any(call.replay is not None for call in s.calls):
+            out[s.rollout_id] = [{"replay": None if call.replay is None else call.replay.model_dump(mode="json"),
+                                  "generation_token_ids": call.generation_token_ids,
+                                  "generation_log_probs": call.generation_log_probs,
+                                  "weight_version": call.weight_version} for call in s.calls]
+    return out
 
 
 class SimulatedTrainer(RecordingTrainer):

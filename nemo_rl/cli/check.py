@@ -46,8 +46,7 @@ class ServerRow:
 def server_rows(config: MasterConfig, shard_set, rows: list[dict]) -> list[ServerRow]:
     """Every server of every replica, from the shard set ``_spinup_gym`` started (restart-only servers
     as its replicas reported them) and the same level rules the setup check uses."""
-    from gym_patches.config import SERVER_KIND, parse_gym_config
-    from gym_patches.server_catalog import declared_checkpoint
+    from gym_patches.config import parse_gym_config
     from nemo_rl.algorithms.single_controller_utils.gym_server_levels import agent_levels, turn_level_users
     from nemo_rl.algorithms.single_controller_utils.setup import shard_gym_config
     from nemo_rl.environments.nemo_gym import build_gym_actor_config
@@ -69,20 +68,30 @@ def server_rows(config: MasterConfig, shard_set, rows: list[dict]) -> list[Serve
         for i in range(shard.replicas):
             iid = f"{shard.name}/replica-{i}"
             restart_only = set(shard_set.restart_only_servers.get(iid, []))
-            for name, inst in parsed.instances.items():
-                label = declared_checkpoint(inst).mode
-                if name in restart_only and label != "replayed":
-                    label = "restart-only"  # as the replica reported it
-                agents = sorted(a for a, servers in uses.items() if name in servers)
-                serves = ", ".join(f"{a} ({'/'.join(sorted(lv.value for lv in levels.get(a, ())))})" for a in agents)
-                # a model server is never restart-only here; it carries the turn-level rollouts of its agents
-                turn_users = users if inst.server_type != "responses_api_models" else \
-                    {name: [a for a in agents if a in users]} if any(a in users for a in agents) else {}
-                replayed = [a for a in agents if a in replay]
-                out.append(ServerRow(iid, name, SERVER_KIND[inst.server_type], label, serves or "-",
-                                     name in turn_users or bool(replayed),
-                                     _snapshot_text(config, name, label, turn_users, restart_only, uses, replayed)))
+            out += [_server_row(config, iid, name, inst, restart_only, uses, levels, users, replay)
+                    for name, inst in parsed.instances.items()]
     return out
+
+
+def _server_row(config: MasterConfig, iid: str, name: str, inst, restart_only: set[str],
+                uses: dict[str, list[str]], levels: dict, users: dict[str, list[str]],
+                replay: dict[str, str]) -> ServerRow:
+    """One server's row on replica ``iid`` (split out of ``server_rows``)."""
+    from gym_patches.config import SERVER_KIND
+    from gym_patches.server_catalog import declared_checkpoint
+
+    label = declared_checkpoint(inst).mode
+    if name in restart_only and label != "replayed":
+        label = "restart-only"  # as the replica reported it
+    agents = sorted(a for a, servers in uses.items() if name in servers)
+    serves = ", ".join(f"{a} ({'/'.join(sorted(lv.value for lv in levels.get(a, ())))})" for a in agents)
+    # a model server is never restart-only here; it carries the turn-level rollouts of its agents
+    turn_users = users if inst.server_type != "responses_api_models" else \
+        {name: [a for a in agents if a in users]} if any(a in users for a in agents) else {}
+    replayed = [a for a in agents if a in replay]
+    return ServerRow(iid, name, SERVER_KIND[inst.server_type], label, serves or "-",
+                     name in turn_users or bool(replayed),
+                     _snapshot_text(config, name, label, turn_users, restart_only, uses, replayed))
 
 
 def _snapshot_text(config: MasterConfig, name: str, label: str, users: dict[str, list[str]],

@@ -32,6 +32,7 @@ from bench import (  # noqa: E402
 )
 from bench import async_throughput, generation_recovery, gym_recovery, prefix_work_lost, recovery_scale, restore_io  # noqa: E402
 from bench import deterministic_cost  # noqa: E402
+from bench import replay_recovery  # noqa: E402
 from bench.common import summary  # noqa: E402
 from bench.plots import PLOTTERS, plot  # noqa: E402
 from bench.presets import FULL, N8192, QUICK, TINY  # noqa: E402
@@ -469,6 +470,37 @@ def test_recovery_scale_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
     assert res["goal"]["met"] is True, res["goal"]
     assert recovery_scale.table(res).startswith("|")
     assert any(line.startswith("18. ") for line in bench_recovery.goal_lines({recovery_scale.NAME: res}))
+
+
+def test_replay_recovery_runs_and_keeps_its_invariants(tmp_path: Path) -> None:
+    """Measurement 19 at its smallest: each arm killed once at its holds and relaunched; replay generates no
+    finished turn again, a restart from the prompt generates each again; the snapshots with every rollout held
+    hold their calls with records, none without; the capture table."""
+    from bench.presets import REPLAY_RECOVERY_SMOKE
+
+    params = REPLAY_RECOVERY_SMOKE["replay_recovery"]
+    res = replay_recovery.measure(workdir=tmp_path, log=_quiet, **params)
+    runs = {r["arm"]: r for r in res["repeats"]}
+    assert set(runs) == {"replay", "restart"} and not any(r.get("error") for r in runs.values()), runs
+    held = params["prompts"] * params["generations"]
+    replay, restart = runs["replay"], runs["restart"]
+    assert (replay["restored_replay"], replay["restarted_from_prompt"]) == (held, 0), replay
+    assert restart["restored_replay"] == 0 and restart["restarted_from_prompt"] == held, restart
+    for run in (replay, restart):
+        assert len(run["rollouts"]) == held and all(x["finished"] == 2 for x in run["rollouts"]), run
+        assert all(x["to_first_live_s"] is not None and x["to_first_live_s"] >= 0 for x in run["rollouts"]), run
+    assert all(x["regenerated"] == 0 for x in replay["rollouts"]), replay["rollouts"]
+    assert all(x["regenerated"] == 2 for x in restart["rollouts"]), restart["rollouts"]
+    pauses = {r["arm"]: r for r in res["pause_rows"]}  # the snapshots the killed runs took at their holds
+    assert all(r["snapshots"] == params["snapshots_after_hold"] for r in pauses.values()), pauses
+    assert pauses["replay"]["recorded_calls"]["min"] == held * 2, pauses["replay"]
+    assert pauses["restart"]["recorded_calls"]["max"] == 0, pauses["restart"]
+    assert pauses["replay"]["model_bytes"]["median"] > pauses["restart"]["model_bytes"]["median"], pauses
+    assert pauses["replay"]["added_bytes_per_turn"] > 0, pauses["replay"]
+    assert {r["record_calls"] for r in res["micro"]["results"]} == {False, True}
+    assert res["goal"]["complete"] is True and res["goal"]["replay_regenerated_max"] == 0, res["goal"]
+    assert replay_recovery.table(res).startswith("|")
+    assert any(line.startswith("19. ") for line in bench_recovery.goal_lines({replay_recovery.NAME: res}))
 
 
 @pytest.mark.alone  # CPU-bound: the real trainer and the torch worker

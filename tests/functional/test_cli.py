@@ -214,7 +214,11 @@ def test_check_on_the_workplace_config_passes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = _table(proc.stdout)
     assert set(table) == {"policy_model", "workplace_assistant", "workplace_simple_agent"}, proc.stderr
-    assert all(row[3] == "saves" and row[6] == "saved at turn level" for row in table.values()), proc.stdout
+    assert all(row[6] == "saved at turn level" for row in table.values()), proc.stdout
+    # workplace.yaml declares its agent and resources server replayable too (they save: nothing is replayed)
+    assert {name: row[3] for name, row in table.items()} == {
+        "policy_model": "saves", "workplace_assistant": "saves, replayable",
+        "workplace_simple_agent": "saves, replayable"}, proc.stdout
     assert "setup check: passed" in proc.stdout
 
 

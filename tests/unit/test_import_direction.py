@@ -232,7 +232,7 @@ _DRIVER_CHECKS = textwrap.dedent("""
     for path in sorted(Path("examples/configs").glob("*.yaml")):
         config = load_config(path, [])
         check_gym_configs(config)
-        rows = server_rows(config, SimpleNamespace(agent_servers={}, restart_only_servers={}), [])
+        rows = server_rows(config, SimpleNamespace(agent_servers={}, restart_only_servers={}, replay_models={}), [])
         checked.append((path.name, sorted({row.checkpoint for row in rows})))
     print(json.dumps({"checked": checked, "modules": sorted(sys.modules)}))
 """)

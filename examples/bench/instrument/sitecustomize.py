@@ -3,14 +3,16 @@
 Python imports ``sitecustomize`` at startup from the first ``sys.path`` entry
 that has one; the benchmark puts this directory on ``PYTHONPATH`` of the
 ``run_grpo.py`` processes it starts (Ray workers and Gym servers inherit it).
-It only observes; with neither variable below set it does nothing.
+It only observes (but for ``BENCH_SCRIPTED_HOLD``, a gate); with none of the variables below set it does nothing.
 
 - ``BENCH_AUDIT_DIR``: in the Gym policy model server process
   (``NEMO_GYM_CONFIG_PATH`` = ``BENCH_AUDIT_MODEL``, default ``policy_model``),
   append one JSON line per finished generation to
   ``<dir>/model-<pid>.jsonl``: capture key, turn index (assistant messages
-  already in the request), generated tokens, HTTP status, wall time. Lines are
-  flushed as written, so a SIGKILL loses none that were written.
+  already in the request), generated tokens, HTTP status, wall time at its start
+  (``t0``) and end (``t``). Lines are flushed as written, so a SIGKILL loses none
+  that were written. A call a replay answers from its record never reaches the
+  backend, so it has no line.
 - ``BENCH_TIMING_FILE``: append ``{event, start, end, pid, ok}`` lines for
   ``ray.init``, ``_spinup_gym`` (driver) and ``GymDeployment.start`` (the Gym
   actor), plus one ``process_start`` line per process running ``run_grpo.py``.
@@ -34,6 +36,14 @@ It only observes; with neither variable below set it does nothing.
   ``VllmGenerationServer``), append one line per shipment of weights it receives (``torch.save`` bytes,
   as the run's generation backend sends them): at its construction and at each refit (event, bytes,
   time, pid). Counted where they arrive, so it counts the same on any commit of the product.
+
+- ``BENCH_SCRIPTED_HOLD``: the one variable that changes what a run does (a gate, not an
+  observation): ``<dir>/holds.json`` lists ``[user text, turn]`` pairs; in the driver, right after the
+  scripted backend got its plans (before Gym starts, so before any rollout), each pair is held there,
+  and ``<dir>/backend_url`` is written. A held rollout stops with exactly ``turn`` finished model calls
+  and stays so across every snapshot until the caller releases it (``POST /scripted/release``) or the
+  run ends; the replay benchmark and ``tests/functional/test_replay_recovery.py`` wait for that event
+  instead of for a run slow enough to contain it.
 
 Patches are applied right after the target module is first imported (a
 ``sys.meta_path`` finder), so processes that never import it pay nothing.
@@ -79,6 +89,7 @@ def _audit_model(audit_dir):
 
         @functools.wraps(original)
         async def _generate(self, ticket, chat_body, *rest, **kw):
+            started = time.time()
             resp = await original(self, ticket, chat_body, *rest, **kw)
             try:
                 messages = chat_body.get("messages") or []
@@ -91,12 +102,37 @@ def _audit_model(audit_dir):
                         if isinstance(ids, list):
                             tokens += len(ids)
                 _append(path, {"key": ticket.capture_key, "turn": turn, "tokens": tokens,
-                               "status": resp.status, "t": time.time()})
+                               "status": resp.status, "t0": started, "t": time.time()})
             except Exception as exc:
                 print(f"bench instrumentation: audit failed: {exc!r}", file=sys.stderr)
             return resp
 
         cls._generate = _generate
+
+    return hook
+
+
+# -- scripted holds (driver) ------------------------------------------------------------------
+def _scripted_hold(gate):
+    def hook(module):
+        holds = json.loads(open(os.path.join(gate, "holds.json")).read())
+        backend = module.ScriptedBackend
+        plans_from_rows = backend.plans_from_rows
+
+        @functools.wraps(plans_from_rows)
+        def held_plans_from_rows(self, *args, **kwargs):
+            plans = plans_from_rows(self, *args, **kwargs)
+            for user, turn in holds:
+                self.hold(user, int(turn))
+            tmp = os.path.join(gate, "backend_url.tmp")
+            with open(tmp, "w") as f:
+                f.write(self.url)
+            os.replace(tmp, os.path.join(gate, "backend_url"))
+            print(f"bench instrumentation: {len(holds)} scripted turn(s) held at {self.url}", file=sys.stderr,
+                  flush=True)
+            return plans
+
+        backend.plans_from_rows = held_plans_from_rows
 
     return hook
 
@@ -396,6 +432,9 @@ def _install():
     if weights_log:
         hooks["nemo_rl.models.generation.worker"] = _weights_hook(weights_log, "_load_weights")
         hooks["nemo_rl.models.generation.vllm_worker"] = _weights_hook(weights_log, "_write_safetensors")
+    gate = os.environ.get("BENCH_SCRIPTED_HOLD")
+    if gate:
+        hooks["gym_patches.fakes.scripted_backend"] = _scripted_hold(gate)
     timing = os.environ.get("BENCH_TIMING_FILE")
     if timing:
         hooks.update(_timing_hooks(timing))

@@ -16,8 +16,9 @@ record: the tools rebuild the state nobody could save, and only what was not fin
   call that differs the rest of the queue is dropped and a *divergence* is noted (which call, which input
   item and what it is); from there, and after the last recorded call, calls are generated live.
 - **What the caller sees**: the last output item of a replayed reply carries ``replay: {"replayed":
-  true, "call": i}``; the first live reply after a divergence ``replay: {"replayed": false, "call": i,
-  "divergence": {...}}``. Counts: ``ReplayStats`` (model status, ``GET /ng-replay/v1/stats``).
+  true, "call": i}``; the first live reply of a replayed episode ``replay: {"replayed": false, "call": i}``,
+  with ``"divergence": {...}`` when a differing request ended the replay (an episode replayed with no
+  recorded call gets it on its call 0, so every rollout that came back by replay says so). Counts: ``ReplayStats`` (model status, ``GET /ng-replay/v1/stats``).
 
 Nothing the model server itself adds to a reply (this annotation) counts in a digest: an agent that sends
 a replayed item back unchanged still matches.
@@ -116,7 +117,8 @@ class Divergence(BaseModel):
 
 
 class ReplayAnnotation(BaseModel):
-    """``replay`` on the last output item: a replayed reply, or the first live one after a divergence."""
+    """``replay`` on the last output item: a replayed reply, or the first live one of a replayed episode
+    (after a divergence, or once its recorded calls ran out)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -196,12 +198,20 @@ def annotated(reply: dict[str, Any], note: ReplayAnnotation) -> dict[str, Any]:
 @dataclass(frozen=True)
 class CallPlan:
     """How the model server answers one call of an episode: from ``recorded`` (a replay) or live
-    (``recorded`` None), with the divergence noted at this call, if any."""
+    (``recorded`` None), with the divergence noted at this call, if any; ``first_live``: the first live
+    call of a replayed episode, whose reply says so (``live_note``)."""
 
     index: int
     digest: RequestDigest | None = None  # None: neither recorded nor replayed
     recorded: RecordedCall | None = None
     divergence: Divergence | None = None
+    first_live: bool = False
+
+    def live_note(self) -> ReplayAnnotation | None:
+        """The annotation a live reply carries: only the first one of a replayed episode has one."""
+        if not self.first_live:
+            return None
+        return ReplayAnnotation(replayed=False, call=self.index, divergence=self.divergence)
 
     def reply_for_agent(self) -> dict[str, Any]:
         """The replayed reply as the agent gets it (annotated)."""
@@ -221,6 +231,7 @@ class _Episode:
     queue: list[RecordedCall] | None = None  # queue[i] is call i
     replayed: int = 0  # calls of the queue delivered so far
     diverged: bool = False
+    replaying: bool = False  # installed for replay, its first live call not delivered yet
 
     def unplayed(self) -> int:
         return 0 if self.queue is None else max(0, len(self.queue) - self.replayed)
@@ -245,10 +256,10 @@ class CallBook:
             return CallPlan(index)
         digest = request_digest(body)
         if entry is None or queue is None:
-            return CallPlan(index, digest)
+            return CallPlan(index, digest, first_live=entry is not None and entry.replaying)
         if index >= len(queue):  # past the last recorded call: live from here
             self._end_queue(entry)
-            return CallPlan(index, digest)
+            return CallPlan(index, digest, first_live=entry.replaying)
         recorded = queue[index]
         if recorded.request_digest == digest.request:
             return CallPlan(index, digest, recorded=recorded)
@@ -258,7 +269,7 @@ class CallBook:
         del entry.calls[index:]  # the recorded calls from here belong to another trajectory
         self._stats.divergences += 1
         self._divergences.append(DivergenceReport(capture_key=episode.capture_key, **divergence.model_dump()))
-        return CallPlan(index, digest, divergence=divergence)
+        return CallPlan(index, digest, divergence=divergence, first_live=entry.replaying)
 
     def delivered(self, episode: EpisodeId, plan: CallPlan, reply: bytes | None) -> None:
         """The reply of ``plan`` reached the agent: count it, and record a live one (serialised once)."""
@@ -269,8 +280,10 @@ class CallBook:
                 entry.replayed += 1
                 self._queued -= 1
             return
-        if entry is not None and entry.diverged:
-            self._stats.calls_live_after_divergence += 1
+        if entry is not None:
+            entry.replaying = False
+            if entry.diverged:
+                self._stats.calls_live_after_divergence += 1
         if not self.recording or plan.digest is None or reply is None:
             return
         if entry is None:
@@ -294,8 +307,8 @@ class CallBook:
         replay (``replay``: its agent starts again from the prompt), or the ``delivered`` ones its agent
         continues after (a restore at its turn)."""
         fragments = [msgspec.Raw(canonical(call)) for call in (calls if replay else calls[:delivered])]
-        entry = _Episode(calls=fragments, queue=list(parsed) if replay and parsed else None)
-        if entry.calls or entry.queue:
+        entry = _Episode(calls=fragments, queue=list(parsed) if replay and parsed else None, replaying=replay)
+        if entry.calls or entry.queue or replay:
             self._episodes[episode] = entry
             self._queued += entry.unplayed()
         if replay:

@@ -254,8 +254,8 @@ async def test_rollouts_on_replayable_servers_come_back_by_replay_and_a_nondeter
     divergence = {"call": 2, "item": 5, "kind": "tool_output", "item_type": "function_call_output",
                   "tool": "python_exec"}
     assert notes == {
-        "plain-0": [{"replayed": True, "call": 0}, {"replayed": True, "call": 1}, None],
-        "sandbox-0": [{"replayed": True, "call": 0}, {"replayed": True, "call": 1}, None],
+        "plain-0": [{"replayed": True, "call": 0}, {"replayed": True, "call": 1}, {"replayed": False, "call": 2}],
+        "sandbox-0": [{"replayed": True, "call": 0}, {"replayed": True, "call": 1}, {"replayed": False, "call": 2}],
         "nondet-0": [{"replayed": True, "call": 0}, {"replayed": True, "call": 1},
                      {"replayed": False, "call": 2, "divergence": divergence}, None],
         "saved-0": [None, None, None],

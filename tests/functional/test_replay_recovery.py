@@ -573,3 +573,6 @@ def test_prefix_level_a_replayed_rollouts_call_in_flight_continues_from_its_cut(
         assert uses[0]["generation_tokens"] == MAX_NEW
     groups = [g for r in step_rows(dirs) for g in r["groups"]]
     assert sorted(groups) == sorted(set(groups)) and len(groups) == 4
+    # replayed with no recorded call, each still counts as a rollout that came back by replay
+    counted = [(r.get("replay_rollouts", 0), r.get("replay_calls_replayed", 0)) for r in step_rows(dirs)]
+    assert sum(n for n, _ in counted) == len(saved) and sum(c for _, c in counted) == 0, counted

@@ -90,6 +90,7 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "5.12": ("recover", "lost", "loss", "in-run", "in_run", "watch", "replace", "restart", "dead", "died",
              "given up", "give up", "supervis", "generation worker", "worker", "resend", "sent again", "wedge",
              "weights"),
+    "5.13": ("deterministic", "parity", "seed", "draw", "canonical", "trained", "harness"),
     "6": ("test", "testkit", "hook", "harness", "fake"),
 }
 CHAPTERS = {"4", "5"}  # "Gym side (`gym_patches`)", "RL side (`nemo_rl`)": their sections carry the topics

@@ -21,7 +21,7 @@ from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.model import PolicyModelParticipant
 from gym_patches.checkpoint.records import decode_record, encode_record
-from gym_patches.checkpoint.replay import REPLAY_FIELD, RecordedCall, locate_divergence, request_digest
+from gym_patches.checkpoint.replay import REPLAY_FIELD, RecordedCall, annotated, locate_divergence, request_digest
 from gym_patches.checkpoint.wire import RestoreRequest
 from gym_patches.responses_api_agents.loop import SimpleAgentLoopState, model_request
 
@@ -69,9 +69,8 @@ class Driver:
                 self.backend_calls.append((key, n))
                 live = reply_of(n)
                 raw = json.dumps(live).encode()
-                out = live if plan.divergence is None else {
-                    **live, "output": [{**live["output"][-1], REPLAY_FIELD: {
-                        "replayed": False, "call": plan.index, "divergence": plan.divergence.model_dump()}}]}
+                note = plan.live_note()
+                out = live if note is None else annotated(live, note)
             await self.model.release_response(ticket)
             self.model.delivered(ticket, raw)
             return out
@@ -151,10 +150,25 @@ async def test_a_replayed_episode_is_answered_from_its_record_while_the_requests
         item = got[n]["output"][-1]
         assert item.pop(REPLAY_FIELD) == {"replayed": True, "call": n}
         assert got[n] == reply_of(n)  # the recorded reply, same token ids, logprobs and weight version
-    assert REPLAY_FIELD not in got[2]["output"][-1]
+    assert got[2]["output"][-1].pop(REPLAY_FIELD) == {"replayed": False, "call": 2}  # where live took over
+    assert got[2] == reply_of(2)
+    assert REPLAY_FIELD not in (await driver.call("r1-a1", body_of(3), 3))["output"][-1]  # only the first live one
     stats = model.replay_stats()
     assert (stats.calls_replayed, stats.divergences, stats.calls_live_after_divergence, stats.queued_calls) == \
         (2, 0, 0, 0)
+
+
+async def test_an_episode_replayed_with_no_recorded_call_says_so_on_its_first_delivered_call():
+    _, records = await first_attempt(0)
+    model = recording_model()
+    await model.install(records, replay={"r1"})
+    driver = Driver(model)
+    async with model.call("r1-a1") as ticket:  # a call planned but never delivered (its backend failed)
+        assert model.plan_call(ticket, body_of(0)).first_live
+    first = await driver.call("r1-a1", body_of(0), 0)
+    assert first["output"][-1][REPLAY_FIELD] == {"replayed": False, "call": 0}
+    assert REPLAY_FIELD not in (await driver.call("r1-a1", body_of(1), 1))["output"][-1]
+    assert model.replay_stats().episodes_replayed == 1 and model.replay_stats().calls_replayed == 0
 
 
 async def test_an_agent_that_sends_a_replayed_item_back_with_its_annotation_still_matches():

@@ -56,7 +56,7 @@ from gym_patches.checkpoint.cuts import (
 from gym_patches.checkpoint.errors import CheckpointError
 from gym_patches.checkpoint.identity import EpisodeId
 from gym_patches.checkpoint.model import ModelTicket, PolicyModelParticipant
-from gym_patches.checkpoint.replay import REPLAY_STATS_ROUTE, CallPlan, ReplayAnnotation, annotated
+from gym_patches.checkpoint.replay import REPLAY_STATS_ROUTE, annotated
 from gym_patches.config import GymGlobalConfig, ServerInstanceConfig
 from gym_patches.responses_api_models.vllm_model.converter import (
     BackendReplyError,
@@ -294,8 +294,9 @@ class VLLMModelServer(GymServer):
                 else:
                     resp = await self._generate(ticket, chat_body, body)
                     recorded = resp.body if resp.status == 200 else None
-                    if plan.divergence is not None and recorded is not None:
-                        resp = diverged_reply(recorded, plan)
+                    note = plan.live_note()
+                    if note is not None and recorded is not None:
+                        resp = web.json_response(annotated(json.loads(recorded), note))  # the record keeps it bare
                 await self.gate.release_response(ticket)  # held here while a checkpoint is open
                 await resp.prepare(request)
                 await resp.write_eof()
@@ -399,12 +400,6 @@ class VLLMModelServer(GymServer):
             raise _Unreachable(f"policy backend {url} is unreachable: {exc or type(exc).__name__}") from None
         except aiohttp.ClientError as exc:
             raise BackendError(f"policy backend {url} is unreachable: {exc}") from None
-
-
-def diverged_reply(body: bytes, plan: CallPlan) -> web.Response:
-    """The first live reply after a divergence, annotated with it (the record keeps it unannotated)."""
-    note = ReplayAnnotation(replayed=False, call=plan.index, divergence=plan.divergence)
-    return web.json_response(annotated(json.loads(body), note))
 
 
 class _Unreachable(Exception):

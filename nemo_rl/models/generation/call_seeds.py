@@ -1,4 +1,5 @@
-"""Deterministic sampling (``grpo.deterministic``): each model call's seed, and its draws by counter.
+"""Deterministic sampling (``grpo.deterministic``, docs/design.md §5.13): each model call's seed, and its
+draws by counter.
 
 A call's tokens must depend on its request and on nothing that timing or a fault can change: not on the
 calls decoded before it, the batch it shared, a worker restart, or which attempt of its rollout made it.

@@ -104,6 +104,28 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+class PortHold:
+    """A loopback port kept for a server that another process (a Ray actor) will start: bound, not
+    listening, with ``SO_REUSEPORT``. That server binds it with ``reuse_port`` while any other bind
+    fails, so the port cannot be taken between choosing it and serving on it; ``release`` once it serves
+    (idempotent). A bound socket that does not listen gets no connection."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._sock: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._sock.bind((host, 0))
+        self.port: int = self._sock.getsockname()[1]
+
+    @property
+    def held(self) -> bool:
+        return self._sock is not None
+
+    def release(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
 def listening_socket(host: str = "127.0.0.1", backlog: int = 4096) -> socket.socket:
     """A socket bound to a free port and listening: hand its descriptor to the child that serves it,
     so the port is never free between choosing it and serving on it."""

@@ -148,7 +148,8 @@ def check(config: MasterConfig) -> int:
         rows = load_jsonl(config.data.train_data_path)
         init_ray(config)
         ray_started = True
-        policy_url, _ = reserve_policy_url(config)  # nothing serves it: no rollout runs, only the setup
+        policy_url, hold = reserve_policy_url(config)  # nothing serves it: no rollout runs, only the setup
+        hold.release()
         shard_set = _spinup_gym(config, policy_base_url=policy_url, log_dir=logs, rows=rows, hooks=hooks)
         table = render(server_rows(config, shard_set, rows))
         failed = hooks.refusal is not None

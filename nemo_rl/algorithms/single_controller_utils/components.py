@@ -22,7 +22,7 @@ from typing import Any, Callable
 import ray
 
 from gym_patches.checkpoint.storage import StorageWriter
-from gym_patches.utils.processes import free_port, port_is_free, process_tree, wait_gone
+from gym_patches.utils.processes import PortHold, port_is_free, process_tree, wait_gone
 from nemo_rl.algorithms.single_controller_utils.config import SCRIPTED_TEST_BACKEND, ConfigError, MasterConfig
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RestorePoint
 
@@ -69,7 +69,8 @@ class RayGenerationBackend:
     """
 
     def __init__(self, config: MasterConfig, model_dir: str, trainer: Any, port: int, *,
-                 weight_version: int | None = None, log_dir: str | Path | None = None):
+                 weight_version: int | None = None, log_dir: str | Path | None = None,
+                 port_hold: PortHold | None = None):
         from nemo_rl.models.generation.worker import GenerationWorker, model_files
 
         gpus = 1 if config.cluster.gpus_per_node > 0 else 0
@@ -90,6 +91,7 @@ class RayGenerationBackend:
         self._seed = config.grpo.seed
         self._deterministic = config.grpo.deterministic  # per-call seeds, one call at a time
         self._port = port
+        self._port_hold = port_hold  # the driver's hold on the port, released once the first worker serves it
         self._log_dir = None if log_dir is None else Path(log_dir) / "generation"
         self._cond = threading.Condition()  # refit and restart, one at a time; a refit waits for a restart
         self.starts = 0
@@ -107,7 +109,7 @@ class RayGenerationBackend:
         self.log_path = None if self._log_dir is None else str(self._log_dir / f"worker-{self.starts}.log")
         worker = self._new_actor(*self._args, weights, version, self._seed, log_path=self.log_path,
                                  deterministic=self._deterministic)
-        started = worker.start.remote("127.0.0.1", self._port)
+        started = worker.start.remote("127.0.0.1", self._port, reuse_port=self._port_hold is not None)
         while not ray.wait([started], timeout=0.1)[0]:
             if stop() or (deadline is not None and time.monotonic() >= deadline):
                 ray.kill(worker, no_restart=True)
@@ -115,6 +117,9 @@ class RayGenerationBackend:
                                    f"{'GPUs' if self._gpus else 'CPUs'}?)")
         self._worker = worker
         self.base_url = ray.get(started)
+        if self._port_hold is not None:  # only the first worker shares the port with the hold; a restart's
+            self._port_hold.release()  # predecessor is gone first, and nothing may share the port with it
+            self._port_hold = None
         self._process = ray.get(worker.process.remote())  # its pid and Ray node: what a restart waits out
         self._serving = (serial, version)  # the weights the worker holds, and their version
 
@@ -272,10 +277,11 @@ class _CheckedStep:
         self.inner.abort()
 
 
-def reserve_policy_url(config: MasterConfig) -> tuple[str, int]:
-    """Gym needs the policy URL before the policy exists: reserve a loopback port for it."""
-    port = free_port()
-    return f"http://127.0.0.1:{port}/v1", port
+def reserve_policy_url(config: MasterConfig) -> tuple[str, PortHold]:
+    """Gym needs the policy URL before the policy exists: hold a loopback port for it until the generation
+    worker serves it (``RayGenerationBackend``'s ``port_hold``), so nothing started meanwhile takes it."""
+    hold = PortHold()
+    return f"http://127.0.0.1:{hold.port}/v1", hold
 
 
 def preflight(config: MasterConfig, point: RestorePoint | None) -> str | None:
@@ -319,7 +325,7 @@ def check_warm_start_data(config: MasterConfig) -> None:
 
 
 def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, point: RestorePoint | None,
-               log=print) -> tuple[Any, Any]:
+               log=print, port_hold: PortHold | None = None) -> tuple[Any, Any]:
     """The policy (from a trainer checkpoint, the cached embedded default, or ``policy.model_name``),
     the GRPO trainer, and the generation worker.
 
@@ -355,7 +361,7 @@ def build_real(config: MasterConfig, rows: list[dict[str, Any]], port: int, poin
     trainer = GRPOTrainerAdapter(GRPOTrainer(config.policy.trainer_policy(), config.loss_fn, config.grpo, policy,
                                              weights_from=resumed))
     return trainer, RayGenerationBackend(config, source, trainer, port, weight_version=version,
-                                         log_dir=config.logger.log_dir)
+                                         log_dir=config.logger.log_dir, port_hold=port_hold)
 
 
 def _saved_weight_version(config: MasterConfig, anchor: Path) -> int:

@@ -217,6 +217,7 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
     startup.mark("ray")
     generation = None
     shard_set = None
+    port_hold = None
     try:
         if scripted:
             replies = config.policy.scripted_backend
@@ -224,7 +225,8 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
                                                 tokens_per_s=replies.tokens_per_s, max_num_seqs=replies.max_num_seqs)
             policy_url, port = generation.base_url, 0
         else:
-            policy_url, port = reserve_policy_url(config)
+            policy_url, port_hold = reserve_policy_url(config)
+            port = port_hold.port
         shard_set = _spinup_gym(
             config, policy_base_url=policy_url, log_dir=log_dir, rows=rows, hooks=hooks,
         )
@@ -237,13 +239,15 @@ def _run(config: MasterConfig, launched_at: float, log_dir: Path, rows: list[dic
             stand_in = config.policy.simulated_trainer.seconds_per_sample
             trainer = RecordingTrainer(log_dir) if stand_in is None else SimulatedTrainer(log_dir, stand_in)
         else:
-            trainer, generation = build_real(config, rows, port, lookup.point)
+            trainer, generation = build_real(config, rows, port, lookup.point, port_hold=port_hold)
         startup.mark("model")
         freeze_startup_objects()  # imports, config and the model stay out of every later full collection
         summary = asyncio.run(_run_controller(config, shard_set, trainer, generation, rows, val_rows, startup,
                                               loggers, hooks, lookup, store, stops))
     finally:
         stops.interruptible = False  # a stop from here on waits for the teardown (within the grace)
+        if port_hold is not None:
+            port_hold.release()  # a run that failed before its worker served the port
         if shard_set is not None:
             shard_set.shutdown()
         if generation is not None:

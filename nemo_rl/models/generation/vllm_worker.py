@@ -274,7 +274,7 @@ class VllmGenerationServer:
             cmd += ["--tool-call-parser", str(kw["tool_parser"])]
         return cmd
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, reuse_port: bool = False) -> str:
         """Start vLLM's server and the front; returns the front's base URL ending in ``/v1``."""
         if self._runner is not None:
             return self.base_url
@@ -314,7 +314,7 @@ class VllmGenerationServer:
         self.stats["load_s"] = round(time.monotonic() - t0, 2)
         self._runner, self.base_url = await serve_openai_routes(
             host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
-            cuts=self.cuts.routes)
+            cuts=self.cuts.routes, reuse_port=reuse_port)
         return self.base_url
 
     def server_log_tail(self, n: int = 4000) -> str:

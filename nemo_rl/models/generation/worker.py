@@ -209,7 +209,7 @@ class GenerationServer:
         self.cuts = CutPins(self.stats)  # calls named by X-NG-Call-Id, and their generation-cut pins
 
     # ----- lifecycle -----------------------------------------------------
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, reuse_port: bool = False) -> str:
         """Start serving; returns the base URL ending in ``/v1``."""
         if self._runner is not None:
             return self.base_url
@@ -217,7 +217,7 @@ class GenerationServer:
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
         self._runner, self.base_url = await serve_openai_routes(
             host, port, chat=self._handle_chat, models=self._handle_models, health=self._handle_health,
-            cuts=self.cuts.routes)
+            cuts=self.cuts.routes, reuse_port=reuse_port)
         return self.base_url
 
     async def stop(self) -> None:

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable
 
 from gym_patches.utils.processes import processes_with_env, wait_until_gone
+from nemo_rl.parity.launch import RunPlace
+from nemo_rl.utils.jsonl_rows import read_rows
 from testkit.crash_points import CRASH_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,38 +50,12 @@ REAP_TIMEOUT_S = 30.0
 
 
 # ----------------------------------------------------------------------------- records
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete JSON line of ``path`` ([] if it does not exist); a line torn by a kill is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+read_jsonl = read_rows  # every complete row; one reader for the product and its tests
 
 
 @dataclass
-class RunDirs:
-    """Where a run writes: ``<root>/logs`` (``logger.log_dir``) and ``<root>/ckpt`` (checkpoints)."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        self.root = Path(self.root)
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def ckpt(self) -> Path:
-        return self.root / "ckpt"
+class RunDirs(RunPlace):
+    """Where a test's run writes (``RunPlace``: ``<root>/logs`` and ``<root>/ckpt``), and what it wrote there."""
 
     def overrides(self) -> list[str]:
         return [f"logger.log_dir={self.logs}", f"checkpointing.checkpoint_dir={self.ckpt}", "logger.progress_bar=false"]

@@ -18,13 +18,13 @@ comparable: the report says from which step, and why.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nemo_rl.parity.trace import StepTrace, TracedSample, read_step_traces
+from nemo_rl.utils.jsonl_rows import read_rows
 
 NOT_COMPARED = ("inflight_rollouts", "row_restored", "num_adds", "max_group_version_lag")
 # Bookkeeping that follows the faults: snapshot counts, prefix continuations, validation (its rollouts are not
@@ -231,14 +231,9 @@ def _compared_metric(key: str, value: Any) -> bool:
 
 def last_rows_by_step(metrics_file: Path) -> dict[int, dict[str, Any]]:
     rows: dict[int, dict[str, Any]] = {}
-    if metrics_file.exists():
-        for line in metrics_file.read_text(errors="replace").splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(r.get("step"), int) and r["step"] >= 1:
-                rows[r["step"]] = r
+    for r in read_rows(metrics_file):
+        if isinstance(r.get("step"), int) and r["step"] >= 1:
+            rows[r["step"]] = r
     return rows
 
 

@@ -26,6 +26,7 @@ from nemo_rl.parity import processes
 from nemo_rl.parity.faults import Fault, Schedule
 from nemo_rl.parity.launch import Launch, RunCommand, RunPlace, new_marker
 from nemo_rl.parity.trace import read_step_traces_steps
+from nemo_rl.utils.jsonl_rows import read_rows
 
 FAULT_LOG = "faults.jsonl"
 FAULT_STATE = "faults_state.json"
@@ -33,19 +34,6 @@ POLL_S = 0.1
 # At prefix level a relaunch or a worker loss waits for a snapshot that cut a call in flight (so a cut is
 # continued), unless this many snapshots that saved rollouts came without one (a backend without cuts).
 PREFIX_CUT_PATIENCE = 10
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete JSON lines of ``path`` ([] when absent); a line torn by a kill is skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
 
 
 @dataclass
@@ -77,7 +65,7 @@ class FaultDriver:
 
     # ------------------------------------------------------------------ what the run wrote
     def _committed(self) -> list[dict[str, Any]]:
-        return [r for r in read_jsonl(self.place.logs / "snapshots.jsonl") if r.get("committed")]
+        return [r for r in read_rows(self.place.logs / "snapshots.jsonl") if r.get("committed")]
 
     def _turn_level(self, path: str | None) -> dict[str, list[str]]:
         """A committed snapshot's saved rollouts per replica, read once as it appears (it may be pruned)."""
@@ -92,7 +80,7 @@ class FaultDriver:
         return self._turn_levels[path]
 
     def _recoveries(self) -> int:
-        return len(read_jsonl(self.place.logs / "recoveries.jsonl"))
+        return len(read_rows(self.place.logs / "recoveries.jsonl"))
 
     def _trained(self) -> int:
         """The newest step with a trained-samples record (written before its checkpoint and refit)."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+from nemo_rl.utils.jsonl_rows import read_rows
 from nemo_rl.utils.recovery_record import RecoveryRecord, read_recoveries
 
 
@@ -49,19 +49,6 @@ def no_reward_signal(metrics: list[dict[str, Any]]) -> bool:
     return bool(steps) and all(m["advantage_abs_mean"] == 0 for m in steps)
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    """Every complete JSON row of ``path``: a line torn by a kill of an earlier start is skipped."""
-    rows = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def _distinct(committed: list[dict[str, Any]], key: str) -> str:
     """The committed snapshots' first counts added up: each rollout once (docs/design.md §5.4). Rows
     written before ``new_saved`` existed have no first count and are said to be left out."""
@@ -99,7 +86,7 @@ def summary_table(metrics: list[dict[str, Any]], log_dir: str | Path, *, wall_s:
     validation = [m for m in metrics if m.get("val_reward_mean") is not None]
     metrics = training_records(metrics)
     log_dir = Path(log_dir)
-    snaps = _rows(log_dir / "snapshots.jsonl")
+    snaps = read_rows(log_dir / "snapshots.jsonl")
     n = len(metrics)
     fifth = max(1, n // 5)
     first = sum(m.get("reward_mean", 0.0) for m in metrics[:fifth]) / fifth if n else 0.0

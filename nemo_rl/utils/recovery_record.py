@@ -8,11 +8,13 @@ loss, for people and plots only.
 
 from __future__ import annotations
 
-import json
+import contextlib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nemo_rl.utils.jsonl_rows import read_rows
 
 NoticedBy = Literal["watch", "rollout", "snapshot"]
 
@@ -69,11 +71,8 @@ class RecoveryRecord(BaseModel):
 
 def read_recoveries(path: str | Path) -> list[RecoveryRecord]:
     """Every row of a ``recoveries.jsonl`` (a line a kill tore, or one that is not a row, is skipped)."""
-    path = Path(path)
     rows = []
-    for line in (path.read_text(errors="replace").splitlines() if path.is_file() else ()):
-        try:
-            rows.append(RecoveryRecord.model_validate(json.loads(line)))
-        except (ValueError, ValidationError):
-            continue
+    for row in read_rows(path):
+        with contextlib.suppress(ValidationError):
+            rows.append(RecoveryRecord.model_validate(row))
     return rows

@@ -178,8 +178,12 @@ def test_turn_level_a_killed_worker_is_restarted_and_its_calls_sent_again(tmp_pa
 def test_prefix_level_a_killed_worker_continues_each_call_from_its_own_cut(tmp_path, lookahead):
     # The worker is killed while a call a committed snapshot cut is still decoding: the decode hold keeps the
     # first pinned batch mid-decode until the kill (``UNTIL_KILL_ENV``), so the test cannot pass or fail by timing.
+    # The restart-only agents are at turn level, so every pinned call is one a snapshot saves (a cut of an unsaved
+    # rollout is pinned but never kept: a hold on such a batch would wait for a saved cut that never comes).
     dirs, fault, outcome, stderr = run_with_worker_fault(
-        tmp_path, "prefix", {"cuts": True, "until_kill": tmp_path / "held-until-kill"}, lookahead=lookahead)
+        tmp_path, "prefix", {"cuts": True, "until_kill": tmp_path / "held-until-kill"}, lookahead=lookahead,
+        extra=("rollout_recovery.agent_target_level_overrides="
+               "{sandbox_simple_agent: turn, workplace_restart_only_agent: turn}",))
     assert "decode hold: holding a pinned batch until this worker is killed" in \
         (dirs.logs / "generation" / "worker-1.log").read_text(errors="replace")
     rows = check_generation_recovered(dirs, fault, outcome, stderr)

@@ -16,6 +16,7 @@ from typing import Any
 from nemo_rl.utils.loggers import MetricLoggers
 from nemo_rl.utils.loggers.names import SnapshotSeries, restore_metrics, step_metrics
 from nemo_rl.utils.atomic_write import write_json_atomic
+from nemo_rl.utils.jsonl_rows import read_rows
 from nemo_rl.utils.write_errors import naming_write
 
 
@@ -75,12 +76,7 @@ class RunRecords:
 
     def _earlier_attempts(self) -> list[dict[str, Any]]:
         """This log_dir's earlier attempts (a resumed run counts on from them); a line a kill tore is skipped."""
-        path = self.log_dir / "snapshots.jsonl"
-        rows = []
-        for line in (path.read_text(errors="replace").splitlines() if path.exists() else ()):
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-        return [r for r in rows if isinstance(r, dict)]
+        return read_rows(self.log_dir / "snapshots.jsonl")
 
     def _flush_snapshots(self) -> None:
         for step, metrics in self._snapshots.flush():
@@ -102,13 +98,4 @@ class RunRecords:
             self.loggers.log_metrics(restore_metrics(record, seconds), int(record.get("trainer_step") or 0))
 
     def read(self, name: str) -> list[dict[str, Any]]:
-        path = self.log_dir / name
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # blank, or the last line torn by a kill
-        return rows
+        return read_rows(self.log_dir / name)

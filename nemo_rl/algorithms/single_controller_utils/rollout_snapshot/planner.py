@@ -215,10 +215,9 @@ def _without(agents: Map, keys: Collection[str]) -> Map:
 def server_scopes(
     plan: SnapshotPlan,
     agent_servers: Mapping[str, Mapping[str, list[str]]],
-    only: Mapping[str, set[str]] | None = None,
 ) -> dict[str, dict[str, list[str]]]:
     """Per instance, per Gym server: the capture keys of the episodes that server takes part in
-    (``only``: of those episodes only).
+    (a replayed episode: its model server only).
 
     ``agent_servers[instance][agent]`` lists the servers an agent's rollouts
     touch (the agent, its model server, its resources server); a server no
@@ -227,13 +226,10 @@ def server_scopes(
     out: dict[str, dict[str, list[str]]] = {}
     for iid in plan.instance_ids:
         servers_of = agent_servers.get(iid, {})
-        wanted = None if only is None else only.get(iid, set())
         by_server: dict[str, list[str]] = {}
         for key, model in plan.replayed.get(iid, {}).items():  # replayed: the model server's record only
             by_server.setdefault(model, []).append(key)
         for key, agent in plan.scope[iid].items():
-            if wanted is not None and key not in wanted:
-                continue
             servers = servers_of.get(agent) if agent is not None else None
             if servers is None:
                 raise GymOwnershipError(

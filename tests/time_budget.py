@@ -19,8 +19,9 @@ BUDGET_S = 120.0
 # node id -> (its budget in seconds, why it needs more than BUDGET_S)
 OVER_BUDGET: dict[str, tuple[float, str]] = {
     "tests/functional/test_recovery_parity.py::test_turn_two_whole_run_kills_at_random_snapshots_train_exactly_the_reference": (
-        300.0, "its setup holds the module's shared warm start (150 steps, so the tiny model calls tools) and the "
-               "turn-level reference run; then three launches of the faulted run; about 120 s alone"),
+        600.0, "its setup holds the module's shared warm start (150 steps, so the tiny model calls tools) and the "
+               "turn-level reference run; then three launches of the faulted run; about 120 s alone, 479 s with a "
+               "busy loop on one of two cores beside the suite"),
     "tests/functional/test_bench_smoke.py::test_async_throughput_runs_and_keeps_its_invariants": (
         240.0, "measurement 9 compares six real runs of the main job (sync and async, snapshots off and every "
                "1 s, and two learning runs), each with the real trainer and generation worker; 75 s alone"),

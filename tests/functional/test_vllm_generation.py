@@ -18,6 +18,7 @@ this file there.
   decoded, by vLLM, on prompt + prefix), a continued call can be cut again, a
   cut that does not match is discarded; a tracked (streamed) call replies as
   the plain path does.
+* Deterministic mode: a tracked call's per-request seed follows its rollout and index, not its attempt.
 * The whole job: the Workplace config with ``backend=vllm``, a committed
   snapshot while vLLM serves turn-level rollouts, SIGKILL, restore, finish;
   ``gen_logprob_abs_err`` of every step below 1e-3.

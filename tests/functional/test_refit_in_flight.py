@@ -197,8 +197,12 @@ async def test_racing_refits_never_step_back_and_all_resolve(model, server):
     srv._apply_pending = held
     try:
         racing = [asyncio.ensure_future(srv.refit(w, v)) for w, v in ((w0, 3), (w1, 5), (w0, 4))]
-        while not (srv._pending is not None and srv._pending.version == 5 and len(srv._pending.waiters) == 2):
+        for _ in range(60_000):
+            if srv._pending is not None and srv._pending.version == 5 and len(srv._pending.waiters) == 2:
+                break
             await asyncio.sleep(0.001)
+        else:
+            raise AssertionError(f"refit 5 never joined 3 in the slot: {srv._pending}")
     finally:
         gate.set()
         srv._apply_pending = apply

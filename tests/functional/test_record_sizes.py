@@ -39,16 +39,18 @@ def test_snapshot_and_trainer_state_sizes_stay_flat_over_a_long_run(tmp_path):
     assert abs(res["slopes"]["trainer_state_bytes"]) < 0.5  # schema 1: about +22 B/step here
 
     snaps = [(r["step"], r["controller_state_bytes"]) for r in rows if r["controller_state_bytes"] is not None]
-    early = [b for s, b in snaps if s <= 10]
-    late = [b for s, b in snaps if s > STEPS - 10]
-    assert early and late, f"no snapshot among the first or the last 10 steps: {snaps}"
     sizes = [b for _, b in snaps]
     # A cut while a step trains or checkpoints also holds that step's complete group and its samples (a
     # restore trains it again): a snapshot holds one or two steps' groups, never more, however long the run.
     assert max(sizes) <= 2 * min(sizes) + SNAPSHOT_SPREAD_B, snaps
     one_step = [(s, b) for s, b in snaps if b - min(sizes) <= SNAPSHOT_SPREAD_B]
     assert len(one_step) >= len(snaps) // 2, snaps  # most cuts hold one step's group
-    assert abs(statistics.median(late) - statistics.median(early)) <= SNAPSHOT_SPREAD_B / 2
+    # Early against late, one-step cuts only: which share of a window's cuts met a step training is timing (a
+    # window of 10 steps held 3 two-step cuts of 6 on a busy CI machine), the size of a one-step cut is not.
+    first = [b for s, b in one_step if s <= STEPS // 3]
+    last = [b for s, b in one_step if s > STEPS - STEPS // 3]
+    assert first and last, f"no one-step cut in the first or the last third: {snaps}"
+    assert abs(statistics.median(last) - statistics.median(first)) <= SNAPSHOT_SPREAD_B / 2, (first, last)
     # The slope over the one-step cuts (a two-step cut is an outlier of one group, not growth).
     slope = statistics.linear_regression([s for s, _ in one_step], [b for _, b in one_step]).slope
     assert abs(slope) < 0.5, (slope, res["slopes"])  # schema 1: about +11 B/step here

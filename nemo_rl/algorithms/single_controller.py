@@ -246,7 +246,7 @@ class SingleController:
                     generation_cuts=self.config.rollout_recovery.generation_cuts_enabled,
                 ),
                 self.coordinator, self.records, self.config.rollout_checkpointing, self.changes, hooks=self.hooks,
-                store=self.store, lost=self.recovery.lost,
+                store=self.store, recovers=self.recovery.recovers,
             )
         try:
             async with asyncio.TaskGroup() as tasks:

@@ -280,6 +280,10 @@ class NemoGym:
         states = ServerProcesses(self._pids()).states()
         return sorted(name for name, (state, _) in states.items() if state in ("T", "t"))
 
+    def failing_servers(self) -> list[str]:
+        """Servers whose process has exited or is stopped: the watch reports each (§5.12)."""
+        return sorted({*self.dead_servers(), *self.stopped_servers()})
+
     def _pids(self) -> dict[str, int]:
         assert self.deployment is not None
         return {name: self.deployment.pid(name) for name in ["head_server", *self.deployment.config.instances]}
@@ -469,9 +473,11 @@ class NemoGymShardSet:
         return started.where
 
     def drop(self, instance_id: str) -> None:
-        """Give a replica up: its actors are stopped and its slot left empty (no rollout goes there again)."""
+        """Give a replica up: its actors are stopped and its slot left empty (no rollout goes there again). It
+        stays in ``recovering`` until its recovery has moved its rollouts (the ledger holds them there until
+        then; a snapshot meanwhile leaves it out as being recovered, instead of meeting rollouts on a replica
+        outside the topology)."""
         self._stop_slot(instance_id)
-        self.recovering.discard(instance_id)
         self.placement.pop(instance_id, None)
 
     def _stop_slot(self, instance_id: str) -> None:

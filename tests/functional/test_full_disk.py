@@ -27,10 +27,12 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl.algorithms.recording_trainer import STATE_FILE
 from nemo_rl.utils.snapshot_store import verify_directory
 from nemo_rl.utils.write_errors import RunWriteError
 from testkit.run_harness import RunOutcome, run_once
 from testkit.write_faults import write_fault_overrides
+from testkit.write_gate import gate_overrides
 from tests.functional.rl_run import RunDirs, env_for, load_crash_matrix, replies
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(240)]
@@ -123,21 +125,29 @@ def test_a_disk_full_at_a_trainer_checkpoint_ends_the_run_naming_the_file_then_t
         tmp_path, mount_tmpfs, config):
     dirs = RunDirs(tmp_path)
     mount_tmpfs(dirs.ckpt, 32 * 1024)
-    # No snapshot is pruned: a prune between two fills freed the room step 2's small files needed, and the
-    # run finished (seen in CI under load).
-    args = _args(config) + dirs.overrides() + ["rollout_checkpointing.keep_latest_k=1000"]
+    # Step 2's lineage write waits at a gate until the disk is full and a snapshot has failed on it (under load
+    # step 2 was once written before this test's poll filled the disk). No snapshot is pruned: a prune between
+    # two fills freed the room step 2's small files needed, and the run finished (seen in CI under load).
+    gate = tmp_path / "gate"
+    args = (_args(config) + dirs.overrides() + ["rollout_checkpointing.keep_latest_k=1000"]
+            + gate_overrides(gate, f".tmp-step_2,{STATE_FILE}"))
+    (gate / "armed").touch()
     filled_at: list[float] = []
 
     def keep_full(elapsed: float) -> bool:
-        """Once step_1 is published the disk fills, and stays full (space freed by pruning is taken again)."""
+        """Once step_1 is published the disk fills, and stays full (space freed by pruning is taken again);
+        step 2's write goes on once a snapshot failed on the full disk."""
         if (dirs.ckpt / "step_1" / "manifest.json").exists():
             fill(dirs.ckpt)
             filled_at[:] = filled_at or [elapsed]
+        if filled_at and any(s["reason"] == "io_error" for s in dirs.records("snapshots.jsonl")):
+            (gate / "release").touch()
         return False  # never kill: the run must stop by itself
 
     outcome = _run(dirs, args, "full", kill_when=keep_full)
     assert filled_at, outcome.tail(30)
-    _assert_one_clean_error(outcome, dirs.ckpt / ".tmp-step_2" / "recording_trainer.json")
+    assert (gate / "reached").exists(), "step 2's lineage write never reached the gate"
+    _assert_one_clean_error(outcome, dirs.ckpt / ".tmp-step_2" / STATE_FILE)
     print(f"[{config}] stopped {outcome.wall_s - filled_at[0]:.1f}s after the disk filled "
           f"(run {outcome.wall_s:.1f}s, cleanup {outcome.cleanup_s:.1f}s)")
     # Nothing torn is published: step 2 is not there, not even as a temp dir; step 1 verifies.
@@ -222,7 +232,7 @@ def test_restore_json_and_an_append_that_only_half_fits_name_their_file(tmp_path
 
 
 def test_the_recording_trainer_on_a_read_only_disk_names_its_file(tmp_path, mount_tmpfs):
-    from nemo_rl.algorithms.recording_trainer import STATE_FILE, RecordingTrainer
+    from nemo_rl.algorithms.recording_trainer import RecordingTrainer
 
     disk = mount_tmpfs(tmp_path / "disk", 64)
     (disk / "step").mkdir()

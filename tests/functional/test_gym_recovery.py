@@ -221,9 +221,9 @@ def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_it
     spec, fault, result = run_with_fault(
         tmp_path, dict(target="workplace_assistant", replica="nemo_gym/replica-0", times=3), steps=6,
         config="examples/configs/grpo_workplace_turn.yaml",
-        # the run must stop on the crash-loop bound: snapshots whose prepare meets the killed server fail, and on
-        # a starved machine three of them in a row would stop it first (max_consecutive_failures)
-        extra=["rollout_recovery.in_run.max_recoveries=2", "rollout_checkpointing.max_consecutive_failures=50"])
+        # the default max_consecutive_failures (3): snapshots whose prepare meets the killed server fail, and are
+        # not failures in a row (the recovery owns them), so the run stops on the crash-loop bound
+        extra=["rollout_recovery.in_run.max_recoveries=2"])
     assert len(fault.sent) == 3, (fault.sent, result.stderr[-3000:])
     assert result.returncode == 1, result.stderr[-5000:]
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
@@ -236,6 +236,58 @@ def test_a_crash_loop_on_the_only_replica_stops_the_run_naming_the_server_and_it
     rows = read_jsonl(spec.logs / "recoveries.jsonl")  # the loss that stopped the run has its row too
     assert [r["action"] for r in rows] == ["restarted", "restarted", "given_up"], rows
     assert "max_recoveries=2" in rows[-1]["given_up"], rows[-1]
+
+
+class StopThenKill(Fault):
+    """SIGSTOPs the server as ``Fault`` does; once ``failures`` snapshots in a row have failed since, SIGKILLs it
+    (a gate: the failures under test happen while it is stopped, however slow or fast the machine)."""
+
+    def __init__(self, spec, failures: int, **kw):
+        super().__init__(spec, sig=signal.SIGSTOP, **kw)
+        self.failures = failures
+        self.rows_at_stop: int | None = None
+        self.killed_after: int | None = None  # the failed attempts in a row seen when it was killed
+
+    def failed_in_a_row(self) -> int:
+        """Failed attempts since the stop and since the last one that committed (one under way at the stop may)."""
+        rows = [r for r in read_jsonl(self.spec.logs / "snapshots.jsonl")[self.rows_at_stop:]
+                if r["reason"] != "superseded"]
+        committed = [i for i, r in enumerate(rows) if r["committed"]]
+        return len(rows) - (committed[-1] + 1 if committed else 0)
+
+    def tick(self, elapsed: float) -> bool:
+        if not self.sent:
+            rows = len(read_jsonl(self.spec.logs / "snapshots.jsonl"))
+            super().tick(elapsed)
+            if self.sent:
+                self.rows_at_stop = rows
+        elif self.killed_after is None and self.failed_in_a_row() >= self.failures:
+            self.killed_after = self.failed_in_a_row()
+            for pid in self.sent[0][1].values():
+                os.kill(pid, signal.SIGKILL)
+        return False
+
+
+def test_snapshots_failing_on_a_stopped_server_of_the_only_replica_do_not_stop_the_run(tmp_path):
+    """One replica: while its server is stopped every snapshot fails (nothing else to take), and the watch would
+    report it only after ``hung_after_s`` (300 s here). Those failures are the recovery's, not failures in a row:
+    three of them at ``max_consecutive_failures=2`` leave the run going; then the server is killed, the watch
+    sees the exit at once, and it is recovered."""
+    spec = cm.RunSpec(tmp_path / "run", config="examples/configs/grpo_workplace_turn.yaml", keep_latest_k=100,
+                      steps=4, extra=["checkpointing.keep_top_k=100", "rollout_recovery.in_run.hung_after_s=300",
+                                      "rollout_checkpointing.max_consecutive_failures=2"])
+    fault = StopThenKill(spec, failures=3, target="workplace_assistant", replica="nemo_gym/replica-0")
+    try:
+        result = cm.Runner(spec).run(kill_when=fault.tick, timeout_s=360)
+    finally:
+        fault.release()
+    assert fault.killed_after is not None, ("the stop never met three failed snapshots in a row", fault.sent,
+                                            result.stderr[-3000:])
+    rows = check_recovery_rows(spec, fault, result, part="workplace_assistant", action="restarted")
+    assert rows[0]["cause"].startswith("died (exit -9"), rows[0]
+    failed = [r for r in read_jsonl(spec.logs / "snapshots.jsonl")[fault.rows_at_stop:] if not r["committed"]]
+    assert len(failed) >= 3 and all(r["reason"] in ("gym_unavailable", "superseded") for r in failed), failed
+    assert any("'workplace_assistant'" in r.get("error", "") for r in failed), failed  # the stopped server named
 
 
 def test_async_lookahead_one_a_killed_server_is_recovered(tmp_path):

@@ -84,3 +84,34 @@ def test_a_stray_restored_episode_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match="no recovered rollout consumes"):
         ledger.bring_back({_restored(other, A)}, lost=lost)
     assert ledger.state_json() == before
+
+
+def test_a_replica_given_up_sits_snapshots_out_until_its_rollouts_have_moved():
+    """Between the give-up (its slot emptied) and the move of its rollouts (``bring_back``), the ledger still
+    holds rollouts there: a snapshot planned then leaves it out as being recovered instead of failing on a
+    replica outside the topology (seen once under load: the run stopped with a LedgerError)."""
+    from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckpointCoordinator
+    from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.planner import plan_snapshot
+    from nemo_rl.environments.nemo_gym import GymCheckpointInstance, NemoGymShardSet
+
+    ledger, _ = _ledger()
+    instances = {i.instance_id: i for i in (GymCheckpointInstance("s", 0), GymCheckpointInstance("s", 1))}
+    # Stand-ins for the replicas' actors (never called here); B's slot is already empty, so dropping it
+    # stops no actor.
+    shard_set = NemoGymShardSet(handles={"s": [object(), None]}, instances=instances, agent_shards={"agent": "s"})
+    coordinator = GymCheckpointCoordinator(shard_set, prepare_timeout_s=5.0,
+                                           restart_only_policy="block", recovers_lost=True)
+    shard_set.recovering.add(B)
+    coordinator.abandon(B, "lost")
+    shard_set.drop(B)  # the give-up
+    coordinator.forget_instance(B)
+    left_out = coordinator._sit_out_recovering({})
+    assert list(left_out) == [B] and "being recovered" in left_out[B]
+    plan = plan_snapshot(ledger, coordinator.instance_ids, {}, left_out)  # no LedgerError
+    assert plan.instance_ids == (A,) and plan.left_out == (B,)
+
+    lost = ledger.live_on(B)
+    ledger.bring_back(set(), lost=lost)  # the move: its rollouts restart from the prompt (none were saved)
+    shard_set.recovering.discard(B)  # as the recovery's ``resume`` does, with no await between
+    assert coordinator._sit_out_recovering({}) == {} and ledger.live_on(B) == []
+    assert plan_snapshot(ledger, coordinator.instance_ids, {}).instance_ids == (A,)

@@ -155,6 +155,42 @@ async def test_a_failure_at_the_publish_leaves_the_previous_snapshot_the_newest(
     assert [r["reason"] for r in run.rows()] == ["committed", "io_error"]
 
 
+async def test_gym_failures_the_recovery_owns_are_not_failures_in_a_row(tmp_path):
+    """A snapshot that failed on a replica whose server has exited or is stopped (the in-run recovery says so:
+    here a stand-in that answers for the replica it is told is lost) does not count towards
+    ``max_consecutive_failures``; the same failure on another replica does, and the third in a row stops the run."""
+    from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymReplicasLeftOut
+
+    run = Run(tmp_path)
+    asked: list[list[str]] = []
+
+    async def recovers(exc: BaseException) -> bool:  # stand-in for InRunRecovery.recovers
+        asked.append(sorted(exc.left_out))
+        return "nemo_gym/replica-0" in exc.left_out
+
+    def snapshotter(replica: str) -> RolloutSnapshotter:
+        why = {replica: f"{replica}: Gym server 'workplace_assistant' of {replica} is stopped"}
+        hooks = RecordingHooks("persist", GymReplicasLeftOut(why))
+        snap = run.snapshotter(hooks, max_consecutive_failures=3)
+        snap.recovers = recovers
+        return snap
+
+    owned = snapshotter("nemo_gym/replica-0")
+    for _ in range(5):
+        outcome = await owned.attempt()
+        assert not outcome.committed and outcome.reason == "gym_unavailable"
+    assert owned.consecutive_failures == 0
+    other = snapshotter("nemo_gym/replica-1")
+    await other.attempt()
+    await other.attempt()
+    assert other.consecutive_failures == 2
+    with pytest.raises(RuntimeError, match=r"3 consecutive rollout snapshots failed \(rollout_checkpointing"
+                                           r"\.max_consecutive_failures=3\); last error: no Gym replica"):
+        await other.attempt()
+    assert asked == [["nemo_gym/replica-0"]] * 5 + [["nemo_gym/replica-1"]] * 3
+    assert [r["reason"] for r in run.rows()] == ["gym_unavailable"] * 8  # each attempt has its row
+
+
 async def test_a_restore_skips_a_snapshot_whose_samples_file_is_a_symlink_naming_it(tmp_path):
     """The checkpoint dir is untrusted input: a samples file replaced by a link to the same bytes outside it
     (size and digest still match the manifest) makes its snapshot unusable; the previous one is restored."""

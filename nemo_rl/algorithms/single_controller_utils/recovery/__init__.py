@@ -5,6 +5,7 @@ under which a lost replica stops the run and a dead server's rollouts fail as in
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from nemo_rl.algorithms.single_controller_utils.recovery.generation_worker impor
 from nemo_rl.algorithms.single_controller_utils.recovery.gym_replica import GymReplicaPart, RecoveryHost
 from nemo_rl.algorithms.single_controller_utils.recovery.records import Loss, RecoveryRecord
 from nemo_rl.algorithms.single_controller_utils.recovery.supervisor import RecoveryFailed, RecoverySupervisor
+from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import failed_replicas
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.store import RunStore
 from nemo_rl.algorithms.single_controller_utils.run_records import RunRecords
 from nemo_rl.environments.nemo_gym import GymReplicaLost, GymRolloutError, NemoGymShardSet
@@ -42,7 +44,7 @@ class NullRecovery:
 
     def went_to_prompt(self, rollout_id: str) -> None: ...
 
-    def lost(self, instances: list[str]) -> bool:
+    async def recovers(self, exc: BaseException) -> bool:
         return False
 
     def step_metrics(self) -> dict[str, float]:
@@ -98,9 +100,16 @@ class InRunRecovery:
         if self.generation is not None:
             self.generation.went_to_prompt(rollout_id)
 
-    def lost(self, instances: list[str]) -> bool:
-        """Any of these replicas is being recovered (a snapshot that failed on them is not a failure in a row)."""
-        return any(self.replicas[iid].lost is not None for iid in instances if iid in self.replicas)
+    async def recovers(self, exc: BaseException) -> bool:
+        """Whether a snapshot that failed on Gym met a loss this recovery owns, so it is not a failure in a row
+        (``max_consecutive_failures``): a replica it names is being recovered, or one has a server that has exited
+        or is stopped now. Its watch reports that server (an exit at once, a stop after ``hung_after_s``), so a
+        snapshot that met it first, or several while a stopped server waits out the bound, does not stop the run."""
+        named = [self.replicas[iid] for iid in failed_replicas(exc) if iid in self.replicas]
+        if any(part.lost is not None for part in named):
+            return True
+        failing = await asyncio.gather(*(part.failing_servers() for part in named))
+        return any(failing)
 
     def step_metrics(self) -> dict[str, float]:
         return self.supervisor.step_metrics()

@@ -121,6 +121,18 @@ class GymReplicaPart:
         if self.coordinator is not None:
             self.coordinator.abandon(self.name, f"{self.name} lost {loss.component}: {loss.cause}")
 
+    async def failing_servers(self, within_s: float = 2.0) -> list[str]:
+        """Its servers whose process has exited or is stopped now, as its actor sees them (none if the actor
+        does not answer within ``within_s``: a lost actor is reported by the call that met it)."""
+        handle = self.incarnation()
+        if handle is None or self.lost is not None:
+            return []
+        try:
+            return await asyncio.wait_for(handle.failing_servers.remote(), within_s)
+        except Exception as exc:  # noqa: BLE001 - asked in passing; the watch and the calls report a lost actor
+            logger.info("%s: could not ask which servers failed: %s", self.name, describe(exc))
+            return []
+
     def log_of(self, server: str) -> Path:
         inst = self.shard_set.instances[self.name]
         return self.log_dir / "gym-instances" / inst.shard_name / f"replica-{inst.replica_index}" / f"{server}.log"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Callable
+from typing import Awaitable, Callable
 
 from nemo_rl.algorithms.single_controller_utils.config import RolloutCheckpointConfig
 from nemo_rl.algorithms.single_controller_utils.dispatch import DispatchGate, LedgerChanges
@@ -26,7 +26,7 @@ from nemo_rl.algorithms.single_controller_utils.gym_coordinator import GymCheckp
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.inputs import SnapshotInputs
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.outcome import (
     SnapshotOutcome,
-    failed_replicas,
+    classify_failure,
     survives_publish,
 )
 from nemo_rl.algorithms.single_controller_utils.rollout_snapshot.stagers import StagedSnapshot, make_stager
@@ -50,7 +50,7 @@ class RolloutSnapshotter:
         changes: LedgerChanges,
         store: RunStore,
         hooks: RunHooks | None = None,
-        lost: Callable[[list[str]], bool] = lambda _: False,  # any of these replicas is being recovered (§5.12)
+        recovers: Callable[[BaseException], Awaitable[bool]] | None = None,  # a loss being recovered (§5.12)
     ):
         self.inputs = inputs
         self.records = records
@@ -65,7 +65,7 @@ class RolloutSnapshotter:
         # newest published snapshot is held in the store (``RELAUNCH``) before it is released.
         self.busy = asyncio.Lock()
         self.consecutive_failures = 0
-        self.lost = lost
+        self.recovers = recovers
 
     async def attempt(self, requested: str | None = None, *, final: bool = False) -> "SnapshotOutcome":
         """One snapshot. The pause covers the stage only; the write and the publish follow the resume.
@@ -91,7 +91,7 @@ class RolloutSnapshotter:
                 self.consecutive_failures = 0
                 self._note_overtaken(begun_under, outcome)
             except BaseException as exc:
-                self._failed(outcome, exc, final)
+                self._failed(outcome, exc, final, recovering=await self._recovering(exc))
             finally:
                 if not outcome.pause_s:
                     outcome.pause_s = outcome.elapsed()
@@ -137,7 +137,14 @@ class RolloutSnapshotter:
         logger.info("rollout snapshot %s began under trainer step %d; step %d was published meanwhile (%s)",
                     outcome.checkpoint_id, begun_under, now, how)
 
-    def _failed(self, outcome: SnapshotOutcome, exc: BaseException, final: bool = False) -> None:
+    async def _recovering(self, exc: BaseException) -> bool:
+        """Whether a Gym failure met a loss the in-run recovery owns (asked of it, at most a moment)."""
+        if self.recovers is None or not isinstance(exc, Exception) or classify_failure(exc) != "gym_unavailable":
+            return False
+        return await self.recovers(exc)
+
+    def _failed(self, outcome: SnapshotOutcome, exc: BaseException, final: bool = False,
+                recovering: bool = False) -> None:
         """Record the failure; raise what must stop the run (a bug, a fatal error, too many in a row)."""
         if outcome.committed:
             # Published: the snapshot stands. Record what failed after it, then let fatal errors stop the run.
@@ -153,8 +160,8 @@ class RolloutSnapshotter:
         logger.warning("rollout snapshot %s failed (%s): %s", outcome.checkpoint_id, outcome.reason, exc)
         if outcome.reason == "superseded":  # not a failure: the next step's snapshots follow
             return
-        if outcome.reason == "gym_unavailable" and self.lost(failed_replicas(exc)):
-            return  # a replica it left out is being recovered: not a failure in a row (§5.12)
+        if recovering:  # it met a replica being recovered, or a server its watch reports: not a failure in a row
+            return
         self.consecutive_failures += 1
         limit = self.settings.max_consecutive_failures
         if self.consecutive_failures >= limit and not final:
